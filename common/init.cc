@@ -1,0 +1,76 @@
+#include "common/init.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC listen address host:port (port 0 picks a free port)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0",
+          "Prometheus /metrics listen address host:port (port 0 picks a free port; empty disables)");
+ABSL_FLAG(absl::Duration, shutdown_deadline, absl::Seconds(10),
+          "On SIGTERM, how long running RPCs may take to finish");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (enables TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA bundle: require and verify client certificates (mTLS)");
+
+namespace kvcache {
+namespace {
+
+absl::Status ValidateAddress(const std::string& flag, const std::string& address, bool allow_empty) {
+  if (address.empty()) {
+    if (allow_empty) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " is empty"));
+  }
+  auto pos = address.rfind(':');
+  int port = 0;
+  if (pos == std::string::npos || pos == 0 || !absl::SimpleAtoi(address.substr(pos + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "='", address, "': want host:port with port in [0, 65535]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void InitProcess(int argc, char** argv, const std::string& name, const std::string& usage) {
+  absl::SetProgramUsageMessage(usage);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "%s: unexpected argument '%s' (flags are --name=value; see --help)\n",
+                 name.c_str(), rest[1]);
+    std::exit(2);
+  }
+  InitLogging(name);
+}
+
+absl::StatusOr<ServerOptions> ServerOptionsFromFlags(const std::string& name) {
+  ServerOptions o;
+  o.name = name;
+  o.grpc_address = absl::GetFlag(FLAGS_listen);
+  o.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
+  o.shutdown_deadline = absl::GetFlag(FLAGS_shutdown_deadline);
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  KVCACHE_RETURN_IF_ERROR(ValidateAddress("listen", o.grpc_address, false));
+  KVCACHE_RETURN_IF_ERROR(ValidateAddress("metrics_listen", o.metrics_address, true));
+  if (o.shutdown_deadline < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--shutdown_deadline must not be negative");
+  }
+  return o;
+}
+
+void DieWith(const std::string& name, const absl::Status& status, int code) {
+  std::fprintf(stderr, "%s: %s\n", name.c_str(), status.ToString().c_str());
+  std::exit(code);
+}
+
+}  // namespace kvcache

@@ -1,0 +1,174 @@
+#include "common/server.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace kvcache {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// "host:port" with the host kept and the port replaced.
+std::string WithPort(const std::string& address, int port) {
+  auto pos = address.rfind(':');
+  std::string host = pos == std::string::npos ? address : address.substr(0, pos);
+  return absl::StrCat(host, ":", port);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const ServerOptions& options) {
+  if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
+    if (!options.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (options.tls_cert_file.empty() || options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+  }
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  KVCACHE_ASSIGN_OR_RETURN(pair.cert_chain, ReadFile(options.tls_cert_file));
+  KVCACHE_ASSIGN_OR_RETURN(pair.private_key, ReadFile(options.tls_key_file));
+  ssl.pem_key_cert_pairs.push_back(pair);
+  if (!options.tls_client_ca_file.empty()) {
+    KVCACHE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_client_ca_file));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+ServerProcess::ServerProcess(const ServerOptions& options)
+    : options_(options), registry_(std::make_shared<prometheus::Registry>()) {}
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Init(const ServerOptions& options) {
+  if (options.name.empty()) return absl::InvalidArgumentError("ServerOptions.name is empty");
+  if (options.shutdown_deadline < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("shutdown deadline must not be negative");
+  }
+  // Every thread created from here on inherits the blocked mask, so only the
+  // signal thread sees SIGTERM/SIGINT.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+
+  std::unique_ptr<ServerProcess> p(new ServerProcess(options));
+  if (!options.metrics_address.empty()) {
+    try {
+      p->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics_address, 2);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ",
+                                                 options.metrics_address, ": ", e.what()));
+    }
+    p->exposer_->RegisterCollectable(p->registry_);
+    auto ports = p->exposer_->GetListeningPorts();
+    if (ports.empty()) return absl::InternalError("/metrics exposer reports no port");
+    p->metrics_port_ = ports.front();
+  }
+  p->signal_thread_ = std::thread([raw = p.get()] { raw->WaitForSignals(); });
+  return p;
+}
+
+ServerProcess::~ServerProcess() {
+  RequestShutdown();
+  if (signal_thread_.joinable()) signal_thread_.join();
+}
+
+void ServerProcess::WaitForSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  while (!shutdown_requested_.HasBeenNotified()) {
+    // Poll with a timeout so that RequestShutdown also ends this thread.
+    timespec ts{0, 200 * 1000 * 1000};
+    int sig = sigtimedwait(&set, nullptr, &ts);
+    if (sig == SIGTERM || sig == SIGINT) {
+      KV_LOG_INFO("{} received {}; shutting down", options_.name, sig == SIGTERM ? "SIGTERM" : "SIGINT");
+      RequestShutdown();
+    }
+  }
+}
+
+void ServerProcess::RequestShutdown() {
+  if (!shutdown_requested_.HasBeenNotified()) shutdown_requested_.Notify();
+}
+
+void ServerProcess::SetReady(bool ready) {
+  absl::MutexLock lock(&mu_);
+  ready_ = ready;
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(kReadinessService, ready);
+  }
+}
+
+absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
+                                  std::function<void()> on_shutdown) {
+  if (services.empty()) {
+    // The default health service alone crashes gRPC 1.51; refuse early.
+    return absl::InvalidArgumentError("Serve needs at least one service");
+  }
+  KVCACHE_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options_));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options_.grpc_address, creds, &port);
+  builder.SetMaxReceiveMessageSize(options_.max_receive_message_bytes);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.grpc_address));
+  }
+  grpc_port_ = port;
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus("", true);
+  health->SetServingStatus(kLivenessService, true);
+  {
+    absl::MutexLock lock(&mu_);
+    server_ = server.get();
+    health->SetServingStatus(kReadinessService, ready_);
+  }
+  std::printf("%s listening grpc=%s metrics=%s\n", options_.name.c_str(),
+              WithPort(options_.grpc_address, port).c_str(),
+              metrics_port_ == 0 ? "off" : WithPort(options_.metrics_address, metrics_port_).c_str());
+  std::fflush(stdout);
+  KV_LOG_INFO("{} serving gRPC on port {}, /metrics on port {}", options_.name, port, metrics_port_);
+
+  shutdown_requested_.WaitForNotification();
+
+  if (on_shutdown) on_shutdown();
+  health->SetServingStatus(kReadinessService, false);
+  health->SetServingStatus(kLivenessService, false);
+  health->SetServingStatus("", false);
+  server->Shutdown(absl::ToChronoTime(absl::Now() + options_.shutdown_deadline));
+  server->Wait();
+  {
+    absl::MutexLock lock(&mu_);
+    server_ = nullptr;
+  }
+  KV_LOG_INFO("{} stopped", options_.name);
+  return absl::OkStatus();
+}
+
+}  // namespace kvcache

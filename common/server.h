@@ -1,0 +1,121 @@
+// Process bootstrap shared by every kvcache server binary.
+//
+// Order matters (see Init): the Prometheus exposer starts before anything loads a
+// GPU library. prometheus-cpp serves /metrics through civetweb, whose threads
+// cannot start once libcublasLt (94 KB of static TLS) is in the process; threads
+// already running keep serving. So a binary calls ServerProcess::Init first, then
+// loads backends (the CUDA backend is a plugin opened with dlopen), then Serve.
+//
+//   auto process = ServerProcess::Init(options);     // signals + /metrics
+//   ... load the model, maybe dlopen the CUDA backend ...
+//   return process->Serve({&service});               // blocks until SIGTERM/SIGINT
+//
+// Health (grpc.health.v1): service "" and "liveness" report SERVING while the
+// process runs; "readiness" reports SERVING once Serve starts and the binary has
+// not called SetReady(false) (e.g. while draining). Reflection (v1alpha) lists
+// every registered service.
+//
+// Thread-safety: SetReady and RequestShutdown may be called from any thread.
+#ifndef KVCACHE_COMMON_SERVER_H_
+#define KVCACHE_COMMON_SERVER_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+
+namespace kvcache {
+
+// Health service names a prober asks for.
+inline constexpr char kLivenessService[] = "liveness";
+inline constexpr char kReadinessService[] = "readiness";
+
+struct ServerOptions {
+  // Process name for logs and the "listening" line (e.g. "kvcache-worker").
+  std::string name;
+  // gRPC listen address; port 0 picks a free port.
+  std::string grpc_address = "127.0.0.1:0";
+  // /metrics listen address; port 0 picks a free port; empty disables.
+  std::string metrics_address = "127.0.0.1:0";
+  // How long running RPCs may take to finish after SIGTERM before being cancelled.
+  absl::Duration shutdown_deadline = absl::Seconds(10);
+  // Largest gRPC message received, in bytes.
+  int max_receive_message_bytes = 8 << 20;
+  // Optional TLS: PEM paths. With cert and key set the server speaks TLS; with a
+  // client CA too it requires client certificates (mutual TLS).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+};
+
+class ServerProcess {
+ public:
+  // Blocks SIGTERM/SIGINT in every thread (a dedicated thread waits for them) and
+  // starts the /metrics exposer. Call before creating any other thread.
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Init(const ServerOptions& options);
+
+  ~ServerProcess();
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+
+  // The registry served on /metrics. Register collectors before or after Serve.
+  prometheus::Registry& metrics() { return *registry_; }
+  std::shared_ptr<prometheus::Registry> metrics_ptr() { return registry_; }
+
+  // Port the /metrics endpoint listens on (0 when disabled).
+  int metrics_port() const { return metrics_port_; }
+
+  // Builds and starts the gRPC server with `services` (not owned; they must
+  // outlive this object), prints "<name> listening grpc=HOST:PORT
+  // metrics=HOST:PORT" on stdout, marks readiness SERVING, then blocks until a
+  // signal or RequestShutdown. Then readiness and liveness turn NOT_SERVING,
+  // running RPCs get `shutdown_deadline` to finish, and Serve returns.
+  // `on_shutdown` (optional) runs first, before the server stops accepting.
+  absl::Status Serve(const std::vector<grpc::Service*>& services,
+                     std::function<void()> on_shutdown = nullptr);
+
+  // Readiness (not liveness). Safe before Serve (applied when it starts).
+  void SetReady(bool ready);
+
+  // Ends Serve as if SIGTERM arrived.
+  void RequestShutdown();
+
+  // gRPC port chosen by Serve (0 before it starts).
+  int grpc_port() const { return grpc_port_.load(); }
+
+ private:
+  explicit ServerProcess(const ServerOptions& options);
+  void WaitForSignals();
+
+  const ServerOptions options_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int metrics_port_ = 0;
+  std::atomic<int> grpc_port_{0};
+
+  absl::Notification shutdown_requested_;
+  std::thread signal_thread_;
+
+  absl::Mutex mu_;
+  grpc::Server* server_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool ready_ ABSL_GUARDED_BY(mu_) = true;
+};
+
+// Builds server credentials from the TLS fields of `options` (insecure when none).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const ServerOptions& options);
+
+}  // namespace kvcache
+
+#endif  // KVCACHE_COMMON_SERVER_H_

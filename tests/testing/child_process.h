@@ -1,0 +1,100 @@
+// Test helpers that run project binaries as real processes on loopback.
+//
+// ServerUnderTest starts a binary with --listen=127.0.0.1:0 and
+// --metrics_listen=127.0.0.1:0, reads the "listening grpc=... metrics=..." line it
+// prints, waits until grpc.health.v1 reports SERVING, and always stops the process
+// (SIGTERM, then SIGKILL after a grace period) when it goes out of scope.
+//
+// Thread-safety: not thread-safe; one test thread owns each object.
+#ifndef KVCACHE_TESTS_TESTING_CHILD_PROCESS_H_
+#define KVCACHE_TESTS_TESTING_CHILD_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+
+namespace kvcache::testing {
+
+// Path of a binary built by this project (from KVCACHE_BUILD_DIR).
+std::string BinaryPath(const std::string& relative);
+
+// A child process with its stdout captured (stderr passes through).
+class ChildProcess {
+ public:
+  // Starts `argv[0]` with `argv`. Fails if the binary cannot be started.
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(const std::vector<std::string>& argv);
+  ~ChildProcess();  // Stop(), then SIGKILL if needed.
+
+  // Reads stdout until a line containing `needle` arrives (returns the line), the
+  // process exits, or `timeout` passes.
+  absl::StatusOr<std::string> WaitForLine(const std::string& needle, absl::Duration timeout);
+
+  // Sends `sig` (e.g. SIGTERM, SIGKILL, SIGSTOP).
+  void Signal(int sig);
+
+  // Waits for exit. Returns the exit status as from waitpid, or DEADLINE_EXCEEDED.
+  absl::StatusOr<int> Wait(absl::Duration timeout);
+
+  // SIGTERM, wait up to `grace`, then SIGKILL. Returns the waitpid status.
+  int Stop(absl::Duration grace = absl::Seconds(10));
+
+  pid_t pid() const { return pid_; }
+  bool exited() const { return exited_; }
+  // Everything read from stdout so far.
+  const std::string& output() const { return output_; }
+
+ private:
+  ChildProcess() = default;
+  pid_t pid_ = -1;
+  int stdout_fd_ = -1;
+  bool exited_ = false;
+  int wait_status_ = 0;
+  std::string output_;
+  size_t scanned_ = 0;
+};
+
+// A server binary started on port 0 and ready (health SERVING).
+class ServerUnderTest {
+ public:
+  static absl::StatusOr<std::unique_ptr<ServerUnderTest>> Start(
+      const std::string& binary, std::vector<std::string> extra_args,
+      absl::Duration ready_timeout = absl::Seconds(60));
+
+  const std::string& grpc_address() const { return grpc_address_; }
+  int metrics_port() const { return metrics_port_; }
+  ChildProcess& process() { return *process_; }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+
+ private:
+  std::unique_ptr<ChildProcess> process_;
+  std::string grpc_address_;
+  int metrics_port_ = 0;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+// grpc.health.v1 Check of `service` over `channel`: SERVING, NOT_SERVING, ...
+absl::StatusOr<std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
+                                        const std::string& service);
+
+// Polls HealthCheck until it reports SERVING or `timeout` passes. Each probe waits
+// for the channel to connect, so no sleeps are involved.
+absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel,
+                            const std::string& service, absl::Duration timeout);
+
+// Service names listed by server reflection (v1alpha).
+absl::StatusOr<std::vector<std::string>> ReflectionListServices(
+    const std::shared_ptr<grpc::Channel>& channel);
+
+// HTTP/1.0 GET of http://127.0.0.1:port/path; returns the body on status 200.
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+}  // namespace kvcache::testing
+
+#endif  // KVCACHE_TESTS_TESTING_CHILD_PROCESS_H_
