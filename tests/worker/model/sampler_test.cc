@@ -1,0 +1,108 @@
+#include "worker/model/sampler.h"
+
+#include <cmath>
+#include <map>
+
+#include "gtest/gtest.h"
+
+namespace kvcache::model {
+namespace {
+
+std::vector<float> Logits(std::initializer_list<float> v) { return std::vector<float>(v); }
+
+TEST(SamplerTest, GreedyPicksLargestAndLowestIdOnTies) {
+  Sampler s(SamplingConfig{});
+  EXPECT_EQ(s.Sample(Logits({0.1f, 3.0f, -1.0f, 2.9f})), 1);
+  EXPECT_EQ(s.Sample(Logits({5.0f, 5.0f, 1.0f})), 0);
+  EXPECT_EQ(Argmax(Logits({-3.0f, -2.0f, -2.0f})), 1);
+}
+
+TEST(SamplerTest, SameSeedSameTokensDifferentSeedDiffers) {
+  std::vector<float> logits(100);
+  for (int i = 0; i < 100; ++i) logits[i] = std::sin(i * 0.7f);
+  auto run = [&](uint64_t seed) {
+    Sampler s(SamplingConfig{1.0f, 0, 1.0f, seed});
+    std::vector<int32_t> out;
+    for (int i = 0; i < 50; ++i) out.push_back(s.Sample(logits));
+    return out;
+  };
+  EXPECT_EQ(run(42), run(42));
+  EXPECT_NE(run(42), run(43));
+}
+
+TEST(SamplerTest, TopKOneAndTinyTopPAreGreedy) {
+  std::vector<float> logits = Logits({0.5f, 2.0f, 1.9f, -4.0f});
+  Sampler k1(SamplingConfig{1.5f, 1, 1.0f, 7});
+  Sampler p(SamplingConfig{1.5f, 0, 0.01f, 7});
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(k1.Sample(logits), 1);
+    EXPECT_EQ(p.Sample(logits), 1);
+  }
+}
+
+TEST(SamplerTest, TopKNeverPicksOutsideTheTopK) {
+  std::vector<float> logits = Logits({1.0f, 0.9f, 0.8f, 0.7f, 0.6f});
+  Sampler s(SamplingConfig{2.0f, 2, 1.0f, 3});
+  for (int i = 0; i < 500; ++i) EXPECT_LT(s.Sample(logits), 2);
+}
+
+TEST(SamplerTest, FrequenciesFollowSoftmax) {
+  // p = softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6]
+  std::vector<float> logits = {0.0f, std::log(2.0f), std::log(3.0f)};
+  Sampler s(SamplingConfig{1.0f, 0, 1.0f, 11});
+  std::map<int, int> counts;
+  const int n = 60000;
+  for (int i = 0; i < n; ++i) ++counts[s.Sample(logits)];
+  EXPECT_NEAR(counts[0] / double(n), 1.0 / 6, 0.01);
+  EXPECT_NEAR(counts[1] / double(n), 2.0 / 6, 0.01);
+  EXPECT_NEAR(counts[2] / double(n), 3.0 / 6, 0.01);
+}
+
+TEST(SamplerTest, TopPDropsTheTail) {
+  // p = [0.5, 0.3, 0.2]: top_p 0.7 keeps the first two.
+  std::vector<float> logits = {std::log(0.5f), std::log(0.3f), std::log(0.2f)};
+  Sampler s(SamplingConfig{1.0f, 0, 0.7f, 5});
+  std::map<int, int> counts;
+  for (int i = 0; i < 20000; ++i) ++counts[s.Sample(logits)];
+  EXPECT_EQ(counts[2], 0);
+  EXPECT_NEAR(counts[0] / 20000.0, 0.5 / 0.8, 0.015);
+}
+
+TEST(SamplerTest, ValidationNamesTheField) {
+  EXPECT_TRUE(ValidateSamplingConfig({}, 10).ok());
+  EXPECT_EQ(ValidateSamplingConfig({-0.1f, 0, 1, 0}, 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSamplingConfig({2.5f, 0, 1, 0}, 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSamplingConfig({NAN, 0, 1, 0}, 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSamplingConfig({1, -1, 1, 0}, 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSamplingConfig({1, 11, 1, 0}, 10).code(), absl::StatusCode::kInvalidArgument);
+  auto s = ValidateSamplingConfig({1, 0, 1.5f, 0}, 10);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("top_p"), absl::string_view::npos);
+}
+
+TEST(StopCriteriaTest, EosStopTokenAndLength) {
+  StopCriteria c({2}, {7}, {}, 3, false);
+  EXPECT_EQ(c.Add(5, "a"), StopCriteria::Reason::kNone);
+  EXPECT_EQ(c.Add(2, ""), StopCriteria::Reason::kEos);
+  StopCriteria t({2}, {7}, {}, 10, false);
+  EXPECT_EQ(t.Add(7, ""), StopCriteria::Reason::kStopToken);
+  StopCriteria l({2}, {}, {}, 2, true);
+  EXPECT_EQ(l.Add(2, ""), StopCriteria::Reason::kNone);  // ignore_eos
+  EXPECT_EQ(l.Add(2, ""), StopCriteria::Reason::kLength);
+}
+
+TEST(StopCriteriaTest, StopStringAcrossTokens) {
+  StopCriteria c({}, {}, {"END", "x"}, 100, false);
+  EXPECT_EQ(c.Add(1, "the E"), StopCriteria::Reason::kNone);
+  EXPECT_EQ(c.Add(1, "N"), StopCriteria::Reason::kNone);
+  EXPECT_EQ(c.Add(1, "D!"), StopCriteria::Reason::kStopString);
+  StopCriteria one({}, {}, {"x"}, 100, false);
+  EXPECT_EQ(one.Add(1, "ab"), StopCriteria::Reason::kNone);
+  EXPECT_EQ(one.Add(1, "cx"), StopCriteria::Reason::kStopString);
+  StopCriteria none({}, {}, {"ENDING"}, 100, false);
+  for (const char* d : {"EN", "DIN", "X", "ENDIN"}) EXPECT_EQ(none.Add(1, d), StopCriteria::Reason::kNone);
+  EXPECT_EQ(none.Add(1, "G"), StopCriteria::Reason::kStopString);
+}
+
+}  // namespace
+}  // namespace kvcache::model

@@ -1,0 +1,76 @@
+// Token sampling: greedy, temperature, top-k, top-p, with a seeded generator so
+// that the same seed, input and cache give the same tokens on any machine.
+//
+// Thread-safety: a Sampler is owned by one request; not thread-safe.
+#ifndef KVCACHE_WORKER_MODEL_SAMPLER_H_
+#define KVCACHE_WORKER_MODEL_SAMPLER_H_
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace kvcache::model {
+
+struct SamplingConfig {
+  float temperature = 0.0f;  // 0 = greedy; (0, 2]
+  int top_k = 0;             // 0 = off; otherwise keep the k most likely tokens
+  float top_p = 1.0f;        // 0 or 1 = off; otherwise keep the smallest set with mass >= top_p
+  uint64_t seed = 0;
+};
+
+// INVALID_ARGUMENT naming the field when a value is out of range.
+absl::Status ValidateSamplingConfig(const SamplingConfig& config, int vocab_size);
+
+class Sampler {
+ public:
+  // REQUIRES: ValidateSamplingConfig(config, ...) is OK.
+  explicit Sampler(const SamplingConfig& config);
+
+  // Picks the next token from `logits` [vocab]. Greedy picks the largest logit
+  // (lowest id on ties) and never touches the generator.
+  int32_t Sample(absl::Span<const float> logits);
+
+ private:
+  // Uniform in [0, 1) from 53 bits of the generator: identical on every platform
+  // (std::uniform_real_distribution is implementation-defined).
+  double Uniform();
+
+  SamplingConfig config_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, int32_t>> candidates_;  // scratch, reused
+};
+
+// The index of the largest value (lowest index on ties). REQUIRES: !v.empty().
+int32_t Argmax(absl::Span<const float> v);
+
+// Decides when generation ends. Text is fed as the streaming detokenizer emits it.
+class StopCriteria {
+ public:
+  enum class Reason { kNone, kEos, kStopToken, kStopString, kLength, kContextFull };
+
+  StopCriteria(std::vector<int32_t> eos_ids, std::vector<int32_t> stop_token_ids,
+               std::vector<std::string> stop_strings, int max_tokens, bool ignore_eos);
+
+  // Records one generated token and the text it completed; returns why generation
+  // must stop after it, or kNone.
+  Reason Add(int32_t token, const std::string& text_delta);
+  int generated() const { return generated_; }
+
+ private:
+  std::vector<int32_t> eos_ids_;
+  std::vector<int32_t> stop_token_ids_;
+  std::vector<std::string> stop_strings_;
+  int max_tokens_;
+  bool ignore_eos_;
+  int generated_ = 0;
+  std::string tail_;  // the last (longest stop string - 1 + delta) bytes of output
+  size_t longest_stop_ = 0;
+};
+
+}  // namespace kvcache::model
+
+#endif  // KVCACHE_WORKER_MODEL_SAMPLER_H_
