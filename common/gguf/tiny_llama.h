@@ -1,0 +1,52 @@
+// Writes complete, tiny Llama GGUF models with random weights: real
+// hyper-parameters, tensors of a chosen type, a small byte-level BPE vocabulary
+// (256 byte tokens, ChatML control tokens and a few merges) and the SmolLM2
+// ChatML template. A whole model loads and runs in milliseconds in tests.
+//
+// Thread-safety: pure functions (deterministic given options.seed).
+#ifndef KVCACHE_COMMON_GGUF_TINY_LLAMA_H_
+#define KVCACHE_COMMON_GGUF_TINY_LLAMA_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/gguf/ggml_types.h"
+
+namespace kvcache {
+namespace gguf {
+
+struct TinyLlamaOptions {
+  int64_t n_layer = 2;
+  int64_t n_embd = 64;     // multiple of the weight type's block size
+  int64_t n_head = 4;
+  int64_t n_head_kv = 2;
+  int64_t n_ff = 128;      // multiple of the weight type's block size
+  int64_t n_ctx = 256;
+  int64_t sliding_window = 0;  // written when > 0
+  double rope_freq_base = 10000.0;
+  double norm_eps = 1e-5;
+  bool tied_embeddings = true;  // false: also write output.weight
+  // Type of the 2-D weight matrices (token_embd, attention, FFN, output);
+  // norms are always F32.
+  GgmlType weight_type = GgmlType::kF32;
+  float weight_scale = 0.05f;  // weights ~ uniform(-scale, scale)
+  uint64_t seed = 1;
+  int n_merges = 64;  // extra merge tokens after the 256 byte tokens
+};
+
+// Token ids of the tiny vocabulary: 0 <|endoftext|>, 1 <|im_start|>,
+// 2 <|im_end|> (control), 3..258 the 256 byte tokens, then merge results.
+constexpr int32_t kTinyEndOfText = 0;
+constexpr int32_t kTinyImStart = 1;
+constexpr int32_t kTinyImEnd = 2;
+
+// The GGUF bytes. INVALID_ARGUMENT for inconsistent options.
+absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& options);
+absl::Status WriteTinyLlama(const TinyLlamaOptions& options, const std::string& path);
+
+}  // namespace gguf
+}  // namespace kvcache
+
+#endif  // KVCACHE_COMMON_GGUF_TINY_LLAMA_H_

@@ -1,0 +1,431 @@
+#include "common/tokenizer/tokenizer.h"
+
+#include <algorithm>
+#include <queue>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "common/tokenizer/unicode.h"
+
+namespace kvcache {
+namespace tok {
+namespace {
+
+constexpr uint8_t kSentinel = 0x80;  // "outside the piece" flag for the splitter
+
+bool IsSpecialType(TokenType t) {
+  return t == TokenType::kControl || t == TokenType::kUserDefined || t == TokenType::kUnknown;
+}
+
+// GPT-2 pre-tokenizer regex, hand-written:
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// over code points [b, e) of a piece; calls emit(begin, end) per word. The
+// piece edge is a hard boundary (lookahead sees nothing past it).
+template <typename Emit>
+void SplitGpt2(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, Emit&& emit) {
+  auto flag_at = [&](size_t i) -> uint8_t { return i < e ? flags[i] : kSentinel; };
+  auto other = [](uint8_t f) {  // [^\s\p{L}\p{N}] inside the piece
+    return (f & (kWhitespace | kLetter | kNumber | kSentinel)) == 0;
+  };
+  size_t pos = b;
+  while (pos < e) {
+    const uint32_t cp = cps[pos];
+    if (cp == '\'' && pos + 1 < e) {
+      const uint32_t n1 = cps[pos + 1];
+      if (n1 == 's' || n1 == 't' || n1 == 'm' || n1 == 'd') {
+        emit(pos, pos + 2);
+        pos += 2;
+        continue;
+      }
+      if (pos + 2 < e) {
+        const uint32_t n2 = cps[pos + 2];
+        if ((n1 == 'r' && n2 == 'e') || (n1 == 'v' && n2 == 'e') || (n1 == 'l' && n2 == 'l')) {
+          emit(pos, pos + 3);
+          pos += 3;
+          continue;
+        }
+      }
+    }
+    const size_t start = pos;
+    const uint8_t f2 = cp == ' ' ? flag_at(pos + 1) : flags[pos];
+    const size_t body = pos + (cp == ' ' ? 1 : 0);
+    if (f2 & kLetter) {
+      pos = body;
+      while (flag_at(pos) & kLetter) ++pos;
+      emit(start, pos);
+      continue;
+    }
+    if (f2 & kNumber) {
+      pos = body;
+      while (flag_at(pos) & kNumber) ++pos;
+      emit(start, pos);
+      continue;
+    }
+    if (other(f2)) {
+      pos = body;
+      while (other(flag_at(pos))) ++pos;
+      emit(start, pos);
+      continue;
+    }
+    size_t n_ws = 0;
+    while (flag_at(pos + n_ws) & kWhitespace) ++n_ws;
+    if (n_ws > 1 && pos + n_ws < e) {  // \s+(?!\S): leave the last one for the next word
+      pos += n_ws - 1;
+    } else if (n_ws > 0) {
+      pos += n_ws;
+    } else {
+      ++pos;
+    }
+    emit(start, pos);
+  }
+}
+
+struct Bigram {
+  int32_t rank;
+  int32_t left;   // symbol index
+  int32_t right;  // symbol index
+  int32_t left_sym, right_sym;
+  bool operator<(const Bigram& o) const {  // priority_queue pops the largest
+    return rank != o.rank ? rank > o.rank : left > o.left;
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const gguf::GgufFile& file) {
+  VocabSpec spec;
+  KVCACHE_ASSIGN_OR_RETURN(absl::string_view model, file.GetString("tokenizer.ggml.model"));
+  spec.model = std::string(model);
+  if (auto pre = file.GetString("tokenizer.ggml.pre"); pre.ok()) {
+    spec.pre = std::string(*pre);
+  } else {
+    spec.pre = "default";
+  }
+  const gguf::GgufValue* tokens = file.FindValue("tokenizer.ggml.tokens");
+  if (tokens == nullptr) {
+    return absl::InvalidArgumentError("GGUF has no tokenizer.ggml.tokens");
+  }
+  KVCACHE_ASSIGN_OR_RETURN(auto token_views, tokens->AsStringArray());
+  for (absl::string_view v : token_views) spec.tokens.emplace_back(v);
+  if (const gguf::GgufValue* types = file.FindValue("tokenizer.ggml.token_type")) {
+    KVCACHE_ASSIGN_OR_RETURN(auto raw_types, types->AsIntArray());
+    spec.token_types.reserve(raw_types.size());
+    for (int64_t t : raw_types) {
+      spec.token_types.push_back(t >= 0 && t <= 6 ? static_cast<TokenType>(t)
+                                                  : TokenType::kUndefined);
+    }
+  }
+  if (const gguf::GgufValue* merges = file.FindValue("tokenizer.ggml.merges")) {
+    KVCACHE_ASSIGN_OR_RETURN(auto merge_views, merges->AsStringArray());
+    for (absl::string_view v : merge_views) spec.merges.emplace_back(v);
+  }
+  auto id = [&](const char* key, int32_t* out) -> absl::Status {
+    if (file.FindValue(key) == nullptr) return absl::OkStatus();
+    KVCACHE_ASSIGN_OR_RETURN(uint64_t v, file.GetUint64(key));
+    *out = v < spec.tokens.size() ? static_cast<int32_t>(v) : -1;
+    return absl::OkStatus();
+  };
+  KVCACHE_RETURN_IF_ERROR(id("tokenizer.ggml.bos_token_id", &spec.bos_id));
+  KVCACHE_RETURN_IF_ERROR(id("tokenizer.ggml.eos_token_id", &spec.eos_id));
+  KVCACHE_RETURN_IF_ERROR(id("tokenizer.ggml.eot_token_id", &spec.eot_id));
+  KVCACHE_RETURN_IF_ERROR(id("tokenizer.ggml.unknown_token_id", &spec.unk_id));
+  KVCACHE_RETURN_IF_ERROR(id("tokenizer.ggml.padding_token_id", &spec.pad_id));
+  if (file.FindValue("tokenizer.ggml.add_bos_token") != nullptr) {
+    KVCACHE_ASSIGN_OR_RETURN(spec.add_bos, file.GetBool("tokenizer.ggml.add_bos_token"));
+  }
+  if (file.FindValue("tokenizer.ggml.add_eos_token") != nullptr) {
+    KVCACHE_ASSIGN_OR_RETURN(spec.add_eos, file.GetBool("tokenizer.ggml.add_eos_token"));
+  }
+  return Create(std::move(spec));
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(VocabSpec spec) {
+  std::unique_ptr<Tokenizer> t(new Tokenizer());
+  KVCACHE_RETURN_IF_ERROR(t->Init(std::move(spec)));
+  return t;
+}
+
+int32_t Tokenizer::InternSymbol(const std::string& text) {
+  auto [it, inserted] = symbol_ids_.emplace(text, static_cast<int32_t>(symbol_text_.size()));
+  if (inserted) symbol_text_.push_back(text);
+  return it->second;
+}
+
+absl::Status Tokenizer::Init(VocabSpec spec) {
+  if (spec.model == "llama") {
+    return absl::UnimplementedError(
+        "SentencePiece vocabularies (tokenizer.ggml.model = llama) are not supported; "
+        "only byte-level BPE (gpt2)");
+  }
+  if (spec.model != "gpt2") {
+    return absl::UnimplementedError(
+        absl::StrCat("tokenizer model '", spec.model, "' is not supported (only gpt2 BPE)"));
+  }
+  if (spec.pre == "smollm" || spec.pre == "starcoder" || spec.pre == "refact" ||
+      spec.pre == "command-r" || spec.pre == "codeshell" || spec.pre == "exaone" ||
+      spec.pre == "minerva-7b") {
+    pre_ = PreKind::kSmollm;
+  } else if (spec.pre == "gpt-2" || spec.pre == "gpt2" || spec.pre == "mpt" ||
+             spec.pre == "olmo" || spec.pre == "jais") {
+    pre_ = PreKind::kGpt2;
+  } else {
+    return absl::UnimplementedError(absl::StrCat(
+        "pre-tokenizer '", spec.pre,
+        "' is not supported (supported: smollm, starcoder, refact, command-r, codeshell, "
+        "exaone, minerva-7b, gpt-2, mpt, olmo, jais)"));
+  }
+  if (spec.tokens.empty() || spec.tokens.size() > (1u << 24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocabulary size ", spec.tokens.size(), " is not in [1, 2^24]"));
+  }
+  if (!spec.token_types.empty() && spec.token_types.size() != spec.tokens.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("token_type has ", spec.token_types.size(),
+                                                   " entries for ", spec.tokens.size(),
+                                                   " tokens"));
+  }
+  const int32_t n = static_cast<int32_t>(spec.tokens.size());
+  for (int32_t* id : {&spec.bos_id, &spec.eos_id, &spec.eot_id, &spec.unk_id, &spec.pad_id}) {
+    if (*id < -1 || *id >= n) {
+      return absl::InvalidArgumentError(absl::StrCat("special token id ", *id,
+                                                     " is outside the vocabulary of ", n));
+    }
+  }
+  tokens_ = spec.tokens;
+  types_ = spec.token_types;
+  if (types_.empty()) types_.assign(tokens_.size(), TokenType::kNormal);
+
+  // Token ids are the first symbol ids. On duplicate texts the first id wins.
+  symbol_text_ = tokens_;
+  symbol_ids_.reserve(tokens_.size() + spec.merges.size());
+  for (int32_t i = 0; i < n; ++i) symbol_ids_.emplace(tokens_[i], i);
+  merges_.reserve(spec.merges.size());
+  for (size_t r = 0; r < spec.merges.size(); ++r) {
+    const std::string& m = spec.merges[r];
+    const size_t sp = m.find(' ', 1);
+    if (sp == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("merge ", r, " '", m, "' is not 'left right'"));
+    }
+    const std::string left = m.substr(0, sp), right = m.substr(sp + 1);
+    const int32_t l = InternSymbol(left);
+    const int32_t rt = InternSymbol(right);
+    const int32_t res = InternSymbol(left + right);
+    const uint64_t key = (static_cast<uint64_t>(l) << 32) | static_cast<uint32_t>(rt);
+    merges_.emplace(key, Merge{static_cast<int32_t>(r), res});  // first rank wins
+  }
+  for (int b = 0; b < 256; ++b) {
+    std::string s;
+    AppendUtf8(ByteToCodepoint(static_cast<uint8_t>(b)), &s);
+    auto it = symbol_ids_.find(s);
+    byte_symbol_[b] = it == symbol_ids_.end() ? -1 : it->second;
+  }
+
+  for (int32_t i = 0; i < n; ++i) {
+    if (IsSpecialType(types_[i]) && !tokens_[i].empty()) special_ids_.push_back(i);
+  }
+  std::stable_sort(special_ids_.begin(), special_ids_.end(), [&](int32_t a, int32_t b) {
+    return tokens_[a].size() > tokens_[b].size();
+  });
+
+  eog_.assign(tokens_.size(), false);
+  for (int32_t id : {spec.eos_id, spec.eot_id}) {
+    if (id >= 0) eog_[id] = true;
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    const std::string& s = tokens_[i];
+    if (types_[i] == TokenType::kControl &&
+        (s == "<|im_end|>" || s == "<|endoftext|>" || s == "<|eot_id|>" || s == "<|eom_id|>" ||
+         s == "<|end|>" || s == "<end_of_turn>" || s == "</s>")) {
+      eog_[i] = true;
+    }
+  }
+  spec_ = std::move(spec);
+  return absl::OkStatus();
+}
+
+int32_t Tokenizer::FindToken(absl::string_view text) const {
+  auto it = symbol_ids_.find(text);
+  return it == symbol_ids_.end() || it->second >= n_vocab() ? -1 : it->second;
+}
+
+bool Tokenizer::IsEndOfGeneration(int32_t id) const { return IsValid(id) && eog_[id]; }
+
+std::vector<int32_t> Tokenizer::Encode(absl::string_view text,
+                                       const EncodeOptions& options) const {
+  std::vector<int32_t> out;
+  out.reserve(text.size() / 3 + 4);
+  if (options.add_special && spec_.add_bos && spec_.bos_id >= 0) out.push_back(spec_.bos_id);
+
+  // Partition on special tokens, longest first: fragments are either a token
+  // id or a range of raw text.
+  struct Fragment {
+    int32_t id;  // -1: raw text [begin, end)
+    size_t begin, end;
+  };
+  std::vector<Fragment> frags = {{-1, 0, text.size()}};
+  std::vector<Fragment> next;
+  for (int32_t id : special_ids_) {
+    const TokenType t = types_[id];
+    if (!options.parse_special && (t == TokenType::kControl || t == TokenType::kUnknown)) continue;
+    const std::string& s = tokens_[id];
+    if (text.find(s) == absl::string_view::npos) continue;
+    next.clear();
+    for (const Fragment& f : frags) {
+      if (f.id >= 0) {
+        next.push_back(f);
+        continue;
+      }
+      size_t cur = f.begin;
+      while (cur < f.end) {
+        const size_t hit = text.substr(0, f.end).find(s, cur);
+        if (hit == absl::string_view::npos) break;
+        if (hit > cur) next.push_back({-1, cur, hit});
+        next.push_back({id, hit, hit + s.size()});
+        cur = hit + s.size();
+      }
+      if (cur < f.end) next.push_back({-1, cur, f.end});
+    }
+    frags.swap(next);
+  }
+  for (const Fragment& f : frags) {
+    if (f.id >= 0) {
+      out.push_back(f.id);
+    } else {
+      EncodeFragment(text.substr(f.begin, f.end - f.begin), &out);
+    }
+  }
+  if (options.add_special && spec_.add_eos && spec_.eos_id >= 0) out.push_back(spec_.eos_id);
+  return out;
+}
+
+void Tokenizer::EncodeFragment(absl::string_view text, std::vector<int32_t>* out) const {
+  if (text.empty()) return;
+  const std::vector<uint32_t> cps = DecodeUtf8All(text);
+  std::vector<uint8_t> flags(cps.size());
+  for (size_t i = 0; i < cps.size(); ++i) flags[i] = CodepointFlags(cps[i]);
+  std::string word;
+  auto emit = [&](size_t b, size_t e) {
+    word.clear();
+    for (size_t i = b; i < e; ++i) AppendUtf8(cps[i], &word);
+    EncodeWord(word, out);
+  };
+  if (pre_ == PreKind::kGpt2) {
+    SplitGpt2(cps.data(), flags.data(), 0, cps.size(), emit);
+    return;
+  }
+  // smollm: first `\p{N}` isolates every number code point, then GPT-2 runs
+  // on each piece separately.
+  size_t start = 0;
+  for (size_t i = 0; i < cps.size(); ++i) {
+    if (flags[i] & kNumber) {
+      if (i > start) SplitGpt2(cps.data(), flags.data(), start, i, emit);
+      SplitGpt2(cps.data(), flags.data(), i, i + 1, emit);
+      start = i + 1;
+    }
+  }
+  if (start < cps.size()) SplitGpt2(cps.data(), flags.data(), start, cps.size(), emit);
+}
+
+void Tokenizer::EncodeWord(absl::string_view word, std::vector<int32_t>* out) const {
+  struct Symbol {
+    int32_t sym;  // symbol id; < -1 encodes a raw byte without a symbol: -(b + 2)
+    int32_t prev, next;
+  };
+  const int32_t n = static_cast<int32_t>(word.size());
+  std::vector<Symbol> symbols(n);
+  for (int32_t i = 0; i < n; ++i) {
+    const uint8_t b = static_cast<uint8_t>(word[i]);
+    symbols[i] = {byte_symbol_[b] >= 0 ? byte_symbol_[b] : -(b + 2), i - 1,
+                  i + 1 < n ? i + 1 : -1};
+  }
+  std::priority_queue<Bigram> queue;
+  auto add_bigram = [&](int32_t left, int32_t right) {
+    if (left < 0 || right < 0) return;
+    const int32_t ls = symbols[left].sym, rs = symbols[right].sym;
+    if (ls < 0 || rs < 0) return;
+    auto it = merges_.find((static_cast<uint64_t>(ls) << 32) | static_cast<uint32_t>(rs));
+    if (it == merges_.end()) return;
+    queue.push({it->second.rank, left, right, ls, rs});
+  };
+  for (int32_t i = 1; i < n; ++i) add_bigram(i - 1, i);
+  while (!queue.empty()) {
+    const Bigram bg = queue.top();
+    queue.pop();
+    Symbol& l = symbols[bg.left];
+    Symbol& r = symbols[bg.right];
+    // Stale entry: one side was merged away or grew since it was queued.
+    if (l.sym != bg.left_sym || r.sym != bg.right_sym || l.next != bg.right) continue;
+    const uint64_t key = (static_cast<uint64_t>(bg.left_sym) << 32) |
+                         static_cast<uint32_t>(bg.right_sym);
+    l.sym = merges_.find(key)->second.result;
+    l.next = r.next;
+    if (r.next >= 0) symbols[r.next].prev = bg.left;
+    r.sym = -1;  // dead
+    r.next = -1;
+    add_bigram(l.prev, bg.left);
+    add_bigram(bg.left, l.next);
+  }
+  for (int32_t i = 0; i >= 0 && i < n; i = symbols[i].next) {
+    const int32_t s = symbols[i].sym;
+    if (s >= 0 && s < n_vocab()) {
+      out->push_back(s);
+      continue;
+    }
+    // Not a token: llama.cpp falls back to the single bytes of the symbol's
+    // (byte-encoded) text that happen to be tokens.
+    std::string text;
+    if (s >= 0) {
+      text = symbol_text_[s];
+    } else {
+      AppendUtf8(ByteToCodepoint(static_cast<uint8_t>(-s - 2)), &text);
+    }
+    for (char c : text) {
+      const int32_t id = FindToken(absl::string_view(&c, 1));
+      if (id >= 0) out->push_back(id);
+    }
+  }
+}
+
+absl::StatusOr<std::string> Tokenizer::TokenToPiece(int32_t id, bool special) const {
+  if (!IsValid(id)) {
+    return absl::OutOfRangeError(absl::StrCat("token id ", id, " is outside the vocabulary of ",
+                                              n_vocab()));
+  }
+  const TokenType t = types_[id];
+  const std::string& text = tokens_[id];
+  if (t == TokenType::kControl || t == TokenType::kUnknown) return special ? text : "";
+  if (t == TokenType::kUserDefined) return text;
+  if (t != TokenType::kNormal) return std::string();
+  std::string out;
+  out.reserve(text.size());
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const uint32_t cp = DecodeUtf8(text, &pos);
+    const int b = CodepointToByte(cp);
+    if (b >= 0) {
+      out.push_back(static_cast<char>(b));
+      continue;
+    }
+    // Same marker llama.cpp emits for a code point outside the byte map.
+    std::string utf8;
+    AppendUtf8(cp, &utf8);
+    absl::StrAppend(&out, "[UNK_BYTE_0x");
+    for (char c : utf8) absl::StrAppendFormat(&out, "%02x", static_cast<uint8_t>(c));
+    absl::StrAppend(&out, text, "]");
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids, bool special) const {
+  std::string out;
+  for (int32_t id : ids) {
+    KVCACHE_ASSIGN_OR_RETURN(std::string piece, TokenToPiece(id, special));
+    out += piece;
+  }
+  return out;
+}
+
+}  // namespace tok
+}  // namespace kvcache

@@ -1,0 +1,264 @@
+// Tokenisation of the real SmolLM2 vocabulary against llama.cpp's, recorded
+// by tests/data/record_model_reference.py. A missing model fails with a
+// message naming scripts/setup.sh.
+#include "common/tokenizer/tokenizer.h"
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "absl/strings/str_join.h"
+#include "common/gguf/model_path.h"
+#include "common/gguf/tiny_llama.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/unicode.h"
+#include "gtest/gtest.h"
+#include "tests/common/gguf/reference_data.h"
+
+namespace kvcache {
+namespace tok {
+namespace {
+
+using ::kvcache::testing::Hex;
+using ::kvcache::testing::Ints;
+using ::kvcache::testing::LoadReference;
+
+class SmolLmTokenizerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto f = gguf::OpenModelFile(gguf::DefaultModelPath());
+    if (!f.ok()) {
+      error_ = new std::string(f.status().ToString());
+      return;
+    }
+    file_ = f->release();
+    auto t = Tokenizer::FromGguf(*file_);
+    if (!t.ok()) {
+      error_ = new std::string(t.status().ToString());
+      return;
+    }
+    tok_ = t->release();
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    delete file_;
+  }
+  void SetUp() override { ASSERT_NE(tok_, nullptr) << *error_; }
+  static gguf::GgufFile* file_;
+  static Tokenizer* tok_;
+  static std::string* error_;
+};
+gguf::GgufFile* SmolLmTokenizerTest::file_ = nullptr;
+Tokenizer* SmolLmTokenizerTest::tok_ = nullptr;
+std::string* SmolLmTokenizerTest::error_ = nullptr;
+
+TEST_F(SmolLmTokenizerTest, VocabularyFacts) {
+  EXPECT_EQ(tok_->n_vocab(), 49152);
+  EXPECT_EQ(tok_->bos_id(), 1);
+  EXPECT_EQ(tok_->eos_id(), 2);
+  EXPECT_FALSE(tok_->spec().add_bos);
+  EXPECT_EQ(tok_->FindToken("<|im_start|>"), 1);
+  EXPECT_EQ(tok_->token_type(1), TokenType::kControl);
+  EXPECT_TRUE(tok_->IsEndOfGeneration(2));  // <|im_end|>
+  EXPECT_TRUE(tok_->IsEndOfGeneration(0));  // <|endoftext|>
+  EXPECT_FALSE(tok_->IsEndOfGeneration(1));
+  EXPECT_EQ(tok_->TokenToPiece(49152, true).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(tok_->Decode({5, -1}, true).status().code(), absl::StatusCode::kOutOfRange);
+}
+
+TEST_F(SmolLmTokenizerTest, MatchesLlamaCppOnCorpus) {
+  auto ref = LoadReference("tokenizer_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto& cases = ref->fields().at("cases").list_value().values();
+  ASSERT_GE(cases.size(), 60);
+  for (const auto& c : cases) {
+    const auto& f = c.struct_value().fields();
+    const std::string text = Hex(f.at("text_hex"));
+    EncodeOptions opts;
+    opts.add_special = f.at("add_special").bool_value();
+    opts.parse_special = f.at("parse_special").bool_value();
+    const std::string label = f.at("name").string_value() +
+                              (opts.parse_special ? " (parse_special)" : " (plain)");
+    const std::vector<int32_t> want = Ints(f.at("ids"));
+    const std::vector<int32_t> got = tok_->Encode(text, opts);
+    EXPECT_EQ(got, want) << label << "\n got: " << absl::StrJoin(got, ",")
+                         << "\nwant: " << absl::StrJoin(want, ",");
+    EXPECT_EQ(*tok_->Decode(want, true), Hex(f.at("detok_special_hex"))) << label;
+    EXPECT_EQ(*tok_->Decode(want, false), Hex(f.at("detok_plain_hex"))) << label;
+  }
+}
+
+TEST_F(SmolLmTokenizerTest, PiecesMatchLlamaCpp) {
+  auto ref = LoadReference("tokenizer_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto& pieces = ref->fields().at("pieces").list_value().values();
+  ASSERT_GE(pieces.size(), 300);
+  for (const auto& p : pieces) {
+    const auto& f = p.struct_value().fields();
+    const int32_t id = static_cast<int32_t>(f.at("id").number_value());
+    EXPECT_EQ(*tok_->TokenToPiece(id, true), Hex(f.at("special_hex"))) << id;
+    EXPECT_EQ(*tok_->TokenToPiece(id, false), Hex(f.at("plain_hex"))) << id;
+  }
+}
+
+TEST_F(SmolLmTokenizerTest, ChatTemplateMatchesJinjaRendering) {
+  auto ref = LoadReference("tokenizer_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto tmpl = ChatTemplate::FromGguf(*file_);
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+  EXPECT_EQ(tmpl->default_system_prompt(),
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+  const auto& chats = ref->fields().at("chats").list_value().values();
+  ASSERT_GE(chats.size(), 4);
+  for (const auto& c : chats) {
+    const auto& f = c.struct_value().fields();
+    std::vector<ChatMessage> messages;
+    for (const auto& m : f.at("messages").list_value().values()) {
+      messages.push_back({m.struct_value().fields().at("role").string_value(),
+                          m.struct_value().fields().at("content").string_value()});
+    }
+    auto got = tmpl->Render(messages, f.at("add_generation_prompt").bool_value());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, Hex(f.at("rendered_hex"))) << f.at("name").string_value();
+  }
+}
+
+TEST_F(SmolLmTokenizerTest, RoundTripsArbitraryValidText) {
+  const std::string text =
+      "Mixed: caf\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD \xF0\x9F\x8D\x95 1234   tabs\t\tand\nnew lines ";
+  EXPECT_EQ(*tok_->Decode(tok_->Encode(text, {}), true), text);
+}
+
+TEST_F(SmolLmTokenizerTest, TenKilobytesOfEnglishIsFast) {
+  const std::string para =
+      "The quick brown fox jumps over the lazy dog. In 2024, researchers found that "
+      "large language models can cache key and value tensors between turns, which "
+      "saves recomputation; however, memory is limited, so pages are offloaded. ";
+  std::string text;
+  while (text.size() < 10 * 1024) text += para;
+  text.resize(10 * 1024);
+  tok_->Encode(text, {});  // warm up
+  const int kIters = 20;
+  const auto start = std::chrono::steady_clock::now();
+  size_t n = 0;
+  for (int i = 0; i < kIters; ++i) n += tok_->Encode(text, {}).size();
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - start).count() / kIters;
+  printf("tokenize 10 KiB English: %.3f ms, %zu tokens\n", ms, n / kIters);
+  RecordProperty("tokenize_10k_ms", std::to_string(ms));
+  EXPECT_LT(ms, 10.0);
+}
+
+// ---- Behaviour on a hand-made vocabulary ----
+
+VocabSpec TinySpec() {
+  VocabSpec s;
+  s.tokens = {"<|end|>", "<|im_start|>"};
+  s.token_types = {TokenType::kControl, TokenType::kUserDefined};
+  for (int b = 0; b < 256; ++b) {
+    std::string t;
+    AppendUtf8(ByteToCodepoint(static_cast<uint8_t>(b)), &t);
+    s.tokens.push_back(t);
+    s.token_types.push_back(TokenType::kNormal);
+  }
+  s.tokens.push_back("ab");
+  s.token_types.push_back(TokenType::kNormal);
+  s.tokens.push_back("abc");
+  s.token_types.push_back(TokenType::kNormal);
+  s.merges = {"b c", "a b", "ab c", "x y"};  // "bc" and "xy" are not tokens
+  s.eos_id = 0;
+  return s;
+}
+
+TEST(TokenizerSpecTest, MergeRanksAndNonTokenSymbols) {
+  auto t = Tokenizer::Create(TinySpec());
+  ASSERT_TRUE(t.ok()) << t.status();
+  const int32_t a = 2 + 'a', b = 2 + 'b', c = 2 + 'c', x = 2 + 'x', y = 2 + 'y';
+  // "b c" ranks first, so "abc" becomes a + "bc"; "bc" is not a token, so
+  // llama.cpp falls back to the single-byte tokens of the symbol.
+  EXPECT_EQ((*t)->Encode("abc", {}), (std::vector<int32_t>{a, b, c}));
+  EXPECT_EQ((*t)->Encode("ab", {}), (std::vector<int32_t>{258}));
+  EXPECT_EQ((*t)->Encode("xy", {}), (std::vector<int32_t>{x, y}));
+}
+
+TEST(TokenizerSpecTest, SpecialTokenParsing) {
+  auto t = Tokenizer::Create(TinySpec());
+  ASSERT_TRUE(t.ok());
+  EncodeOptions special;
+  special.parse_special = true;
+  // Control tokens only with parse_special; user-defined tokens always.
+  EXPECT_EQ((*t)->Encode("<|end|>", special), (std::vector<int32_t>{0}));
+  EXPECT_GT((*t)->Encode("<|end|>", {}).size(), 1u);
+  EXPECT_EQ((*t)->Encode("<|im_start|>", {}), (std::vector<int32_t>{1}));
+  EXPECT_EQ(*(*t)->TokenToPiece(0, false), "");
+  EXPECT_EQ(*(*t)->TokenToPiece(0, true), "<|end|>");
+  EXPECT_EQ(*(*t)->TokenToPiece(1, false), "<|im_start|>");
+}
+
+TEST(TokenizerSpecTest, BosEosFlags) {
+  VocabSpec s = TinySpec();
+  s.bos_id = 1;
+  s.add_bos = true;
+  s.add_eos = true;
+  auto t = Tokenizer::Create(s);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ((*t)->Encode("ab", {}), (std::vector<int32_t>{1, 258, 0}));
+  EncodeOptions none;
+  none.add_special = false;
+  EXPECT_EQ((*t)->Encode("ab", none), (std::vector<int32_t>{258}));
+}
+
+TEST(TokenizerSpecTest, UnsupportedVocabulariesAreClearErrors) {
+  VocabSpec s = TinySpec();
+  s.model = "llama";
+  auto t = Tokenizer::Create(s);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(t.status().message().find("SentencePiece"), std::string::npos);
+  s = TinySpec();
+  s.pre = "llama-bpe";
+  t = Tokenizer::Create(s);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(t.status().message().find("llama-bpe"), std::string::npos);
+  s = TinySpec();
+  s.merges.push_back("nospace");
+  EXPECT_EQ(Tokenizer::Create(s).status().code(), absl::StatusCode::kInvalidArgument);
+  s = TinySpec();
+  s.eos_id = 999;
+  EXPECT_EQ(Tokenizer::Create(s).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TokenizerSpecTest, TinyLlamaVocabularyRoundTrips) {
+  auto bytes = gguf::BuildTinyLlama({});
+  ASSERT_TRUE(bytes.ok());
+  auto f = gguf::GgufFile::OpenFromBuffer(*bytes);
+  ASSERT_TRUE(f.ok());
+  auto t = Tokenizer::FromGguf(**f);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EncodeOptions special;
+  special.parse_special = true;
+  const std::string text = "<|im_start|>user\nHello the world, what is 42?<|im_end|>\n";
+  const std::vector<int32_t> ids = (*t)->Encode(text, special);
+  EXPECT_EQ(ids.front(), gguf::kTinyImStart);
+  EXPECT_LT(ids.size(), text.size() - 10);  // merges applied
+  EXPECT_EQ(*(*t)->Decode(ids, true), text);
+}
+
+TEST(UnicodeTest, Classes) {
+  EXPECT_EQ(CodepointFlags('a'), kLetter);
+  EXPECT_EQ(CodepointFlags('7'), kNumber);
+  EXPECT_EQ(CodepointFlags(' '), kWhitespace);
+  EXPECT_EQ(CodepointFlags(0x4F60), kLetter);   // CJK
+  EXPECT_EQ(CodepointFlags(0x00BD), kNumber);   // ½
+  EXPECT_EQ(CodepointFlags(0x3000), kWhitespace);
+  EXPECT_EQ(CodepointFlags(0x1F355), 0);        // emoji: symbol
+  EXPECT_EQ(CodepointFlags(0x20000), kLetter);  // CJK extension B
+  EXPECT_EQ(CodepointFlags('!'), 0);
+  for (int b = 0; b < 256; ++b) {
+    EXPECT_EQ(CodepointToByte(ByteToCodepoint(static_cast<uint8_t>(b))), b);
+  }
+  EXPECT_EQ(ByteToCodepoint(' '), 0x120u);  // 'Ġ'
+}
+
+}  // namespace
+}  // namespace tok
+}  // namespace kvcache
