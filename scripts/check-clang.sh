@@ -22,7 +22,7 @@ log "clang -Wthread-safety build passed"
 shopt -s nullglob
 for fuzzer in "$BUILD"/tests/fuzz/*_fuzz; do
   name=$(basename "$fuzzer")
-  corpus_seed="tests/fuzz/corpus/${name%_fuzz}"
+  corpus_seed="tests/fuzz/corpus/${name%%_*}"
   work=$(mktemp -d)
   seeds=()
   [ -d "$corpus_seed" ] && seeds=("$corpus_seed")
