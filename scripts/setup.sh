@@ -10,7 +10,7 @@ APT_PACKAGES=(
   clang libclang-rt-14-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libxxhash-dev
-  libspdlog-dev libfmt-dev
+  libspdlog-dev libfmt-dev libssl-dev
   prometheus yamllint openssl
 )
 
