@@ -1,0 +1,80 @@
+#include "router/placement.h"
+
+#include <xxhash.h>
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcache::router {
+
+const char* PlacementReasonName(PlacementReason r) {
+  switch (r) {
+    case PlacementReason::kAffinity: return "affinity";
+    case PlacementReason::kPrefix: return "prefix";
+    case PlacementReason::kLoad: return "load";
+    case PlacementReason::kRetry: return "retry";
+  }
+  return "unknown";
+}
+
+double LoadTokens(const PlacementConfig& c, const v1::WorkerLoad& load) {
+  return static_cast<double>(load.queued_prefill_tokens()) +
+         c.decode_token_weight * (load.running_requests() + load.waiting_requests());
+}
+
+uint64_t RendezvousWeight(const std::string& key, const WorkerId& worker) {
+  // Hash of the pair, with the key as seed material so that (k, w) and (w, k)
+  // differ.
+  const uint64_t seed = XXH3_64bits(key.data(), key.size());
+  return XXH3_64bits_withSeed(worker.data(), worker.size(), seed);
+}
+
+absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& session_id,
+                                 const WorkerId& affinity_worker, int page_tokens,
+                                 const std::vector<Candidate>& candidates, bool retry) {
+  if (candidates.empty()) return absl::UnavailableError("no healthy worker can take the request");
+  if (!affinity_worker.empty()) {
+    for (const Candidate& cand : candidates) {
+      if (cand.worker == affinity_worker) {
+        return Placement{cand.worker, PlacementReason::kAffinity,
+                         page_tokens * cand.match.total_pages(), 0};
+      }
+    }
+  }
+  double mean = 0;
+  for (const Candidate& cand : candidates) mean += LoadTokens(c, cand.load);
+  mean /= static_cast<double>(candidates.size());
+  const double cap = c.cap_factor * (mean + c.cap_slack);
+  bool any_under_cap = false;
+  for (const Candidate& cand : candidates) any_under_cap |= LoadTokens(c, cand.load) <= cap;
+
+  const Candidate* best = nullptr;
+  double best_score = -std::numeric_limits<double>::infinity();
+  uint64_t best_weight = 0;
+  for (const Candidate& cand : candidates) {
+    const double load = LoadTokens(c, cand.load);
+    if (any_under_cap && load > cap) continue;
+    const double reuse =
+        page_tokens * (cand.match.device_pages + c.host_restore_weight * cand.match.host_pages);
+    const double score = reuse - c.load_weight * load;
+    const uint64_t weight = RendezvousWeight(session_id, cand.worker);
+    if (best == nullptr || score > best_score || (score == best_score && weight > best_weight)) {
+      best = &cand;
+      best_score = score;
+      best_weight = weight;
+    }
+  }
+  Placement p;
+  p.worker = best->worker;
+  p.score = best_score;
+  p.predicted_cached_tokens = page_tokens * best->match.total_pages();
+  if (retry) {
+    p.reason = PlacementReason::kRetry;
+  } else {
+    p.reason = best->match.total_pages() > 0 ? PlacementReason::kPrefix : PlacementReason::kLoad;
+  }
+  return p;
+}
+
+}  // namespace kvcache::router

@@ -1,0 +1,75 @@
+// Placement: which worker serves a request.
+//
+// In order:
+//  1. affinity: the worker that holds the session, if it is a candidate
+//     (healthy, not draining, not excluded);
+//  2. otherwise the candidate with the best score
+//        score = reuse_value - load_cost
+//        reuse_value = page_tokens * (device_pages + host_restore_weight * host_pages)
+//        load_cost   = load_weight * (queued_prefill_tokens + decode_token_weight * running)
+//     among candidates under the bounded-load cap: a worker whose load exceeds
+//     cap_factor * (mean load + cap_slack) is skipped unless every worker is over
+//     it (so one hot prefix cannot herd all traffic onto one worker);
+//  3. ties broken by rendezvous hashing of (session id, worker id), so every
+//     router replica picks the same worker for the same inputs.
+// The decision carries its reason (for the decisions-by-reason metric) and the
+// tokens it expects the worker to reuse (compared later with what it reports).
+//
+// Thread-safety: Choose is a pure function of its arguments.
+#ifndef KVCACHE_ROUTER_PLACEMENT_H_
+#define KVCACHE_ROUTER_PLACEMENT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "router/directory.h"
+
+namespace kvcache::router {
+
+struct PlacementConfig {
+  // A Tier-1 page is worth this fraction of a Tier-0 page (it costs a restore).
+  double host_restore_weight = 0.8;
+  // Cost of one queued prefill token, in reused-token units.
+  double load_weight = 1.0;
+  // A running decode stream counts as this many queued tokens.
+  double decode_token_weight = 32.0;
+  // Bounded-load cap: load <= cap_factor * (mean + cap_slack).
+  double cap_factor = 1.5;
+  double cap_slack = 256.0;
+};
+
+struct Candidate {
+  WorkerId worker;
+  v1::WorkerLoad load;
+  PrefixMatch match;  // leading pages of the request's chain held there
+};
+
+enum class PlacementReason { kAffinity, kPrefix, kLoad, kRetry };
+const char* PlacementReasonName(PlacementReason r);
+
+struct Placement {
+  WorkerId worker;
+  PlacementReason reason = PlacementReason::kLoad;
+  int32_t predicted_cached_tokens = 0;
+  double score = 0;
+};
+
+// REQUIRES: candidates hold only workers allowed for this request (healthy, not
+// draining, not already tried). `affinity_worker` may be empty.
+// UNAVAILABLE when there is no candidate.
+absl::StatusOr<Placement> Choose(const PlacementConfig& config, const std::string& session_id,
+                                 const WorkerId& affinity_worker, int page_tokens,
+                                 const std::vector<Candidate>& candidates, bool retry);
+
+// Load of a worker in queued-token units (what the cap and load_cost use).
+double LoadTokens(const PlacementConfig& config, const v1::WorkerLoad& load);
+
+// Rendezvous (highest random weight) hash of a (key, worker) pair.
+uint64_t RendezvousWeight(const std::string& key, const WorkerId& worker);
+
+}  // namespace kvcache::router
+
+#endif  // KVCACHE_ROUTER_PLACEMENT_H_

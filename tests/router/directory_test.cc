@@ -1,0 +1,127 @@
+#include "router/directory.h"
+
+#include "gtest/gtest.h"
+
+namespace kvcache::router {
+namespace {
+
+BlockHash H(uint8_t v) {
+  BlockHash h;
+  h.bytes.fill(v);
+  return h;
+}
+
+std::string Bytes(const BlockHash& h) { return std::string(h.bytes.begin(), h.bytes.end()); }
+
+v1::CacheEvent Prefix(v1::CacheEvent::Kind kind, v1::Tier tier, std::initializer_list<uint8_t> hs) {
+  v1::CacheEvent e;
+  e.set_kind(kind);
+  e.set_tier(tier);
+  for (uint8_t v : hs) e.add_block_hashes(Bytes(H(v)));
+  return e;
+}
+
+v1::CacheEvent SessionEvent(v1::CacheEvent::Kind kind, const std::string& id, int tokens = 0) {
+  v1::CacheEvent e;
+  e.set_kind(kind);
+  e.set_session_id(id);
+  e.set_tokens(tokens);
+  return e;
+}
+
+TEST(DirectoryTest, SessionsFollowEvents) {
+  Directory d;
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 40));
+  ASSERT_TRUE(d.FindSession("s1").has_value());
+  EXPECT_EQ(d.FindSession("s1")->worker, "a");
+  EXPECT_EQ(d.FindSession("s1")->tokens, 40);
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_OFFLOADED, "s1"));
+  EXPECT_EQ(d.FindSession("s1")->tier, v1::TIER_HOST);
+  EXPECT_EQ(d.FindSession("s1")->tokens, 40);
+  // Migrated to b: b's placement arrives, then a's late export must not erase it.
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 40));
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_EXPORTED, "s1"));
+  ASSERT_TRUE(d.FindSession("s1").has_value());
+  EXPECT_EQ(d.FindSession("s1")->worker, "b");
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "s1"));
+  EXPECT_FALSE(d.FindSession("s1").has_value());
+}
+
+TEST(DirectoryTest, PrefixMatchIsLeadingAndTierAware) {
+  Directory d;
+  d.ApplyEvent("a", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {1, 2, 3}));
+  d.ApplyEvent("b", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {1}));
+  d.ApplyEvent("b", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_HOST, {2, 3, 4}));
+  d.ApplyEvent("c", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {2, 3}));  // no page 1
+  std::vector<BlockHash> chain = {H(1), H(2), H(3), H(4)};
+  auto m = d.MatchPrefix(chain);
+  EXPECT_EQ(m.size(), 2u);
+  EXPECT_EQ(m["a"].device_pages, 3);
+  EXPECT_EQ(m["a"].host_pages, 0);
+  EXPECT_EQ(m["b"].device_pages, 1);
+  EXPECT_EQ(m["b"].host_pages, 3);
+  EXPECT_EQ(m.count("c"), 0u);
+
+  d.ApplyEvent("a", Prefix(v1::CacheEvent::PREFIX_REMOVED, v1::TIER_DEVICE, {2}));
+  m = d.MatchPrefix(chain);
+  EXPECT_EQ(m["a"].device_pages, 1);
+}
+
+TEST(DirectoryTest, SnapshotReplacesAndRemoveWorkerForgets) {
+  Directory d;
+  d.ApplyEvent("a", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {1, 2}));
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "old", 10));
+  v1::WorkerSnapshot snap;
+  snap.set_model_id("m");
+  snap.add_device_block_hashes(Bytes(H(7)));
+  snap.add_host_block_hashes(Bytes(H(8)));
+  auto* s = snap.add_sessions();
+  s->set_session_id("new");
+  s->set_tokens_cached(99);
+  s->set_state(v1::SESSION_IDLE);
+  snap.mutable_load()->set_running_requests(3);
+  d.ApplySnapshot("a", snap);
+  EXPECT_FALSE(d.FindSession("old").has_value());
+  EXPECT_EQ(d.FindSession("new")->tokens, 99);
+  EXPECT_EQ(d.prefix_entries(), 2u);
+  EXPECT_TRUE(d.MatchPrefix(std::vector<BlockHash>{H(1)}).empty());
+  EXPECT_EQ(d.Load("a")->running_requests(), 3);
+  EXPECT_EQ(d.Describe("a")->model_id(), "m");
+
+  auto lost = d.RemoveWorker("a");
+  EXPECT_EQ(lost, std::vector<std::string>{"new"});
+  EXPECT_EQ(d.prefix_entries(), 0u);
+  EXPECT_EQ(d.session_count(), 0u);
+  EXPECT_FALSE(d.Load("a").has_value());
+}
+
+TEST(DirectoryTest, ReplicasFedTheSameStreamsAgree) {
+  Directory r1, r2;
+  std::vector<std::pair<std::string, v1::CacheEvent>> stream = {
+      {"a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 16)},
+      {"b", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {5, 6})},
+      {"a", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {5})},
+      {"b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s2", 32)},
+  };
+  // Per-worker order is what each Watch stream guarantees; interleaving across
+  // workers may differ between replicas.
+  for (const auto& [w, e] : stream) r1.ApplyEvent(w, e);
+  for (int i : {1, 3, 0, 2}) r2.ApplyEvent(stream[i].first, stream[i].second);
+  std::vector<BlockHash> chain = {H(5), H(6)};
+  EXPECT_EQ(r1.MatchPrefix(chain)["a"].device_pages, r2.MatchPrefix(chain)["a"].device_pages);
+  EXPECT_EQ(r1.MatchPrefix(chain)["b"].device_pages, r2.MatchPrefix(chain)["b"].device_pages);
+  EXPECT_EQ(r1.FindSession("s2")->worker, r2.FindSession("s2")->worker);
+  EXPECT_EQ(r1.session_count(), r2.session_count());
+}
+
+TEST(DirectoryTest, MalformedHashesAreIgnored) {
+  Directory d;
+  v1::CacheEvent e;
+  e.set_kind(v1::CacheEvent::PREFIX_STORED);
+  e.add_block_hashes("short");
+  d.ApplyEvent("a", e);
+  EXPECT_EQ(d.prefix_entries(), 0u);
+}
+
+}  // namespace
+}  // namespace kvcache::router
