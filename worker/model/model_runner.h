@@ -1,0 +1,57 @@
+// The backend-neutral interface of a model's forward pass over paged KV.
+//
+// One call runs one engine step: a flattened batch of sequences, each with some
+// new tokens (decode: 1, chunked prefill: many) at consecutive positions. The
+// runner writes every new token's K and V into the sequence's tier-0 pages and
+// reads earlier tokens' K/V only from pages (PagedAttention).
+//
+// Thread-safety: one step at a time (the engine thread); implementations need
+// not be thread-safe.
+#ifndef KVCACHE_WORKER_MODEL_MODEL_RUNNER_H_
+#define KVCACHE_WORKER_MODEL_MODEL_RUNNER_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "common/gguf/llama_hparams.h"
+#include "worker/kv/tier_storage.h"
+
+namespace kvcache::model {
+
+struct SequenceStep {
+  // New tokens, at positions [first_pos, first_pos + tokens.size()).
+  absl::Span<const int32_t> tokens;
+  int64_t first_pos = 0;
+  // Tier-0 page ids covering positions [0, first_pos + tokens.size()); page i
+  // holds positions [i*page_tokens, (i+1)*page_tokens). kNoPage for pages a
+  // sliding window released (never read).
+  absl::Span<const kv::PageId> page_table;
+  // Return the logits after the last new token.
+  bool want_logits = false;
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+
+  virtual const gguf::LlamaHparams& hparams() const = 0;
+  // Largest number of new tokens (summed over sequences) one Forward accepts.
+  virtual int max_batch_tokens() const = 0;
+
+  // Runs the step. `logits` is resized to [n_want][n_vocab], one row per sequence
+  // with want_logits, in batch order.
+  // REQUIRES: every page in the page tables is step-pinned by the caller.
+  // INVALID_ARGUMENT for a malformed batch (too many tokens, short page table,
+  // token id out of range); INTERNAL for a backend failure (the step's K/V
+  // writes are then undefined and the caller aborts the step).
+  virtual absl::Status Forward(absl::Span<const SequenceStep> batch, std::vector<float>* logits) = 0;
+};
+
+using ModelRunnerPtr = std::unique_ptr<ModelRunner>;
+
+}  // namespace kvcache::model
+
+#endif  // KVCACHE_WORKER_MODEL_MODEL_RUNNER_H_

@@ -1,0 +1,215 @@
+// The engine: continuous (iteration-level) batching of generation requests over
+// the paged KV cache.
+//
+// One engine thread runs steps. Each step decodes one token for every running
+// request that has finished its prompt, then spends the rest of the token budget
+// (--max_batch_tokens) on chunked prefill of the others, oldest first. Before a
+// step the KV cache's pressure policy runs inside BeginStep (offload idle
+// sessions, restore this step's sessions, preempt others), so memory never
+// exceeds the tier budgets. Cancellation and deadlines take effect at the next
+// step boundary.
+//
+// Sessions: a request names a session (or none: an ephemeral session closed at
+// the end). FULL_CONTEXT keeps the longest common prefix of the session's cached
+// tokens and the input (or, for a new session, attaches the longest cached
+// prefix of the same tenant) and prefills the rest. APPEND extends a live
+// session. After a request the session holds its context and every generated
+// token; the last sampled token has no K/V yet and is fed first by the next
+// APPEND. Two requests on one session are never interleaved: the second is
+// refused with ABORTED.
+//
+// Thread-safety: Submit, Cancel and the session calls are safe from any thread.
+// Observers are called on the engine thread, never under an engine lock; they
+// must not block for long and must not call back into the engine synchronously
+// except Cancel.
+#ifndef KVCACHE_WORKER_SCHED_ENGINE_H_
+#define KVCACHE_WORKER_SCHED_ENGINE_H_
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/tokenizer/streaming_detokenizer.h"
+#include "common/tokenizer/tokenizer.h"
+#include "worker/kv/kv_cache_manager.h"
+#include "worker/model/model_runner.h"
+#include "worker/model/sampler.h"
+
+namespace kvcache::sched {
+
+struct EngineOptions {
+  int max_batch_tokens = 256;        // new tokens per step (decode + prefill chunks)
+  int max_running = 64;              // requests in steps at once
+  int max_waiting = 1024;            // queued beyond that: RESOURCE_EXHAUSTED
+  int64_t max_context = 8192;        // tokens per session (clamped to the model's)
+  int default_max_tokens = 256;      // when a request gives 0
+  int max_tokens_per_request = 4096;
+};
+
+enum class RequestMode { kFullContext, kAppend };
+
+enum class FinishReason { kStop, kLength, kStopString, kContextFull };
+const char* FinishReasonName(FinishReason r);
+
+struct GenerateRequest {
+  std::string session_id;  // empty: ephemeral (FULL_CONTEXT only)
+  std::string tenant;
+  RequestMode mode = RequestMode::kFullContext;
+  std::vector<int32_t> input;
+  model::SamplingConfig sampling;
+  int max_tokens = 0;  // 0: EngineOptions::default_max_tokens
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool pin = false;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct GenerateResult {
+  FinishReason finish = FinishReason::kStop;
+  std::string session_id;
+  int64_t prompt_tokens = 0;     // context the model saw: cached + prefilled
+  int64_t cached_tokens = 0;     // of prompt_tokens, served from cached pages
+  int64_t restored_tokens = 0;   // of cached_tokens, restored from tier 1 first
+  int64_t generated_tokens = 0;
+  absl::Duration queue_time;          // submit -> first step
+  absl::Duration time_to_first_token; // submit -> first token
+  absl::Duration total_time;          // submit -> done
+  std::vector<int32_t> output;        // generated ids
+};
+
+class GenerateObserver {
+ public:
+  virtual ~GenerateObserver() = default;
+  // One generated token and the UTF-8 text it completed (may be empty).
+  virtual void OnToken(int32_t id, absl::string_view text) = 0;
+  // Exactly once, last. `status` is OK, CANCELLED, DEADLINE_EXCEEDED,
+  // RESOURCE_EXHAUSTED (could not make progress) or INTERNAL.
+  virtual void OnDone(const absl::Status& status, const GenerateResult& result) = 0;
+};
+
+// What one step did, for metrics.
+struct StepStats {
+  int sequences = 0;
+  int decode_tokens = 0;
+  int prefill_tokens = 0;
+  absl::Duration duration;
+};
+
+// Load, for Watch reports and admission decisions.
+struct EngineLoad {
+  int running = 0;
+  int waiting = 0;
+  int64_t queued_prefill_tokens = 0;
+  double decode_tokens_per_second = 0;  // over the last second of steps
+};
+
+class Engine {
+ public:
+  // Starts the engine thread. `runner`, `kv` and `tokenizer` must outlive it.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineOptions options, model::ModelRunner* runner,
+                                                        kv::KvCacheManager* kv, const tok::Tokenizer* tokenizer);
+  ~Engine();  // Stop()
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues a request; its observer then receives tokens and
+  // exactly one OnDone. Errors here mean no observer call at all:
+  // INVALID_ARGUMENT (empty input, token out of vocabulary, context over the
+  // limit, bad sampling or max_tokens), NOT_FOUND (APPEND to an unknown session
+  // or another tenant's), ABORTED (a request is running on the session),
+  // RESOURCE_EXHAUSTED (queue full, or the prompt can never fit in tier 0),
+  // UNAVAILABLE (stopping). Returns a request id for Cancel.
+  absl::StatusOr<uint64_t> Submit(GenerateRequest request, GenerateObserver* observer);
+  // Cancels a request (no-op when already done). Its OnDone reports CANCELLED.
+  void Cancel(uint64_t request_id);
+
+  // Session calls. NOT_FOUND for unknown sessions and other tenants' sessions;
+  // ABORTED while a request runs on the session.
+  absl::Status CloseSession(const std::string& id, const std::string& tenant);
+  absl::Status ForkSession(const std::string& id, const std::string& new_id, const std::string& tenant);
+  absl::Status SetPinned(const std::string& id, const std::string& tenant, bool pinned);
+  absl::Status Offload(const std::string& id, const std::string& tenant);
+  absl::Status Restore(const std::string& id, const std::string& tenant);
+  // Marks the session busy (as a request would) so nothing else runs on it, e.g.
+  // while it is exported. ABORTED when busy; NOT_FOUND when unknown.
+  absl::Status Reserve(const std::string& id, const std::string& tenant);
+  void Release(const std::string& id);
+  // The session's whole context as the engine knows it: every token of its
+  // conversation, including the last sampled one (which has no K/V yet) and any
+  // the KV cache dropped under pressure (they are recomputed on the next
+  // request). NOT_FOUND when unknown. Migration carries it.
+  absl::StatusOr<std::vector<int32_t>> Context(const std::string& id) const;
+  // Registers a session that appeared in the KV cache by import.
+  // REQUIRES: the KV session's tokens are a prefix of `context`.
+  absl::Status AdoptSession(const std::string& id, const std::string& tenant, std::vector<int32_t> context);
+  // Forgets a session that left the KV cache by export (no KV call).
+  void ForgetSession(const std::string& id);
+
+  EngineLoad Load() const;
+  // Called after every step on the engine thread (metrics).
+  void SetStepCallback(std::function<void(const StepStats&)> callback);
+
+  // Fails every queued and running request with UNAVAILABLE and joins the thread.
+  void Stop();
+  // Waits until no request is queued or running, or `timeout` passes.
+  bool WaitIdle(absl::Duration timeout);
+
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  struct Request;
+
+  Engine(EngineOptions options, model::ModelRunner* runner, kv::KvCacheManager* kv,
+         const tok::Tokenizer* tokenizer);
+  void Loop();
+  // Sets up the request's KV session (engine thread). Returns false when done.
+  bool Prepare(Request& r);
+  // Runs one step over active_. Returns false when nothing could run.
+  bool Step();
+  void Finish(Request& r, absl::Status status, std::optional<FinishReason> reason);
+  absl::Status CheckOwner(const std::string& id, const std::string& tenant) const;
+
+  const EngineOptions options_;
+  model::ModelRunner* const runner_;
+  kv::KvCacheManager* const kv_;
+  const tok::Tokenizer* const tokenizer_;
+  const int page_tokens_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar wake_;
+  std::deque<std::unique_ptr<Request>> waiting_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> busy_ ABSL_GUARDED_BY(mu_);
+  struct SessionState {
+    std::string tenant;
+    std::vector<int32_t> context;  // see Context()
+  };
+  absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  EngineLoad load_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const StepStats&)> step_callback_ ABSL_GUARDED_BY(mu_);
+
+  // Engine thread only.
+  std::vector<std::unique_ptr<Request>> active_;
+  std::deque<std::pair<absl::Time, int>> recent_decode_;  // (step end, tokens)
+  uint64_t ephemeral_counter_ = 0;
+
+  std::thread thread_;
+};
+
+}  // namespace kvcache::sched
+
+#endif  // KVCACHE_WORKER_SCHED_ENGINE_H_
