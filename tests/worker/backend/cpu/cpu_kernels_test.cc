@@ -1,0 +1,533 @@
+// Every CPU kernel against a plain scalar reference (double accumulation), at
+// every kernel level this machine supports (scalar, avx2, avx512).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "common/gguf/fp16.h"
+#include "common/gguf/ggml_types.h"
+#include "gtest/gtest.h"
+#include "worker/backend/cpu/attention.h"
+#include "worker/backend/cpu/cpu_features.h"
+#include "worker/backend/cpu/matmul.h"
+#include "worker/backend/cpu/ops.h"
+#include "worker/backend/cpu/page_layout.h"
+
+namespace kvcache::cpu {
+namespace {
+
+using gguf::GgmlType;
+
+std::vector<float> RandomVec(std::mt19937& rng, int64_t n, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// A weight matrix quantised with the reference quantiser, plus its f32 decoding.
+struct TestWeights {
+  std::vector<uint8_t> bytes;
+  std::vector<float> deq;  // [rows][cols]
+  WeightView view;
+};
+
+TestWeights MakeWeights(std::mt19937& rng, GgmlType type, int64_t rows, int64_t cols) {
+  TestWeights w;
+  const int64_t row_bytes = *gguf::RowBytes(type, cols);
+  w.bytes.resize(static_cast<size_t>(rows * row_bytes));
+  w.deq.resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    // Rows of different magnitude and a positive offset so Q4_1's m term matters.
+    std::vector<float> src = RandomVec(rng, cols, -0.5f, 1.0f + static_cast<float>(r % 5));
+    EXPECT_TRUE(gguf::QuantizeRow(type, src.data(), w.bytes.data() + r * row_bytes, cols).ok());
+    EXPECT_TRUE(gguf::DequantizeRow(type, w.bytes.data() + r * row_bytes, w.deq.data() + r * cols, cols).ok());
+  }
+  w.view = {type, w.bytes.data(), rows, cols};
+  return w;
+}
+
+class CpuKernelsTest : public ::testing::TestWithParam<CpuKernelLevel> {
+ protected:
+  void SetUp() override { ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok()); }
+  void TearDown() override {
+    ASSERT_TRUE(SetCpuKernelLevel(MaxSupportedCpuKernelLevel()).ok());
+    SetNumThreads(2);
+  }
+};
+
+// ---------------------------------------------------------------- MatMul
+
+struct MatMulCase {
+  GgmlType type;
+  int64_t rows, cols;
+};
+
+// Checks y against (a) the exact product of the decoded weights with x and, for
+// the Q8 integer path, (b) the product with the quantised activations it used.
+void CheckMatMul(const TestWeights& w, const std::vector<float>& x, int n_tokens,
+                 const std::vector<float>& y, int64_t y_stride, bool q8_path) {
+  const int64_t rows = w.view.rows, cols = w.view.cols;
+  std::vector<int8_t> aq;
+  std::vector<float> ad, as;
+  if (q8_path) {
+    aq.resize(static_cast<size_t>(n_tokens * cols));
+    ad.resize(static_cast<size_t>(n_tokens * cols / 32));
+    as.resize(ad.size());
+    QuantizeActivationsQ8(x.data(), cols, n_tokens, cols, aq.data(), ad.data(), as.data());
+  }
+  for (int t = 0; t < n_tokens; ++t) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* wr = w.deq.data() + r * cols;
+      const float* xt = x.data() + t * cols;
+      double exact = 0, abs_sum = 0, q8_bound = 0, exact_q = 0, abs_sum_q = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        exact += static_cast<double>(wr[c]) * xt[c];
+        abs_sum += std::fabs(static_cast<double>(wr[c]) * xt[c]);
+      }
+      if (q8_path) {
+        for (int64_t b = 0; b < cols / 32; ++b) {
+          const double d = ad[t * (cols / 32) + b];
+          double wabs = 0;
+          for (int i = 0; i < 32; ++i) {
+            const double xq = d * aq[t * cols + b * 32 + i];
+            exact_q += wr[b * 32 + i] * xq;
+            abs_sum_q += std::fabs(wr[b * 32 + i] * xq);
+            wabs += std::fabs(wr[b * 32 + i]);
+          }
+          // Rounding x/d to an integer moves each x by at most d/2 (d = amax/127);
+          // 0.501 absorbs the f32 rounding of d and 1/d.
+          q8_bound += 0.501 * d * wabs;
+        }
+      }
+      // f32 accumulation over `cols` terms, blocked sums: relative 1e-5 of sum |w x|
+      // is ~100x the worst expected float error and far below any indexing bug.
+      const double float_tol = 1e-5 * abs_sum + 1e-6;
+      const double got = y[t * y_stride + r];
+      if (q8_path) {
+        ASSERT_NEAR(got, exact_q, 1e-5 * abs_sum_q + 1e-6) << "vs quantised x, t=" << t << " r=" << r;
+        ASSERT_NEAR(got, exact, q8_bound + float_tol) << "vs exact x, t=" << t << " r=" << r;
+      } else {
+        ASSERT_NEAR(got, exact, float_tol) << "t=" << t << " r=" << r;
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, MatMulMatchesReference) {
+  std::mt19937 rng(42);
+  const MatMulCase cases[] = {
+      {GgmlType::kQ4_1, 7, 32},    {GgmlType::kQ4_1, 33, 96},   {GgmlType::kQ4_1, 64, 288},
+      {GgmlType::kQ4_1, 130, 576}, {GgmlType::kQ8_0, 9, 64},    {GgmlType::kQ8_0, 67, 608},
+      {GgmlType::kF32, 13, 37},    {GgmlType::kF32, 40, 264},   {GgmlType::kF16, 21, 100},
+      {GgmlType::kBF16, 5, 72},    {GgmlType::kQ4_0, 18, 160},  {GgmlType::kQ4_K, 11, 512},
+      {GgmlType::kQ6_K, 6, 256},
+  };
+  for (const MatMulCase& mc : cases) {
+    const TestWeights w = MakeWeights(rng, mc.type, mc.rows, mc.cols);
+    for (int n_tokens : {1, 3, 17, 64}) {
+      const std::vector<float> x = RandomVec(rng, n_tokens * mc.cols, -2.0f, 2.0f);
+      for (MatMulPath path : {MatMulPath::kDot, MatMulPath::kSgemm, MatMulPath::kAuto}) {
+        SCOPED_TRACE(::testing::Message() << gguf::TypeName(mc.type) << " " << mc.rows << "x"
+                                          << mc.cols << " n_tokens=" << n_tokens
+                                          << " path=" << static_cast<int>(path));
+        // A padded output stride checks that y_stride is honoured and the pad untouched.
+        const int64_t y_stride = mc.rows + 3;
+        std::vector<float> y(static_cast<size_t>(n_tokens * y_stride), 1234.5f);
+        ASSERT_TRUE(MatMul(w.view, x.data(), mc.cols, n_tokens, y.data(), y_stride, path).ok());
+        const bool q8 = (mc.type == GgmlType::kQ4_1 || mc.type == GgmlType::kQ8_0) &&
+                        (path == MatMulPath::kDot ||
+                         (path == MatMulPath::kAuto && n_tokens < SgemmMinTokens()));
+        CheckMatMul(w, x, n_tokens, y, y_stride, q8);
+        for (int t = 0; t < n_tokens; ++t) {
+          for (int64_t r = mc.rows; r < y_stride; ++r) ASSERT_EQ(y[t * y_stride + r], 1234.5f);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, MatMulSingleThreadEqualsMultiThread) {
+  std::mt19937 rng(7);
+  const TestWeights w = MakeWeights(rng, GgmlType::kQ4_1, 100, 576);
+  const std::vector<float> x = RandomVec(rng, 5 * 576);
+  std::vector<float> y1(5 * 100), y2(5 * 100);
+  SetNumThreads(1);
+  ASSERT_TRUE(MatMul(w.view, x.data(), 5, y1.data()).ok());
+  SetNumThreads(2);
+  ASSERT_TRUE(MatMul(w.view, x.data(), 5, y2.data()).ok());
+  EXPECT_EQ(y1, y2);  // rows are independent: the split must not change any bit
+}
+
+TEST_P(CpuKernelsTest, QuantizeActivationsQ8Bounds) {
+  std::mt19937 rng(3);
+  std::vector<float> x = RandomVec(rng, 2 * 96, -3.0f, 3.0f);
+  std::fill(x.begin() + 32, x.begin() + 64, 0.0f);  // an all-zero block
+  std::vector<int8_t> q(2 * 96);
+  std::vector<float> d(6), s(6);
+  QuantizeActivationsQ8(x.data(), 96, 2, 96, q.data(), d.data(), s.data());
+  for (int b = 0; b < 6; ++b) {
+    float amax = 0;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    EXPECT_FLOAT_EQ(d[b], amax / 127.0f);
+    for (int i = 0; i < 32; ++i) {
+      EXPECT_LE(std::abs(q[b * 32 + i]), 127);
+      EXPECT_NEAR(x[b * 32 + i], d[b] * q[b * 32 + i], 0.501 * d[b] + 1e-7);
+      sum += q[b * 32 + i];
+    }
+    EXPECT_FLOAT_EQ(s[b], d[b] * static_cast<float>(sum));
+  }
+  EXPECT_EQ(d[1], 0.0f);
+}
+
+TEST_P(CpuKernelsTest, MatMulRejectsBadInput) {
+  std::vector<uint8_t> bytes(1024);
+  std::vector<float> x(64), y(64);
+  WeightView w{GgmlType::kQ4_1, bytes.data(), 2, 48};  // 48 is not a whole number of blocks
+  EXPECT_EQ(MatMul(w, x.data(), 1, y.data()).code(), absl::StatusCode::kInvalidArgument);
+  w.cols = 32;
+  EXPECT_EQ(MatMul(w, x.data(), 16, 1, y.data(), 2).code(), absl::StatusCode::kInvalidArgument);
+  w.type = GgmlType::kQ2_K;  // known to ggml, not decodable here
+  w.cols = 256;
+  EXPECT_EQ(MatMul(w, x.data(), 0, y.data()).code(), absl::StatusCode::kUnimplemented);
+  w.type = static_cast<GgmlType>(4);  // not a ggml type at all
+  EXPECT_EQ(MatMul(w, x.data(), 1, y.data()).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------- ops
+
+TEST_P(CpuKernelsTest, RmsNorm) {
+  std::mt19937 rng(11);
+  for (int64_t n : {1, 7, 64, 576, 1001}) {
+    const int n_tokens = 3;
+    const std::vector<float> x = RandomVec(rng, n_tokens * n, -4.0f, 4.0f);
+    const std::vector<float> w = RandomVec(rng, n);
+    std::vector<float> y(x.size());
+    RmsNorm(x.data(), w.data(), n_tokens, n, 1e-5f, y.data());
+    for (int t = 0; t < n_tokens; ++t) {
+      double ss = 0;
+      for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[t * n + i]) * x[t * n + i];
+      const double scale = 1.0 / std::sqrt(ss / n + 1e-5);
+      for (int64_t i = 0; i < n; ++i) {
+        const double ref = x[t * n + i] * scale * w[i];
+        ASSERT_NEAR(y[t * n + i], ref, 2e-6 * std::fabs(ref) + 1e-7) << n << " " << i;
+      }
+    }
+    std::vector<float> inplace = x;  // y == x is allowed
+    RmsNorm(inplace.data(), w.data(), n_tokens, n, 1e-5f, inplace.data());
+    EXPECT_EQ(inplace, y);
+  }
+}
+
+TEST_P(CpuKernelsTest, SwiGluAddSoftmaxArgmax) {
+  std::mt19937 rng(12);
+  for (int64_t n : {1, 9, 1536, 1541}) {
+    const std::vector<float> g = RandomVec(rng, n, -20.0f, 20.0f);
+    const std::vector<float> u = RandomVec(rng, n, -3.0f, 3.0f);
+    std::vector<float> out(static_cast<size_t>(n));
+    SwiGlu(g.data(), u.data(), n, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const double ref = g[i] / (1.0 + std::exp(-static_cast<double>(g[i]))) * u[i];
+      // Vector exp is accurate to ~2e-7 relative; the division and product add ~1e-7.
+      ASSERT_NEAR(out[i], ref, 1e-6 * std::fabs(ref) + 1e-7) << i;
+    }
+    SwiGlu(g.data(), u.data(), n, out.data());
+    Add(g.data(), u.data(), n, out.data());
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], g[i] + u[i]);
+
+    std::vector<float> sm = RandomVec(rng, 2 * n, -30.0f, 30.0f);
+    const std::vector<float> orig = sm;
+    Softmax(sm.data(), 2, n);
+    for (int r = 0; r < 2; ++r) {
+      double m = -INFINITY, sum = 0;
+      for (int64_t i = 0; i < n; ++i) m = std::max<double>(m, orig[r * n + i]);
+      for (int64_t i = 0; i < n; ++i) sum += std::exp(orig[r * n + i] - m);
+      for (int64_t i = 0; i < n; ++i) {
+        const double ref = std::exp(orig[r * n + i] - m) / sum;
+        ASSERT_NEAR(sm[r * n + i], ref, 1e-6 * ref + 1e-9);
+      }
+    }
+  }
+  const float v[] = {1.0f, 5.0f, NAN, 5.0f, -2.0f};
+  EXPECT_EQ(Argmax(v, 5), 1);  // first maximum, NaN skipped
+  const float w[] = {NAN, -1.0f, -3.0f};
+  EXPECT_EQ(Argmax(w, 3), 1);
+  const float one[] = {-7.0f};
+  EXPECT_EQ(Argmax(one, 1), 0);
+}
+
+TEST_P(CpuKernelsTest, GetRows) {
+  std::mt19937 rng(13);
+  for (GgmlType type : {GgmlType::kQ8_0, GgmlType::kF16, GgmlType::kQ4_1, GgmlType::kF32}) {
+    const TestWeights table = MakeWeights(rng, type, 50, 96);
+    const std::vector<int32_t> ids = {0, 49, 17, 17};
+    std::vector<float> out(ids.size() * 96);
+    ASSERT_TRUE(GetRows(table.view, ids, out.data()).ok());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      for (int c = 0; c < 96; ++c) ASSERT_EQ(out[i * 96 + c], table.deq[ids[i] * 96 + c]);
+    }
+    const std::vector<int32_t> bad = {3, 50};
+    EXPECT_EQ(GetRows(table.view, bad, out.data()).code(), absl::StatusCode::kInvalidArgument);
+    const std::vector<int32_t> negative = {-1};
+    EXPECT_EQ(GetRows(table.view, negative, out.data()).code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_P(CpuKernelsTest, RopeRotatesAdjacentPairs) {
+  // head_dim 4, position 1, base 1e4: pair 0 turns by 1 rad, pair 1 by 0.01 rad, and
+  // the pairs are (x0, x1), (x2, x3) (llama NORM), not (x0, x2) (NEOX).
+  auto table = RopeTable::Create({4, 10000.0f, 1.0f}, 8);
+  ASSERT_TRUE(table.ok());
+  float x[4] = {1.0f, 0.0f, 0.0f, 1.0f};
+  const int32_t pos[] = {1};
+  ASSERT_TRUE(table->Apply(x, 1, 1, pos).ok());
+  EXPECT_NEAR(x[0], std::cos(1.0), 1e-6);
+  EXPECT_NEAR(x[1], std::sin(1.0), 1e-6);
+  EXPECT_NEAR(x[2], -std::sin(0.01), 1e-6);
+  EXPECT_NEAR(x[3], std::cos(0.01), 1e-6);
+}
+
+TEST_P(CpuKernelsTest, RopeMatchesReference) {
+  std::mt19937 rng(14);
+  for (int head_dim : {64, 128, 6}) {
+    for (float freq_scale : {1.0f, 0.25f}) {
+      const float base = 100000.0f;
+      auto table = RopeTable::Create({head_dim, base, freq_scale}, 5000);
+      ASSERT_TRUE(table.ok());
+      const int n_tokens = 5, n_heads = 3;
+      const std::vector<int32_t> pos = {0, 1, 17, 4095, 4999};
+      std::vector<float> x = RandomVec(rng, n_tokens * n_heads * head_dim);
+      const std::vector<float> orig = x;
+      ASSERT_TRUE(table->Apply(x.data(), n_tokens, n_heads, pos).ok());
+      for (int t = 0; t < n_tokens; ++t) {
+        for (int h = 0; h < n_heads; ++h) {
+          for (int i = 0; i < head_dim / 2; ++i) {
+            const double theta = pos[t] * static_cast<double>(freq_scale) *
+                                 std::pow(static_cast<double>(base), -2.0 * i / head_dim);
+            const size_t o = (static_cast<size_t>(t) * n_heads + h) * head_dim + 2 * i;
+            const double x0 = orig[o], x1 = orig[o + 1];
+            // Table entries are f32-rounded cos/sin (error 6e-8), then two products.
+            ASSERT_NEAR(x[o], x0 * std::cos(theta) - x1 * std::sin(theta), 3e-7);
+            ASSERT_NEAR(x[o + 1], x0 * std::sin(theta) + x1 * std::cos(theta), 3e-7);
+          }
+        }
+      }
+      const std::vector<int32_t> bad = {5000};
+      EXPECT_EQ(table->Apply(x.data(), 1, n_heads, bad).code(), absl::StatusCode::kInvalidArgument);
+    }
+  }
+  EXPECT_FALSE(RopeTable::Create({63, 10000.0f, 1.0f}, 8).ok());
+}
+
+// ---------------------------------------------------------------- KV + attention
+
+float RoundTo(KvDtype dtype, float v) {
+  switch (dtype) {
+    case KvDtype::kF16: return gguf::Fp16ToFp32(gguf::Fp32ToFp16(v));
+    case KvDtype::kBF16: return gguf::Bf16ToFp32(gguf::Fp32ToBf16(v));
+    case KvDtype::kF32: return v;
+  }
+  return v;
+}
+
+float ReadElt(const PageLayout& L, const uint8_t* p) {
+  if (L.dtype == KvDtype::kF32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return L.dtype == KvDtype::kF16 ? gguf::Fp16ToFp32(h) : gguf::Bf16ToFp32(h);
+}
+
+TEST_P(CpuKernelsTest, WriteKvPlacesRowsPerLayout) {
+  std::mt19937 rng(21);
+  for (KvDtype dtype : {KvDtype::kF16, KvDtype::kF32, KvDtype::kBF16}) {
+    PageLayout L{3, 2, 40, 4, dtype};  // head_dim 40: not a multiple of 16
+    std::vector<uint8_t> slab(static_cast<size_t>(6 * L.page_bytes()), 0xAB);
+    const std::vector<int32_t> pages = {4, 1, 5};
+    const int first = 2, n = 9, layer = 1;
+    const std::vector<float> k = RandomVec(rng, n * L.row_elems());
+    const std::vector<float> v = RandomVec(rng, n * L.row_elems());
+    ASSERT_TRUE(WriteKv(L, slab.data(), pages, layer, first, n, k.data(), v.data()).ok());
+    size_t written = 0;
+    for (int t = 0; t < n; ++t) {
+      const int pos = first + t;
+      const uint8_t* page = slab.data() + pages[pos / 4] * L.page_bytes();
+      for (int e = 0; e < L.row_elems(); ++e) {
+        ASSERT_EQ(ReadElt(L, page + L.k_offset(layer, pos % 4) + e * L.elt_bytes()),
+                  RoundTo(dtype, k[t * L.row_elems() + e]));
+        ASSERT_EQ(ReadElt(L, page + L.v_offset(layer, pos % 4) + e * L.elt_bytes()),
+                  RoundTo(dtype, v[t * L.row_elems() + e]));
+        written += 2 * L.elt_bytes();
+      }
+    }
+    // Nothing else changed.
+    size_t untouched = 0;
+    for (uint8_t b : slab) untouched += b == 0xAB;
+    EXPECT_GE(untouched, slab.size() - written);
+    EXPECT_EQ(WriteKv(L, slab.data(), pages, layer, 10, 3, k.data(), v.data()).code(),
+              absl::StatusCode::kInvalidArgument);  // position 12 needs a 4th page
+    EXPECT_EQ(WriteKv(L, slab.data(), pages, 3, 0, 1, k.data(), v.data()).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
+struct AttnCase {
+  int n_heads, kv_heads, head_dim, page_tokens, window;
+  KvDtype dtype;
+  std::vector<std::pair<int, int>> seqs;  // (n_cached, n_query)
+};
+
+void RunAttentionCase(const AttnCase& ac, std::mt19937& rng) {
+  PageLayout L{2, ac.kv_heads, ac.head_dim, ac.page_tokens, ac.dtype};
+  const int layer = 1;
+  int total_pages = 0;
+  for (auto [n_cached, n_query] : ac.seqs) total_pages += (n_cached + ac.page_tokens - 1) / ac.page_tokens;
+  std::vector<uint8_t> slab(static_cast<size_t>((total_pages + 1) * L.page_bytes()));
+  // Pages of all sequences interleaved in a shuffled order.
+  std::vector<int32_t> ids(total_pages);
+  std::iota(ids.begin(), ids.end(), 1);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<std::vector<float>> ks, vs;  // per sequence [n_cached][kv_heads][head_dim]
+  std::vector<AttentionSeq> seqs;
+  int next = 0, total_q = 0;
+  for (auto [n_cached, n_query] : ac.seqs) {
+    const int np = (n_cached + ac.page_tokens - 1) / ac.page_tokens;
+    tables.emplace_back(ids.begin() + next, ids.begin() + next + np);
+    next += np;
+    ks.push_back(RandomVec(rng, n_cached * L.row_elems(), -2.0f, 2.0f));
+    vs.push_back(RandomVec(rng, n_cached * L.row_elems()));
+    // Written in two calls, as a prefix then a step would.
+    const int split = n_cached / 3;
+    ASSERT_TRUE(WriteKv(L, slab.data(), tables.back(), layer, 0, split, ks.back().data(),
+                        vs.back().data()).ok());
+    ASSERT_TRUE(WriteKv(L, slab.data(), tables.back(), layer, split, n_cached - split,
+                        ks.back().data() + split * L.row_elems(),
+                        vs.back().data() + split * L.row_elems()).ok());
+    total_q += n_query;
+  }
+  for (size_t s = 0; s < ac.seqs.size(); ++s) {
+    seqs.push_back({tables[s], ac.seqs[s].first, ac.seqs[s].second});
+  }
+  const int hd = ac.head_dim, G = ac.n_heads / ac.kv_heads;
+  const std::vector<float> q = RandomVec(rng, total_q * ac.n_heads * hd, -1.0f, 1.0f);
+  std::vector<float> out(q.size(), NAN);
+  AttentionParams p;
+  p.layout = L;
+  p.kv_base = slab.data();
+  p.layer = layer;
+  p.n_heads = ac.n_heads;
+  p.sliding_window = ac.window;
+  ASSERT_TRUE(PagedAttention(p, seqs, q.data(), out.data()).ok());
+
+  int row = 0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (size_t s = 0; s < ac.seqs.size(); ++s) {
+    const auto [n_cached, n_query] = ac.seqs[s];
+    for (int i = 0; i < n_query; ++i, ++row) {
+      const int pos = n_cached - n_query + i;
+      const int lo = ac.window > 0 ? std::max(0, pos - ac.window + 1) : 0;
+      for (int h = 0; h < ac.n_heads; ++h) {
+        const int kvh = h / G;
+        const float* qh = q.data() + (static_cast<size_t>(row) * ac.n_heads + h) * hd;
+        std::vector<double> sc(pos + 1, 0.0);
+        double m = -INFINITY;
+        for (int j = lo; j <= pos; ++j) {
+          double d = 0;
+          for (int e = 0; e < hd; ++e) {
+            d += qh[e] * static_cast<double>(RoundTo(ac.dtype, ks[s][(static_cast<size_t>(j) * ac.kv_heads + kvh) * hd + e]));
+          }
+          sc[j] = d * scale;
+          m = std::max(m, sc[j]);
+        }
+        double l = 0;
+        for (int j = lo; j <= pos; ++j) l += std::exp(sc[j] - m);
+        for (int e = 0; e < hd; ++e) {
+          double o = 0;
+          for (int j = lo; j <= pos; ++j) {
+            o += std::exp(sc[j] - m) / l *
+                 RoundTo(ac.dtype, vs[s][(static_cast<size_t>(j) * ac.kv_heads + kvh) * hd + e]);
+          }
+          // |V| <= 1 and the output is a convex combination of V rows: f32 scores,
+          // vector exp (2e-7) and f32 accumulation over <= 1k keys stay below 2e-5.
+          ASSERT_NEAR(out[(static_cast<size_t>(row) * ac.n_heads + h) * hd + e], o, 2e-5)
+              << "seq " << s << " query " << i << " head " << h << " dim " << e;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
+  std::mt19937 rng(31);
+  const std::vector<AttnCase> cases = {
+      // SmolLM2 shape: GQA group 3; a batch of decodes of mixed lengths incl. partial pages.
+      {9, 3, 64, 16, 0, KvDtype::kF16, {{1, 1}, {15, 1}, {16, 1}, {17, 1}, {700, 1}, {33, 1}}},
+      // One long decode alone (split into key ranges and merged).
+      {9, 3, 64, 16, 0, KvDtype::kF16, {{1100, 1}}},
+      // Prefill from empty and a chunked prefill after a cached prefix, with a decode.
+      {9, 3, 64, 16, 0, KvDtype::kF16, {{40, 40}, {75, 23}, {9, 1}}},
+      // head_dim 128, MHA (group 1), f32 KV, odd page size.
+      {4, 4, 128, 5, 0, KvDtype::kF32, {{23, 23}, {301, 2}}},
+      // Group 8, bf16.
+      {16, 2, 64, 16, 0, KvDtype::kBF16, {{50, 50}, {300, 1}}},
+      // MQA (one kv head) and a sliding window, prefill + decode.
+      {8, 1, 128, 16, 37, KvDtype::kF16, {{90, 90}, {600, 1}, {64, 7}}},
+      // Window larger than the sequence; head_dim not a multiple of 8 (scalar path).
+      {6, 3, 20, 4, 1000, KvDtype::kF16, {{30, 30}, {11, 1}}},
+  };
+  for (int threads : {1, 2}) {
+    SetNumThreads(threads);
+    for (size_t c = 0; c < cases.size(); ++c) {
+      SCOPED_TRACE(::testing::Message() << "case " << c << " threads " << threads);
+      RunAttentionCase(cases[c], rng);
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, PagedAttentionRejectsBadShapes) {
+  PageLayout L{2, 3, 64, 16, KvDtype::kF16};
+  std::vector<uint8_t> slab(static_cast<size_t>(L.page_bytes()));
+  const std::vector<int32_t> pages = {0};
+  std::vector<float> q(9 * 64), out(9 * 64);
+  AttentionParams p;
+  p.layout = L;
+  p.kv_base = slab.data();
+  p.n_heads = 8;  // not a multiple of kv_heads
+  const AttentionSeq seq{pages, 5, 1};
+  EXPECT_EQ(PagedAttention(p, {&seq, 1}, q.data(), out.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  p.n_heads = 9;
+  const AttentionSeq long_seq{pages, 17, 1};  // 17 tokens need 2 pages
+  EXPECT_EQ(PagedAttention(p, {&long_seq, 1}, q.data(), out.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(PagedAttention(p, {&seq, 1}, q.data(), out.data()).ok());
+}
+
+std::string LevelName(const ::testing::TestParamInfo<CpuKernelLevel>& info) {
+  return CpuKernelLevelName(info.param);
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, CpuKernelsTest,
+                         ::testing::ValuesIn(SupportedCpuKernelLevels()), LevelName);
+
+TEST(CpuFeaturesTest, LevelsAndThreads) {
+  EXPECT_EQ(SupportedCpuKernelLevels().front(), CpuKernelLevel::kScalar);
+  EXPECT_EQ(GetCpuKernelLevel(), MaxSupportedCpuKernelLevel());
+  EXPECT_FALSE(SetCpuKernelLevel(static_cast<CpuKernelLevel>(7)).ok());
+  SetNumThreads(0);
+  EXPECT_EQ(NumThreads(), 1);
+  SetNumThreads(2);
+  EXPECT_EQ(NumThreads(), 2);
+}
+
+}  // namespace
+}  // namespace kvcache::cpu

@@ -1,0 +1,521 @@
+#include "worker/backend/cpu/attention.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/gguf/fp16.h"
+#include "worker/backend/cpu/cpu_features.h"
+#include "worker/backend/cpu/simd_math.h"
+
+namespace kvcache::cpu {
+namespace {
+
+// Query rows (query tokens x heads of one group) per work item: Q, O and the
+// converted K/V chunk then stay in L1 (32 x 128 x 4 B = 16 KiB each at most).
+constexpr int kMaxItemRows = 32;
+// Keys below which a (sequence, kv head, query block) is never split.
+constexpr int kMinSplitKeys = 256;
+
+// ---- Inner loops, per ISA level ----
+struct AttnKernels {
+  // dst[j][0..width) = f32(src + j * src_stride bytes), j < n.
+  void (*to_f32)(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width, float* dst);
+  // s[j] = q · kf[j * ld .. + hd), j < n.  q: [hd].
+  void (*scores)(const float* q, const float* kf, int64_t ld, int n, int hd, float* s);
+  // s[j] = e^(s[j] - m) for j < n; returns the sum. s has room for n rounded up to 8.
+  float (*exp_sum)(float* s, int n, float m);
+  // o[0..hd) = o * corr + sum_j p[j] * vf[j * ld .. + hd).
+  void (*pv)(float* o, const float* p, const float* vf, int64_t ld, int n, int hd, float corr);
+};
+
+void ToF32Scalar(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width,
+                 float* dst) {
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* row = src + j * src_stride;
+    float* d = dst + static_cast<int64_t>(j) * width;
+    for (int i = 0; i < width; ++i) {
+      uint16_t h;
+      switch (dtype) {
+        case KvDtype::kF32: std::memcpy(&d[i], row + 4 * i, 4); break;
+        case KvDtype::kF16: std::memcpy(&h, row + 2 * i, 2); d[i] = gguf::Fp16ToFp32(h); break;
+        case KvDtype::kBF16: std::memcpy(&h, row + 2 * i, 2); d[i] = gguf::Bf16ToFp32(h); break;
+      }
+    }
+  }
+}
+
+void ScoresScalar(const float* q, const float* kf, int64_t ld, int n, int hd, float* s) {
+  for (int j = 0; j < n; ++j) {
+    float sum = 0.0f;
+    for (int i = 0; i < hd; ++i) sum += q[i] * kf[j * ld + i];
+    s[j] = sum;
+  }
+}
+
+float ExpSumScalar(float* s, int n, float m) {
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+
+void PvScalar(float* o, const float* p, const float* vf, int64_t ld, int n, int hd, float corr) {
+  for (int i = 0; i < hd; ++i) {
+    float acc = o[i] * corr;
+    for (int j = 0; j < n; ++j) acc += p[j] * vf[j * ld + i];
+    o[i] = acc;
+  }
+}
+
+// AVX2 versions. REQUIRES hd % 8 == 0 (checked by the dispatcher).
+KVCACHE_TARGET_AVX2 void ToF32Avx2(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n,
+                                   int width, float* dst) {
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* row = src + j * src_stride;
+    float* d = dst + static_cast<int64_t>(j) * width;
+    for (int i = 0; i < width; i += 8) {
+      __m256 v;
+      if (dtype == KvDtype::kF16) {
+        v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+      } else if (dtype == KvDtype::kBF16) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+        v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      } else {
+        v = _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+      }
+      _mm256_storeu_ps(d + i, v);
+    }
+  }
+}
+
+KVCACHE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* kf, int64_t ld, int n, int hd,
+                                    float* s) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k0 = kf + j * ld;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < hd; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ld + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ld + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ld + i), a3);
+    }
+    // hadd tree: lane k of the result is the full sum of a_k.
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+  for (; j < n; ++j) {
+    const float* k = kf + j * ld;
+    __m256 a = _mm256_setzero_ps();
+    for (int i = 0; i < hd; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    s[j] = simd::HSum(a);
+  }
+}
+
+KVCACHE_TARGET_AVX2 float ExpSumAvx2(float* s, int n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = simd::Exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (j < n) {  // masked tail: lanes >= n - j contribute exact zeros
+    alignas(32) float tail[8];
+    for (int k = 0; k < 8; ++k) tail[k] = j + k < n ? s[j + k] - m : -INFINITY;
+    const __m256 e = simd::Exp(_mm256_load_ps(tail));
+    _mm256_store_ps(tail, e);
+    for (int k = 0; j + k < n; ++k) s[j + k] = tail[k];
+    sum = _mm256_add_ps(sum, e);
+  }
+  return simd::HSum(sum);
+}
+
+KVCACHE_TARGET_AVX2 void PvAvx2(float* o, const float* p, const float* vf, int64_t ld, int n,
+                                int hd, float corr) {
+  const __m256 cv = _mm256_set1_ps(corr);
+  int i = 0;
+  for (; i + 32 <= hd; i += 32) {
+    __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(o + i), cv);
+    __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(o + i + 8), cv);
+    __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(o + i + 16), cv);
+    __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(o + i + 24), cv);
+    for (int j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_broadcast_ss(p + j);
+      const float* v = vf + j * ld + i;
+      o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), o0);
+      o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), o1);
+      o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), o2);
+      o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), o3);
+    }
+    _mm256_storeu_ps(o + i, o0);
+    _mm256_storeu_ps(o + i + 8, o1);
+    _mm256_storeu_ps(o + i + 16, o2);
+    _mm256_storeu_ps(o + i + 24, o3);
+  }
+  for (; i < hd; i += 8) {
+    __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(o + i), cv);
+    for (int j = 0; j < n; ++j) {
+      o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vf + j * ld + i), o0);
+    }
+    _mm256_storeu_ps(o + i, o0);
+  }
+}
+
+// n % 8 == 0 floats -> f16, round to nearest even (same as gguf::Fp32ToFp16).
+KVCACHE_TARGET_AVX2 void F32ToF16Avx2(const float* src, uint8_t* dst, int64_t n) {
+  for (int64_t j = 0; j < n; j += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+  }
+}
+
+const AttnKernels kScalarKernels = {ToF32Scalar, ScoresScalar, ExpSumScalar, PvScalar};
+const AttnKernels kAvx2Kernels = {ToF32Avx2, ScoresAvx2, ExpSumAvx2, PvAvx2};
+
+// ---- Work decomposition ----
+
+// Query rows (tokens [q0, q1) x the query heads of kv heads [h0, h1)) of one
+// sequence against keys [k0, k1). Row r is token q0 + r / HG, query head
+// h0 * group + r % HG, with HG = (h1 - h0) * group.
+struct Item {
+  int seq;
+  int h0, h1;    // kv heads
+  int q0, q1;    // query tokens of the sequence (0 = its first query token)
+  int k0, k1;    // key positions
+  int part;      // -1: writes `out` directly; else index of its partial state
+  int64_t cost;  // ~ rows x keys
+};
+
+// An (h0, h1, q0, q1) unit of a sequence whose key range was split into parts.
+struct SplitGroup {
+  Item unit;  // k0/k1/part unused
+  int first_part, n_parts;
+};
+
+struct Ctx {
+  const AttentionParams* p;
+  const AttentionSeq* seqs;
+  const int64_t* q_row0;       // [n_seqs] first row of each sequence in q/out
+  const float* q;              // [rows][n_heads][hd]
+  float* out;                  // [rows][n_heads][hd]
+  const int64_t* part_offset;  // [n_parts] float offset of each part in `partials`
+  float* partials;             // per part: m[rows], l[rows], o[rows][hd]
+  int group;
+  int hd;
+  float scale;
+};
+
+int FirstVisible(const AttentionParams& p, int pos) {
+  return p.sliding_window > 0 ? std::max(0, pos - p.sliding_window + 1) : 0;
+}
+
+int ItemRows(const Item& it, int group) { return (it.q1 - it.q0) * (it.h1 - it.h0) * group; }
+
+// Offset of row r's q/out vector: [rows][n_heads][hd].
+int64_t RowOffset(const Ctx& c, const Item& it, int r) {
+  const int hg = (it.h1 - it.h0) * c.group;
+  const int i = it.q0 + r / hg;
+  const int h = it.h0 * c.group + r % hg;
+  return ((c.q_row0[it.seq] + i) * c.p->n_heads + h) * c.hd;
+}
+
+void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch) {
+  const AttentionParams& p = *c.p;
+  const AttentionSeq& seq = c.seqs[it.seq];
+  const PageLayout& L = p.layout;
+  const int hd = c.hd, G = c.group, pt = L.page_tokens;
+  const int hg = (it.h1 - it.h0) * G;
+  const int width = (it.h1 - it.h0) * hd;  // converted floats per key
+  const int n_rows = ItemRows(it, G);
+  const int first_q_pos = seq.n_cached - seq.n_query;
+  // scratch: Q, O [kMaxItemRows][hd] | M, L [kMaxItemRows] | Kf, Vf [pt][width] | S [pt + 8]
+  float* Q = scratch;
+  float* O = Q + kMaxItemRows * hd;
+  float* M = O + kMaxItemRows * hd;
+  float* Lsum = M + kMaxItemRows;
+  float* Kf = Lsum + kMaxItemRows;
+  float* Vf = Kf + static_cast<int64_t>(pt) * width;
+  float* S = Vf + static_cast<int64_t>(pt) * width;
+  int lo[kMaxItemRows], hi[kMaxItemRows];  // visible key positions [lo, hi] per row
+
+  for (int r = 0; r < n_rows; ++r) {
+    const float* qr = c.q + RowOffset(c, it, r);  // [hd]
+    for (int d = 0; d < hd; ++d) Q[r * hd + d] = qr[d] * c.scale;
+    std::fill(O + r * hd, O + (r + 1) * hd, 0.0f);
+    M[r] = -INFINITY;
+    Lsum[r] = 0.0f;
+    hi[r] = first_q_pos + it.q0 + r / hg;
+    lo[r] = FirstVisible(p, hi[r]);
+  }
+
+  const int64_t row_bytes = L.row_bytes();
+  const int64_t head_off = static_cast<int64_t>(it.h0) * hd * L.elt_bytes();
+  const int64_t width_bytes = width * L.elt_bytes();
+  for (int c0 = it.k0; c0 < it.k1;) {
+    const int page_idx = c0 / pt;
+    const int slot0 = c0 % pt;
+    const int c1 = std::min(it.k1, (page_idx + 1) * pt);
+    const int n = c1 - c0;
+    const uint8_t* page = L.page(p.kv_base, seq.page_table[page_idx]);
+    if (c1 < it.k1) {
+      // The next page is elsewhere in the slab: start its loads now, since the
+      // hardware prefetcher only follows the stream within a page.
+      const uint8_t* next = L.page(p.kv_base, seq.page_table[page_idx + 1]);
+      const int n_next = std::min(pt, it.k1 - c1);
+      for (int j = 0; j < n_next; ++j) {
+        for (int64_t b = 0; b < width_bytes; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + L.k_offset(p.layer, j) + head_off + b), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next + L.v_offset(p.layer, j) + head_off + b), _MM_HINT_T0);
+        }
+      }
+    }
+    // Kf, Vf: [n][width] = keys c0..c1-1, kv heads h0..h1-1, rows row_bytes apart.
+    k.to_f32(page + L.k_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Kf);
+    k.to_f32(page + L.v_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Vf);
+    for (int r = 0; r < n_rows; ++r) {
+      if (c1 <= lo[r] || c0 > hi[r]) continue;
+      const int64_t kv_off = static_cast<int64_t>((r % hg) / G) * hd;  // this row's kv head
+      k.scores(Q + r * hd, Kf + kv_off, width, n, hd, S);
+      float m_chunk = -INFINITY;
+      if (c0 >= lo[r] && c1 - 1 <= hi[r]) {
+        for (int j = 0; j < n; ++j) m_chunk = std::max(m_chunk, S[j]);
+      } else {
+        for (int j = 0; j < n; ++j) {
+          if (c0 + j < lo[r] || c0 + j > hi[r]) S[j] = -INFINITY;
+          m_chunk = std::max(m_chunk, S[j]);
+        }
+      }
+      const float m_new = std::max(M[r], m_chunk);
+      const float corr = M[r] == -INFINITY ? 0.0f : std::exp(M[r] - m_new);
+      const float sum = k.exp_sum(S, n, m_new);
+      Lsum[r] = Lsum[r] * corr + sum;
+      M[r] = m_new;
+      k.pv(O + r * hd, S, Vf + kv_off, width, n, hd, corr);
+    }
+    c0 = c1;
+  }
+
+  if (it.part < 0) {
+    for (int r = 0; r < n_rows; ++r) {
+      float* orow = c.out + RowOffset(c, it, r);  // [hd]
+      const float inv = Lsum[r] > 0.0f ? 1.0f / Lsum[r] : 0.0f;
+      for (int d = 0; d < hd; ++d) orow[d] = O[r * hd + d] * inv;
+    }
+  } else {
+    float* dst = c.partials + c.part_offset[it.part];  // m[n_rows] | l[n_rows] | o[n_rows][hd]
+    std::copy(M, M + n_rows, dst);
+    std::copy(Lsum, Lsum + n_rows, dst + n_rows);
+    std::copy(O, O + static_cast<int64_t>(n_rows) * hd, dst + 2 * n_rows);
+  }
+}
+
+// Combines the partial softmax states of one split group into `out`.
+void MergeGroup(const Ctx& c, const SplitGroup& g) {
+  const int hd = c.hd;
+  const int n_rows = ItemRows(g.unit, c.group);
+  for (int r = 0; r < n_rows; ++r) {
+    float m = -INFINITY;
+    for (int s = 0; s < g.n_parts; ++s) m = std::max(m, c.partials[c.part_offset[g.first_part + s] + r]);
+    float* orow = c.out + RowOffset(c, g.unit, r);  // [hd]
+    std::fill(orow, orow + hd, 0.0f);
+    float l = 0.0f;
+    for (int s = 0; s < g.n_parts; ++s) {
+      const float* part = c.partials + c.part_offset[g.first_part + s];
+      const float ms = part[r];
+      if (ms == -INFINITY) continue;  // this key range had no visible key for the row
+      const float w = std::exp(ms - m);
+      l += part[n_rows + r] * w;
+      const float* o = part + 2 * n_rows + static_cast<int64_t>(r) * hd;
+      for (int d = 0; d < hd; ++d) orow[d] += o[d] * w;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < hd; ++d) orow[d] *= inv;
+  }
+}
+
+}  // namespace
+
+absl::Status WriteKv(const PageLayout& layout, void* base, absl::Span<const int32_t> page_table,
+                     int layer, int first_pos, int n_tokens, const float* k, const float* v) {
+  if (layer < 0 || layer >= layout.layers || first_pos < 0 || n_tokens < 0 ||
+      layout.page_tokens <= 0 || layout.kv_heads <= 0 || layout.head_dim <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("WriteKv: bad layer ", layer, " first_pos ",
+                                                   first_pos, " n_tokens ", n_tokens));
+  }
+  if (n_tokens == 0) return absl::OkStatus();
+  const int64_t last_page = (static_cast<int64_t>(first_pos) + n_tokens - 1) / layout.page_tokens;
+  if (last_page >= static_cast<int64_t>(page_table.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("WriteKv: position ", first_pos + n_tokens - 1,
+                                                   " needs page ", last_page, " of a ",
+                                                   page_table.size(), "-page table"));
+  }
+  const int64_t row = layout.row_elems();
+  const bool avx2 = GetCpuKernelLevel() >= CpuKernelLevel::kAvx2;
+  for (int t = 0; t < n_tokens; ++t) {
+    const int pos = first_pos + t;
+    uint8_t* page = layout.page(base, page_table[pos / layout.page_tokens]);
+    const int slot = pos % layout.page_tokens;
+    for (int which = 0; which < 2; ++which) {
+      const float* src = (which == 0 ? k : v) + t * row;  // [kv_heads][head_dim]
+      uint8_t* dst = page + (which == 0 ? layout.k_offset(layer, slot) : layout.v_offset(layer, slot));
+      switch (layout.dtype) {
+        case KvDtype::kF32:
+          std::memcpy(dst, src, static_cast<size_t>(row) * 4);
+          break;
+        case KvDtype::kF16: {
+          int64_t i = 0;
+          if (avx2) {
+            i = row / 8 * 8;
+            F32ToF16Avx2(src, dst, i);
+          }
+          for (; i < row; ++i) {
+            const uint16_t h = gguf::Fp32ToFp16(src[i]);
+            std::memcpy(dst + 2 * i, &h, 2);
+          }
+          break;
+        }
+        case KvDtype::kBF16:
+          for (int64_t i = 0; i < row; ++i) {
+            const uint16_t h = gguf::Fp32ToBf16(src[i]);
+            std::memcpy(dst + 2 * i, &h, 2);
+          }
+          break;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PagedAttention(const AttentionParams& params, absl::Span<const AttentionSeq> seqs,
+                            const float* q, float* out) {
+  const PageLayout& L = params.layout;
+  if (L.kv_heads <= 0 || L.head_dim <= 0 || L.page_tokens <= 0 || params.n_heads <= 0 ||
+      params.n_heads % L.kv_heads != 0 || params.layer < 0 || params.layer >= L.layers ||
+      params.n_heads / L.kv_heads > kMaxItemRows || params.sliding_window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PagedAttention: bad shape n_heads=", params.n_heads, " kv_heads=", L.kv_heads,
+        " head_dim=", L.head_dim, " layer=", params.layer, "/", L.layers));
+  }
+  const int G = params.n_heads / L.kv_heads;
+  const int hd = L.head_dim;
+  std::vector<int64_t> q_row0(seqs.size());
+  int64_t rows = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const AttentionSeq& sq = seqs[s];
+    if (sq.n_query < 0 || sq.n_cached < sq.n_query ||
+        (static_cast<int64_t>(sq.n_cached) + L.page_tokens - 1) / L.page_tokens >
+            static_cast<int64_t>(sq.page_table.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PagedAttention: sequence ", s, " has n_cached=", sq.n_cached, " n_query=",
+          sq.n_query, " and ", sq.page_table.size(), " pages"));
+    }
+    q_row0[s] = rows;
+    rows += sq.n_query;
+  }
+  if (rows == 0) return absl::OkStatus();
+  if (params.kv_base == nullptr || q == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError("PagedAttention: null pointer");
+  }
+
+  // Plan: units of (sequence, kv heads, query block), then page-aligned key splits.
+  // A decode token takes all kv heads in one unit when their K/V chunk fits in
+  // L1: a page's K (and V) block of the layer is then read as one contiguous run.
+  const int n_threads = NumThreads();
+  const int pt = L.page_tokens;
+  const bool group_heads_for_decode =
+      params.n_heads <= kMaxItemRows && static_cast<int64_t>(pt) * L.kv_heads * hd * 4 <= 32 * 1024;
+  std::vector<Item> units;
+  int64_t total_cost = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const AttentionSeq& sq = seqs[s];
+    const int first_q_pos = sq.n_cached - sq.n_query;
+    const int heads_per_unit = sq.n_query == 1 && group_heads_for_decode ? L.kv_heads : 1;
+    const int q_block = std::max(1, kMaxItemRows / (heads_per_unit * G));
+    for (int q0 = 0; q0 < sq.n_query; q0 += q_block) {
+      const int q1 = std::min(sq.n_query, q0 + q_block);
+      const int k0 = FirstVisible(params, first_q_pos + q0);
+      const int k1 = first_q_pos + q1;  // the last query token's own position + 1
+      for (int h0 = 0; h0 < L.kv_heads; h0 += heads_per_unit) {
+        Item u{static_cast<int>(s), h0, h0 + heads_per_unit, q0, q1, k0, k1, -1, 0};
+        u.cost = static_cast<int64_t>(ItemRows(u, G)) * (k1 - k0) + 64;
+        units.push_back(u);
+        total_cost += u.cost;
+      }
+    }
+  }
+  // Split so there are about 4 items per thread, never below kMinSplitKeys keys.
+  const int64_t target = std::max<int64_t>(total_cost / (4 * n_threads) + 1, 1);
+  std::vector<Item> items;
+  std::vector<SplitGroup> groups;
+  std::vector<int64_t> part_offset;
+  int64_t partial_floats = 0;
+  for (const Item& u : units) {
+    const int keys = u.k1 - u.k0;
+    const int n_split = static_cast<int>(std::min<int64_t>((u.cost + target - 1) / target,
+                                                           std::max(1, keys / kMinSplitKeys)));
+    if (n_split <= 1) {
+      items.push_back(u);
+      continue;
+    }
+    // Split length rounded up to whole pages, so each part converts whole chunks.
+    const int split_keys = ((keys + n_split - 1) / n_split + pt - 1) / pt * pt;
+    const int n_rows = ItemRows(u, G);
+    SplitGroup g{u, static_cast<int>(part_offset.size()), 0};
+    for (int s0 = u.k0; s0 < u.k1;) {
+      int s1 = (s0 + split_keys) / pt * pt;
+      if (s1 <= s0) s1 = s0 + split_keys;
+      s1 = std::min(s1, u.k1);
+      Item part = u;
+      part.k0 = s0;
+      part.k1 = s1;
+      part.part = static_cast<int>(part_offset.size());
+      part.cost = static_cast<int64_t>(n_rows) * (s1 - s0) + 64;
+      items.push_back(part);
+      part_offset.push_back(partial_floats);
+      partial_floats += static_cast<int64_t>(n_rows) * (hd + 2);
+      ++g.n_parts;
+      s0 = s1;
+    }
+    groups.push_back(g);
+  }
+  // Longest first + dynamic scheduling balances lengths that differ a lot.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> partials(static_cast<size_t>(partial_floats));
+
+  const Ctx ctx{&params,         seqs.data(), q_row0.data(),
+                q,               out,         part_offset.data(),
+                partials.data(), G,           hd,
+                params.scale > 0.0f ? params.scale : 1.0f / std::sqrt(static_cast<float>(hd))};
+  const bool avx2 = GetCpuKernelLevel() >= CpuKernelLevel::kAvx2 && hd % 8 == 0;
+  const AttnKernels& k = avx2 ? kAvx2Kernels : kScalarKernels;
+  const int64_t max_width = static_cast<int64_t>(group_heads_for_decode ? L.kv_heads : 1) * hd;
+  const int64_t scratch_floats =
+      2 * kMaxItemRows * hd + 2 * kMaxItemRows + 2 * pt * max_width + pt + 8;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  const int threads = static_cast<int>(std::min<int64_t>(n_threads, n_items));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(static_cast<size_t>(scratch_floats));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) RunItem(k, ctx, items[i], scratch.data());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < n_groups; ++g) MergeGroup(ctx, groups[g]);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvcache::cpu

@@ -1,0 +1,88 @@
+#include "worker/backend/cpu/cpu_features.h"
+
+#include <cpuid.h>
+#include <omp.h>
+
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcache::cpu {
+namespace {
+
+// CPUID.1:ECX bit 29. Read directly: clang 14's __builtin_cpu_supports lacks "f16c".
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
+CpuKernelLevel DetectLevel() {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c();
+  if (!avx2) return CpuKernelLevel::kScalar;
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512vnni");
+  return avx512 ? CpuKernelLevel::kAvx512 : CpuKernelLevel::kAvx2;
+}
+
+// -1 = not yet chosen (resolved lazily so static initialisation order never matters).
+std::atomic<int> g_level{-1};
+std::atomic<int> g_threads{0};
+
+}  // namespace
+
+const char* CpuKernelLevelName(CpuKernelLevel level) {
+  switch (level) {
+    case CpuKernelLevel::kScalar: return "scalar";
+    case CpuKernelLevel::kAvx2: return "avx2";
+    case CpuKernelLevel::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+CpuKernelLevel MaxSupportedCpuKernelLevel() {
+  static const CpuKernelLevel kMax = DetectLevel();
+  return kMax;
+}
+
+std::vector<CpuKernelLevel> SupportedCpuKernelLevels() {
+  std::vector<CpuKernelLevel> out;
+  for (int l = 0; l <= static_cast<int>(MaxSupportedCpuKernelLevel()); ++l) {
+    out.push_back(static_cast<CpuKernelLevel>(l));
+  }
+  return out;
+}
+
+CpuKernelLevel GetCpuKernelLevel() {
+  int l = g_level.load(std::memory_order_relaxed);
+  if (l < 0) {
+    l = static_cast<int>(MaxSupportedCpuKernelLevel());
+    g_level.store(l, std::memory_order_relaxed);
+  }
+  return static_cast<CpuKernelLevel>(l);
+}
+
+absl::Status SetCpuKernelLevel(CpuKernelLevel level) {
+  if (static_cast<int>(level) < 0 ||
+      static_cast<int>(level) > static_cast<int>(MaxSupportedCpuKernelLevel())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu kernel level ", CpuKernelLevelName(level),
+                     " not supported; max is ", CpuKernelLevelName(MaxSupportedCpuKernelLevel())));
+  }
+  g_level.store(static_cast<int>(level), std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+int NumThreads() {
+  int n = g_threads.load(std::memory_order_relaxed);
+  if (n <= 0) {
+    n = omp_get_max_threads();
+    g_threads.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+void SetNumThreads(int n) { g_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed); }
+
+}  // namespace kvcache::cpu

@@ -1,0 +1,348 @@
+#include "worker/backend/cpu/matmul.h"
+
+#include <cblas.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/gguf/fp16.h"
+#include "worker/backend/cpu/cpu_features.h"
+
+namespace kvcache::cpu {
+namespace {
+
+using gguf::GgmlType;
+
+// A quantised-weight x Q8-activation product, as every level's kernels see it.
+struct QuantJob {
+  GgmlType type;         // kQ4_1 or kQ8_0
+  const uint8_t* w;      // [rows][w_stride bytes]
+  int64_t w_stride;      // RowBytes(type, cols)
+  int64_t nb;            // blocks per row = cols / 32
+  int n_tokens;
+  const int8_t* aq;      // [n_tokens][cols]
+  const float* ad;       // [n_tokens][nb]
+  const float* as;       // [n_tokens][nb]
+  float* y;              // [n_tokens][y_stride]
+  int64_t y_stride;
+};
+
+// ---- Scalar reference kernels (level kScalar) ----
+
+void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    const float dd = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int v = static_cast<int>(std::nearbyint(x[b * 32 + i] * id));
+      q[b * 32 + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = dd;
+    s[b] = dd * static_cast<float>(sum);
+  }
+}
+
+void RunQuantRowsScalar(const QuantJob& job, int64_t r_begin, int64_t r_end) {
+  const int64_t cols = job.nb * 32;
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const uint8_t* row = job.w + r * job.w_stride;
+    for (int t = 0; t < job.n_tokens; ++t) {
+      const int8_t* aq = job.aq + t * cols;
+      float sum = 0.0f;
+      for (int64_t b = 0; b < job.nb; ++b) {
+        int32_t dot = 0;
+        float dw, mw = 0.0f;
+        if (job.type == GgmlType::kQ4_1) {
+          const auto& blk = reinterpret_cast<const gguf::BlockQ4_1*>(row)[b];
+          for (int i = 0; i < 16; ++i) {
+            dot += (blk.qs[i] & 0x0F) * aq[b * 32 + i] + (blk.qs[i] >> 4) * aq[b * 32 + 16 + i];
+          }
+          dw = gguf::Fp16ToFp32(blk.d);
+          mw = gguf::Fp16ToFp32(blk.m);
+        } else {
+          const auto& blk = reinterpret_cast<const gguf::BlockQ8_0*>(row)[b];
+          for (int i = 0; i < 32; ++i) dot += blk.qs[i] * aq[b * 32 + i];
+          dw = gguf::Fp16ToFp32(blk.d);
+        }
+        sum += dw * job.ad[t * job.nb + b] * static_cast<float>(dot) + mw * job.as[t * job.nb + b];
+      }
+      job.y[t * job.y_stride + r] = sum;
+    }
+  }
+}
+
+void RunF32RowsScalar(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols,
+                      const float* x, int64_t x_stride, int n_tokens, float* y, int64_t y_stride,
+                      int64_t r0) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int t = 0; t < n_tokens; ++t) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < cols; ++c) sum += w[r * w_stride + c] * x[t * x_stride + c];
+      y[t * y_stride + r0 + r] = sum;
+    }
+  }
+}
+
+bool DequantRowFastScalar(GgmlType, const void*, float*, int64_t) { return false; }
+
+}  // namespace
+
+// ---- SIMD kernels: the same source compiled for two ISA levels ----
+#define KV_NS avx2
+#define KV_TARGET __attribute__((target("avx2,fma,f16c")))
+#define KV_VNNI 0
+#define KV_R 2
+namespace {
+#include "worker/backend/cpu/matmul_x86.inc"
+}  // namespace
+#undef KV_NS
+#undef KV_TARGET
+#undef KV_VNNI
+#undef KV_R
+
+#define KV_NS avx512
+#define KV_TARGET \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KV_VNNI 1
+#define KV_R 4
+namespace {
+#include "worker/backend/cpu/matmul_x86.inc"
+}  // namespace
+#undef KV_NS
+#undef KV_TARGET
+#undef KV_VNNI
+#undef KV_R
+
+namespace {
+
+struct Kernels {
+  void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s);
+  // Rows [r_begin, r_end); scratch: 2 * 4 * nb floats.
+  void (*quant_rows)(const QuantJob& job, int64_t r_begin, int64_t r_end, float* scratch);
+  void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols,
+                   const float* x, int64_t x_stride, int n_tokens, float* y, int64_t y_stride,
+                   int64_t r0);
+  bool (*dequant_row_fast)(GgmlType type, const void* src, float* dst, int64_t n);
+};
+
+void QuantRowsScalarAdapter(const QuantJob& job, int64_t b, int64_t e, float*) {
+  RunQuantRowsScalar(job, b, e);
+}
+
+const Kernels& KernelsFor(CpuKernelLevel level) {
+  static const Kernels kScalar = {QuantizeRowQ8Scalar, QuantRowsScalarAdapter, RunF32RowsScalar,
+                                  DequantRowFastScalar};
+  static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::RunQuantRows, avx2::RunF32Rows,
+                                avx2::DequantRowFast};
+  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::RunQuantRows,
+                                  avx512::RunF32Rows, avx512::DequantRowFast};
+  switch (level) {
+    case CpuKernelLevel::kAvx2: return kAvx2;
+    case CpuKernelLevel::kAvx512: return kAvx512;
+    default: return kScalar;
+  }
+}
+
+// Rows per parallel work unit of the dot path (a multiple of every kR) and per
+// dequantised sgemm tile (64 rows x cols f32 stays within L2 for cols <= 2048).
+constexpr int64_t kDotRowChunk = 16;
+constexpr int64_t kSgemmRowTile = 64;
+// Bytes of weight traffic below which one more thread costs more than it saves.
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 20;
+
+// 0 = the measured default of the current level (see SgemmMinTokens()).
+std::atomic<int> g_sgemm_min_tokens{0};
+
+// Scratch that lives per thread, grown on demand, never shrunk.
+std::vector<float>& ThreadScratch(int which) {
+  thread_local std::vector<float> bufs[2];
+  return bufs[which];
+}
+
+absl::Status DequantRow(const Kernels& k, GgmlType type, const void* src, float* dst,
+                        int64_t n) {
+  if (k.dequant_row_fast(type, src, dst, n)) return absl::OkStatus();
+  return gguf::DequantizeRow(type, src, dst, n);
+}
+
+void SetOpenBlasSingleThreaded() {
+  // Each OpenMP thread calls sgemm on its own tile; OpenBLAS must not fan out again.
+  // Checked per call: other code (a benchmark baseline) may have raised it.
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+}  // namespace
+
+int SgemmMinTokens() {
+  const int set = g_sgemm_min_tokens.load(std::memory_order_relaxed);
+  if (set > 0) return set;
+  // Measured with cpu_kernels_bench (Q4_1 576x1536, 1 thread, EPYC Zen 4): the VNNI
+  // integer kernel beats dequant+sgemm at every n_tokens from 8 to 256; the AVX2
+  // maddubs kernel loses from 64 tokens on; scalar dots always lose to OpenBLAS.
+  switch (GetCpuKernelLevel()) {
+    case CpuKernelLevel::kAvx512: return INT_MAX;
+    case CpuKernelLevel::kAvx2: return 64;
+    default: return 1;
+  }
+}
+void SetSgemmMinTokens(int n_tokens) {
+  g_sgemm_min_tokens.store(std::max(0, n_tokens), std::memory_order_relaxed);
+}
+
+void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64_t cols,
+                           int8_t* q, float* d, float* s) {
+  const Kernels& k = KernelsFor(GetCpuKernelLevel());
+  const int64_t nb = cols / 32;
+  for (int t = 0; t < n_tokens; ++t) {
+    k.quantize_row(x + t * x_stride, cols, q + t * cols, d + t * nb, s + t * nb);
+  }
+}
+
+absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens,
+                    float* y, int64_t y_stride, MatMulPath path) {
+  const gguf::GgmlTypeTraits* traits = gguf::GetTypeTraits(static_cast<uint32_t>(w.type));
+  if (traits == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MatMul: unknown weight type ", static_cast<uint32_t>(w.type)));
+  }
+  if (!traits->supported) {
+    return absl::UnimplementedError(absl::StrCat("MatMul: weight type ", traits->name,
+                                                 " cannot be decoded"));
+  }
+  if (w.rows < 0 || w.cols < 0 || n_tokens < 0 || x_stride < w.cols || y_stride < w.rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MatMul: bad shape rows=", w.rows, " cols=", w.cols, " n_tokens=",
+                     n_tokens, " x_stride=", x_stride, " y_stride=", y_stride));
+  }
+  absl::StatusOr<int64_t> row_bytes = gguf::RowBytes(w.type, w.cols);
+  if (!row_bytes.ok()) return row_bytes.status();
+  if (n_tokens == 0 || w.rows == 0) return absl::OkStatus();
+  if (w.data == nullptr || x == nullptr || y == nullptr) {
+    return absl::InvalidArgumentError("MatMul: null pointer");
+  }
+  if (w.cols == 0) {
+    for (int t = 0; t < n_tokens; ++t) std::fill(y + t * y_stride, y + t * y_stride + w.rows, 0.f);
+    return absl::OkStatus();
+  }
+
+  const Kernels& k = KernelsFor(GetCpuKernelLevel());
+  // Waking a thread costs tens of microseconds when it sleeps (passive OpenMP wait
+  // policy, shared cores): small products (a decode step's q/k/v/o) run on one
+  // thread. Work ~ weight bytes x token tiles.
+  const int64_t work = w.rows * *row_bytes * ((n_tokens + 3) / 4);
+  const int n_threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(NumThreads(), work / kMinWorkPerThread)));
+  const auto* wbytes = static_cast<const uint8_t*>(w.data);
+  const int64_t rows = w.rows, cols = w.cols;
+  const bool sgemm = path == MatMulPath::kSgemm ||
+                     (path == MatMulPath::kAuto && n_tokens >= SgemmMinTokens());
+  const bool quant = w.type == GgmlType::kQ4_1 || w.type == GgmlType::kQ8_0;
+
+  std::atomic<bool> failed{false};
+  absl::Status first_error;
+  std::mutex error_mu;
+  auto record = [&](absl::Status st) {
+    if (st.ok()) return;
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (!failed.exchange(true)) first_error = std::move(st);
+  };
+
+  if (sgemm) {
+    SetOpenBlasSingleThreaded();
+    const int64_t n_tiles = (rows + kSgemmRowTile - 1) / kSgemmRowTile;
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+    for (int64_t tile = 0; tile < n_tiles; ++tile) {
+      const int64_t r0 = tile * kSgemmRowTile;
+      const int64_t nr = std::min(kSgemmRowTile, rows - r0);
+      const float* wt;  // wt: [nr][cols] f32
+      if (w.type == GgmlType::kF32) {
+        wt = reinterpret_cast<const float*>(wbytes + r0 * *row_bytes);
+      } else {
+        std::vector<float>& buf = ThreadScratch(0);
+        buf.resize(static_cast<size_t>(kSgemmRowTile * cols));
+        for (int64_t r = 0; r < nr && !failed.load(std::memory_order_relaxed); ++r) {
+          record(DequantRow(k, w.type, wbytes + (r0 + r) * *row_bytes, buf.data() + r * cols, cols));
+        }
+        wt = buf.data();
+      }
+      if (!failed.load(std::memory_order_relaxed)) {
+        // y[:, r0:r0+nr] = x [n_tokens][cols] · wtᵀ [cols][nr]
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n_tokens, static_cast<int>(nr),
+                    static_cast<int>(cols), 1.0f, x, static_cast<int>(x_stride), wt,
+                    static_cast<int>(cols), 0.0f, y + r0, static_cast<int>(y_stride));
+      }
+    }
+    return failed.load() ? first_error : absl::OkStatus();
+  }
+
+  const int64_t n_chunks = (rows + kDotRowChunk - 1) / kDotRowChunk;
+  if (quant) {
+    // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32 — shared by all threads.
+    const int64_t nb = cols / 32;
+    thread_local std::vector<int8_t> aq;
+    std::vector<float>& ads = ThreadScratch(1);
+    aq.resize(static_cast<size_t>(n_tokens * cols));
+    ads.resize(static_cast<size_t>(2 * n_tokens * nb));
+    // Plain pointers: inside the parallel region `aq` would name each thread's own copy.
+    int8_t* const q_ptr = aq.data();
+    float* const d_ptr = ads.data();
+    float* const s_ptr = ads.data() + n_tokens * nb;
+    const QuantJob job{w.type, wbytes, *row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, y, y_stride};
+#pragma omp parallel num_threads(n_threads)
+    {
+#pragma omp for schedule(static)
+      for (int t = 0; t < n_tokens; ++t) {
+        k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
+      }
+      thread_local std::vector<float> scratch;
+      scratch.resize(static_cast<size_t>(2 * 4 * nb));
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const int64_t r0 = c * kDotRowChunk;
+        k.quant_rows(job, r0, std::min(rows, r0 + kDotRowChunk), scratch.data());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  if (w.type == GgmlType::kF32) {
+    const auto* wf = reinterpret_cast<const float*>(wbytes);
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const int64_t r0 = c * kDotRowChunk;
+      k.f32_rows(wf + r0 * cols, cols, std::min(kDotRowChunk, rows - r0), cols, x, x_stride,
+                 n_tokens, y, y_stride, r0);
+    }
+    return absl::OkStatus();
+  }
+
+  // Generic: dequantise a chunk of rows to f32, then the f32 kernel.
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t r0 = c * kDotRowChunk;
+    const int64_t nr = std::min(kDotRowChunk, rows - r0);
+    std::vector<float>& buf = ThreadScratch(0);
+    buf.resize(static_cast<size_t>(kDotRowChunk * cols));
+    bool ok = true;
+    for (int64_t r = 0; r < nr && ok; ++r) {
+      absl::Status st = DequantRow(k, w.type, wbytes + (r0 + r) * *row_bytes, buf.data() + r * cols, cols);
+      ok = st.ok();
+      record(std::move(st));
+    }
+    if (ok) k.f32_rows(buf.data(), cols, nr, cols, x, x_stride, n_tokens, y, y_stride, r0);
+  }
+  return failed.load() ? first_error : absl::OkStatus();
+}
+
+}  // namespace kvcache::cpu

@@ -1,0 +1,76 @@
+// Quantised matrix multiply: the linear layers of the forward pass.
+//
+//   y[t][r] = sum_c w[r][c] * x[t][c]     w: [rows][cols] (GGUF: cols = ne0 contiguous)
+//                                         x: [n_tokens][cols] f32, y: [n_tokens][rows] f32
+//
+// Q4_1 and Q8_0 weights take llama.cpp's route: each activation row is quantised
+// once per call to Q8 blocks of 32 (int8 + f32 scale + scaled block sum, the
+// latter for Q4_1's `m` term) and dotted with integer SIMD (AVX2 maddubs/madd or
+// AVX-512 VNNI vpdpbusd). Each weight row is dotted against all tokens while it
+// is in L1, so a decode step of 16 sessions reads the weights once. F32 weights
+// use an FMA kernel; every other type DequantizeRow()s tiles of rows to f32.
+// From `SgemmMinTokens()` tokens on (prefill), tiles of dequantised rows go to
+// OpenBLAS sgemm instead when that is faster (see MatMulPath).
+//
+// Work is split over output rows with OpenMP (NumThreads() threads, static).
+// Call from outside any OpenMP parallel region. The sgemm path calls OpenBLAS
+// from each OpenMP thread and so sets openblas_set_num_threads(1) (process-wide)
+// to avoid oversubscription.
+//
+// Thread-safety: reentrant; concurrent calls from different threads are safe
+// (each has its own scratch) but they then share the cores.
+#ifndef KVCACHE_WORKER_BACKEND_CPU_MATMUL_H_
+#define KVCACHE_WORKER_BACKEND_CPU_MATMUL_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "common/gguf/ggml_types.h"
+
+namespace kvcache::cpu {
+
+// A weight matrix in GGUF layout. Rows are `RowBytes(type, cols)` apart.
+struct WeightView {
+  gguf::GgmlType type = gguf::GgmlType::kF32;
+  const void* data = nullptr;
+  int64_t rows = 0;  // output features (ggml ne1)
+  int64_t cols = 0;  // input features (ggml ne0, contiguous)
+};
+
+enum class MatMulPath {
+  kAuto,     // kDot below SgemmMinTokens() tokens, kSgemm from there on
+  kDot,      // integer (Q4_1/Q8_0) or f32 SIMD dot kernel, weights read once per call
+  kSgemm,    // dequantise row tiles to f32, then cblas_sgemm per tile
+};
+
+// y = x · wᵀ. x: [n_tokens][x_stride] (first w.cols used), y: [n_tokens][y_stride]
+// (first w.rows written).
+// REQUIRES: w.data holds w.rows * RowBytes(w.type, w.cols) bytes; x and y do not
+//   overlap; x_stride >= w.cols; y_stride >= w.rows; n_tokens >= 0.
+// INVALID_ARGUMENT for bad shapes (cols not a whole number of blocks, strides too
+// small), UNIMPLEMENTED for a weight type DequantizeRow cannot decode.
+absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens,
+                    float* y, int64_t y_stride, MatMulPath path = MatMulPath::kAuto);
+
+// Dense strides: x [n_tokens][w.cols], y [n_tokens][w.rows].
+inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, float* y) {
+  return MatMul(w, x, w.cols, n_tokens, y, w.rows);
+}
+
+// Token count from which kAuto uses the sgemm path. Default (measured crossover,
+// cpu_kernels_bench): never at kAvx512 (VNNI integer kernel was faster up to 256
+// tokens), 64 at kAvx2, 1 at kScalar. SetSgemmMinTokens(n > 0) overrides it
+// (INT_MAX disables sgemm); SetSgemmMinTokens(0) restores the default.
+int SgemmMinTokens();
+void SetSgemmMinTokens(int n_tokens);
+
+// Activation rows quantised to Q8 blocks of 32, as the integer kernels see them
+// (exposed for tests): for token t and block b,
+//   x[t][32b + i] ≈ d[t][b] * q[t][32b + i],   s[t][b] = d[t][b] * sum_i q[t][32b + i].
+// REQUIRES: cols % 32 == 0; q holds n_tokens*cols, d and s n_tokens*cols/32.
+void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64_t cols,
+                           int8_t* q, float* d, float* s);
+
+}  // namespace kvcache::cpu
+
+#endif  // KVCACHE_WORKER_BACKEND_CPU_MATMUL_H_

@@ -1,0 +1,88 @@
+// Element-wise and small kernels of the Llama forward pass: RMSNorm, RoPE, SwiGLU,
+// residual add, softmax, embedding lookup, argmax.
+//
+// Activations are f32, row-major, one row per token. In-place use (out == in) is
+// allowed wherever noted. Each kernel dispatches on GetCpuKernelLevel() (AVX2
+// vector code or the scalar reference) and runs on the calling thread: these
+// kernels are memory-light next to MatMul, so they do not fork threads.
+//
+// Thread-safety: free functions are reentrant; RopeTable is immutable after
+// Create() and safe to share between threads.
+#ifndef KVCACHE_WORKER_BACKEND_CPU_OPS_H_
+#define KVCACHE_WORKER_BACKEND_CPU_OPS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "worker/backend/cpu/matmul.h"
+
+namespace kvcache::cpu {
+
+// y[t][i] = x[t][i] / sqrt(mean_j x[t][j]^2 + eps) * weight[i].
+// x, y: [n_tokens][n]; weight: [n]. y may equal x.
+void RmsNorm(const float* x, const float* weight, int n_tokens, int64_t n, float eps, float* y);
+
+// out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + e^-g). out may equal gate or up.
+void SwiGlu(const float* gate, const float* up, int64_t n, float* out);
+
+// out[i] = a[i] + b[i] (residual add). out may equal a or b.
+void Add(const float* a, const float* b, int64_t n, float* out);
+
+// In-place softmax of each row of x: [n_rows][n], computed as e^(x - max) / sum.
+// REQUIRES: every row holds at least one finite value.
+void Softmax(float* x, int n_rows, int64_t n);
+
+// Index of the largest of x[0..n) (the first one on ties; NaN is never chosen
+// unless every value is NaN, then 0). REQUIRES: n >= 1.
+int64_t Argmax(const float* x, int64_t n);
+
+// Embedding lookup: out[i][:] = dequant(table row ids[i]). table: [rows = vocab][cols
+// = d_model] of any type DequantizeRow decodes; out: [ids.size()][table.cols].
+// INVALID_ARGUMENT when an id is outside [0, table.rows).
+absl::Status GetRows(const WeightView& table, absl::Span<const int32_t> ids, float* out);
+
+// Rotary position embedding, llama "NORM" style: each adjacent pair
+// (x[2i], x[2i+1]) of a head is rotated by theta_i(p) = p * freq_scale *
+// freq_base^(-2i/head_dim).  freq_scale = 1 / (linear scaling factor).
+struct RopeParams {
+  int head_dim = 64;  // rotated dims (all of the head); REQUIRES even
+  float freq_base = 10000.0f;
+  float freq_scale = 1.0f;
+};
+
+// cos/sin of every position below max_positions, precomputed in double and
+// stored as f32 in the form the rotation consumes: for pair i of position p,
+//   cos_row(p)[2i] = cos_row(p)[2i+1] = cos(theta_i(p)),
+//   sin_row(p)[2i] = -sin(theta_i(p)), sin_row(p)[2i+1] = +sin(theta_i(p)),
+// so x' = x * cos_row + swap_pairs(x) * sin_row.
+class RopeTable {
+ public:
+  // INVALID_ARGUMENT unless head_dim is even and positive, freq_base > 0,
+  // freq_scale > 0 and max_positions > 0.
+  static absl::StatusOr<RopeTable> Create(const RopeParams& params, int max_positions);
+
+  // Rotates x: [n_tokens][n_heads][head_dim] in place; token t is at positions[t].
+  // INVALID_ARGUMENT when positions.size() != n_tokens or a position is outside
+  // [0, max_positions()).
+  absl::Status Apply(float* x, int n_tokens, int n_heads, absl::Span<const int32_t> positions) const;
+
+  int max_positions() const { return max_positions_; }
+  int head_dim() const { return params_.head_dim; }
+  // [head_dim] each; REQUIRES 0 <= pos < max_positions().
+  const float* cos_row(int pos) const { return cos_.data() + int64_t{pos} * params_.head_dim; }
+  const float* sin_row(int pos) const { return sin_.data() + int64_t{pos} * params_.head_dim; }
+
+ private:
+  RopeTable(const RopeParams& params, int max_positions);
+  RopeParams params_;
+  int max_positions_;
+  std::vector<float> cos_;  // [max_positions][head_dim]
+  std::vector<float> sin_;  // [max_positions][head_dim]
+};
+
+}  // namespace kvcache::cpu
+
+#endif  // KVCACHE_WORKER_BACKEND_CPU_OPS_H_
