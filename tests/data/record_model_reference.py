@@ -259,9 +259,12 @@ def record_greedy(path, template):
         first = {"top20_ids": [int(i) for i in top], "top20_logits": floats(logits[top]),
                  "l2_norm": float(np.linalg.norm(logits.astype(np.float64)))}
         gen = []
+        margins = []  # top-1 minus top-2 logit at each generated step
         stopped = False
         for _ in range(48):
             nxt = int(np.argmax(logits))
+            top2 = np.partition(logits, -2)[-2:]
+            margins.append(float(abs(top2[1] - top2[0])))
             gen.append(nxt)
             if llm.token_is_eog(nxt) if hasattr(llm, "token_is_eog") else nxt == llm.token_eos():
                 stopped = True
@@ -269,7 +272,8 @@ def record_greedy(path, template):
             llm.eval([nxt])
             logits = last_logits(llm)
         out.append({"name": name, "kind": kind, "prompt_text": text, "prompt_ids": toks,
-                    "generated_ids": gen, "stopped_at_eog": stopped,
+                    "generated_ids": gen, "margins": floats(np.array(margins)),
+                    "stopped_at_eog": stopped,
                     "generated_text": llm.detokenize(gen).decode("utf-8", errors="replace"),
                     "first_step": first})
     return out
