@@ -2,6 +2,7 @@
 //
 // Checksums use libxxhash's run-time dispatched XXH3 (SSE2/AVX2/AVX-512 picked on the
 // running CPU), so a baseline x86-64 build still hashes at full vector width.
+#include <sys/mman.h>
 #include <xxh_x86dispatch.h>
 #include <xxhash.h>
 
@@ -17,9 +18,11 @@ namespace {
 
 class CpuTierStorage final : public TierStorage {
  public:
-  CpuTierStorage(uint8_t* slab, int64_t n_pages, int64_t page_bytes)
-      : slab_(slab), n_pages_(n_pages), page_bytes_(page_bytes) {}
-  ~CpuTierStorage() override { std::free(slab_); }
+  CpuTierStorage(uint8_t* slab, int64_t n_pages, int64_t page_bytes, int64_t mapped_bytes)
+      : slab_(slab), n_pages_(n_pages), page_bytes_(page_bytes), mapped_bytes_(mapped_bytes) {}
+  ~CpuTierStorage() override {
+    if (slab_ != nullptr) munmap(slab_, static_cast<size_t>(mapped_bytes_));
+  }
   CpuTierStorage(const CpuTierStorage&) = delete;
   CpuTierStorage& operator=(const CpuTierStorage&) = delete;
 
@@ -92,6 +95,7 @@ class CpuTierStorage final : public TierStorage {
   uint8_t* const slab_;
   const int64_t n_pages_;
   const int64_t page_bytes_;
+  const int64_t mapped_bytes_;
 };
 
 }  // namespace
@@ -101,18 +105,20 @@ absl::StatusOr<TierStoragePtr> CreateCpuTierStorage(int64_t n_pages, int64_t pag
     return absl::InvalidArgumentError(
         absl::StrCat("CreateCpuTierStorage: bad size ", n_pages, " x ", page_bytes));
   }
-  constexpr int64_t kAlign = 64;
+  // An anonymous mapping: page-aligned, zero-filled, and committed lazily, so a
+  // large budget costs memory only as pages are first written (no memset of
+  // the whole slab at start-up).
   const int64_t bytes = n_pages * page_bytes;
-  const int64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
   uint8_t* slab = nullptr;
-  if (rounded > 0) {
-    slab = static_cast<uint8_t*>(std::aligned_alloc(kAlign, static_cast<size_t>(rounded)));
-    if (slab == nullptr) {
+  if (bytes > 0) {
+    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (p == MAP_FAILED) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
     }
-    std::memset(slab, 0, static_cast<size_t>(rounded));
+    slab = static_cast<uint8_t*>(p);
   }
-  return TierStoragePtr(new CpuTierStorage(slab, n_pages, page_bytes));
+  return TierStoragePtr(new CpuTierStorage(slab, n_pages, page_bytes, bytes));
 }
 
 }  // namespace kvcache::kv
