@@ -33,6 +33,32 @@ std::string WithPort(const std::string& address, int port) {
 
 }  // namespace
 
+// What the exposer collects: the registry, after the scrape hook ran.
+class ServerProcess::ScrapeCollectable : public prometheus::Collectable {
+ public:
+  explicit ScrapeCollectable(std::shared_ptr<prometheus::Registry> registry) : registry_(std::move(registry)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    {
+      // Under the lock so that SetHook(nullptr) waits for a running hook: after
+      // it returns, nothing the old hook referenced is touched again.
+      absl::MutexLock lock(&mu_);
+      if (hook_) hook_();
+    }
+    return registry_->Collect();
+  }
+
+  void SetHook(std::function<void()> hook) {
+    absl::MutexLock lock(&mu_);
+    hook_ = std::move(hook);
+  }
+
+ private:
+  const std::shared_ptr<prometheus::Registry> registry_;
+  mutable absl::Mutex mu_;
+  std::function<void()> hook_ ABSL_GUARDED_BY(mu_);
+};
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerOptions& options) {
   if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
@@ -80,7 +106,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Init(const ServerO
       return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ",
                                                  options.metrics_address, ": ", e.what()));
     }
-    p->exposer_->RegisterCollectable(p->registry_);
+    p->scrape_ = std::make_shared<ScrapeCollectable>(p->registry_);
+    p->exposer_->RegisterCollectable(p->scrape_);
     auto ports = p->exposer_->GetListeningPorts();
     if (ports.empty()) return absl::InternalError("/metrics exposer reports no port");
     p->metrics_port_ = ports.front();
@@ -108,6 +135,10 @@ void ServerProcess::WaitForSignals() {
       RequestShutdown();
     }
   }
+}
+
+void ServerProcess::SetCollectHook(std::function<void()> hook) {
+  if (scrape_ != nullptr) scrape_->SetHook(std::move(hook));
 }
 
 void ServerProcess::RequestShutdown() {

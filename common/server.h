@@ -73,6 +73,10 @@ class ServerProcess {
   prometheus::Registry& metrics() { return *registry_; }
   std::shared_ptr<prometheus::Registry> metrics_ptr() { return registry_; }
 
+  // Runs `hook` at the start of every /metrics scrape, so gauges that mirror
+  // other state are fresh when read. Replaces any earlier hook.
+  void SetCollectHook(std::function<void()> hook);
+
   // Port the /metrics endpoint listens on (0 when disabled).
   int metrics_port() const { return metrics_port_; }
 
@@ -99,7 +103,9 @@ class ServerProcess {
   void WaitForSignals();
 
   const ServerOptions options_;
+  class ScrapeCollectable;
   std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<ScrapeCollectable> scrape_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int metrics_port_ = 0;
   std::atomic<int> grpc_port_{0};
