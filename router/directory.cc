@@ -92,6 +92,11 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
       if (!e.tenant().empty()) loc.tenant = e.tenant();
       break;
     }
+    case v1::CacheEvent::SESSION_TRUNCATED: {
+      auto it = sessions_.find(e.session_id());
+      if (it != sessions_.end() && it->second.worker == worker) it->second.tokens = e.tokens();
+      break;
+    }
     case v1::CacheEvent::SESSION_DROPPED:
     case v1::CacheEvent::SESSION_EXPORTED: {
       // Only the holder may drop it: a late event from a former holder must not

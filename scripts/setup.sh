@@ -11,7 +11,7 @@ APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libxxhash-dev
   libspdlog-dev libfmt-dev libssl-dev
-  prometheus yamllint openssl
+  prometheus yamllint openssl shellcheck python3-yaml
 )
 
 install_packages() {
@@ -56,6 +56,17 @@ fetch_model() {
   log "model saved: $KVCACHE_MODEL"
 }
 
+# Python tools the tests use (validators of the deployment manifests).
+PIP_PACKAGES=(kubernetes-validate==1.37.0)
+install_python_tools() {
+  if python3 -c "import kubernetes_validate" 2>/dev/null; then
+    return
+  fi
+  log "installing ${PIP_PACKAGES[*]} from PyPI"
+  python3 -m pip install --quiet "${PIP_PACKAGES[@]}" 2>/dev/null \
+    || python3 -m pip install --quiet --break-system-packages "${PIP_PACKAGES[@]}"
+}
+
 build() {
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
@@ -66,6 +77,7 @@ build() {
 }
 
 install_packages
+install_python_tools
 fetch_model
 if [ "${1:-}" != "--no-build" ]; then build; fi
 log "set-up done (build: $KVCACHE_BUILD_DIR, model: $KVCACHE_MODEL)"

@@ -1,26 +1,187 @@
 // kvcache-worker: serves one model on one backend and keeps every session's KV
-// cache in pages. Until the worker service lands (issue: worker service) the
-// binary brings up the process scaffolding only: gRPC with health and
-// reflection, /metrics, graceful shutdown; Worker RPCs answer UNIMPLEMENTED.
+// cache in pages (tier 0: backend memory, tier 1: host RAM).
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "common/gguf/model_path.h"
 #include "common/init.h"
 #include "common/logging.h"
 #include "common/server.h"
-#include "kvcache/v1/worker.grpc.pb.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/tokenizer.h"
+#include "worker/backend/cpu/cpu_features.h"
+#include "worker/backend/cpu/cpu_llama_runner.h"
+#include "worker/kv/kv_cache_manager.h"
+#include "worker/model/llama_model.h"
+#include "worker/sched/engine.h"
+#include "worker/service/watch_hub.h"
+#include "worker/service/worker_metrics.h"
+#include "worker/service/worker_service.h"
 
-ABSL_FLAG(std::string, worker_id, "", "Name of this worker in logs, metrics and routing (default: host:port)");
+ABSL_FLAG(std::string, model, "", "GGUF model file (default: $KVCACHE_MODEL or the one scripts/setup.sh fetches)");
+ABSL_FLAG(std::string, worker_id, "", "Name of this worker in routing, logs and metrics (default: the gRPC address)");
+ABSL_FLAG(std::string, device, "cpu", "Backend: cpu (cuda arrives with the CUDA backend)");
+ABSL_FLAG(int64_t, tier0_bytes, int64_t{1} << 30, "KV budget in backend memory (tier 0), bytes");
+ABSL_FLAG(int64_t, tier1_bytes, int64_t{4} << 30, "KV budget in host RAM for offloaded pages (tier 1), bytes; 0 disables");
+ABSL_FLAG(int32_t, page_tokens, 16, "Tokens per KV page");
+ABSL_FLAG(std::string, kv_dtype, "f16", "KV element type: f16, bf16 or f32");
+ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
+ABSL_FLAG(int32_t, max_batch_tokens, 256, "New tokens per engine step (decode + chunked prefill)");
+ABSL_FLAG(int64_t, max_context, 8192, "Tokens per session (clamped to the model's context)");
+ABSL_FLAG(int32_t, max_running, 64, "Requests in engine steps at once");
+ABSL_FLAG(int32_t, max_waiting, 1024, "Queued requests before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, default_max_tokens, 256, "max_tokens of a request that gives 0");
+ABSL_FLAG(int32_t, max_tokens_per_request, 4096, "Largest max_tokens a request may ask for");
+ABSL_FLAG(absl::Duration, load_report_interval, absl::Seconds(1), "Watch load report period");
+ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30), "How long a drain waits for running streams");
+
+namespace kvcache {
+namespace {
+
+constexpr char kName[] = "kvcache-worker";
+
+// libgomp reads OMP_WAIT_POLICY once, when it loads: its default spins idle
+// threads, which on a shared or small machine steals the cores the other
+// threads need (measured: decode steps 100x slower under contention). Re-exec
+// with the passive policy unless the operator chose one.
+void EnsurePassiveOpenMp(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  execv("/proc/self/exe", argv);
+  std::fprintf(stderr, "%s: cannot re-exec with OMP_WAIT_POLICY=passive; continuing\n", kName);
+}
+
+absl::StatusOr<kv::KvDtype> ParseDtype(const std::string& s) {
+  if (s == "f16") return kv::KvDtype::kF16;
+  if (s == "bf16") return kv::KvDtype::kBF16;
+  if (s == "f32") return kv::KvDtype::kF32;
+  return absl::InvalidArgumentError(absl::StrCat("--kv_dtype='", s, "': want f16, bf16 or f32"));
+}
+
+absl::Status CheckFlags() {
+  if (absl::GetFlag(FLAGS_device) != "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat("--device='", absl::GetFlag(FLAGS_device),
+                                                   "': only cpu is available in this build"));
+  }
+  if (absl::GetFlag(FLAGS_tier0_bytes) <= 0) return absl::InvalidArgumentError("--tier0_bytes must be positive");
+  if (absl::GetFlag(FLAGS_tier1_bytes) < 0) return absl::InvalidArgumentError("--tier1_bytes must not be negative");
+  const int pt = absl::GetFlag(FLAGS_page_tokens);
+  if (pt < 1 || pt > 1024) return absl::InvalidArgumentError("--page_tokens must be in [1, 1024]");
+  if (absl::GetFlag(FLAGS_threads) < 0) return absl::InvalidArgumentError("--threads must not be negative");
+  if (absl::GetFlag(FLAGS_max_batch_tokens) < 1 || absl::GetFlag(FLAGS_max_batch_tokens) > 8192) {
+    return absl::InvalidArgumentError("--max_batch_tokens must be in [1, 8192]");
+  }
+  if (absl::GetFlag(FLAGS_max_context) < 2) return absl::InvalidArgumentError("--max_context must be at least 2");
+  if (absl::GetFlag(FLAGS_max_running) < 1 || absl::GetFlag(FLAGS_max_waiting) < 0 ||
+      absl::GetFlag(FLAGS_default_max_tokens) < 1 || absl::GetFlag(FLAGS_max_tokens_per_request) < 1) {
+    return absl::InvalidArgumentError("--max_running, --default_max_tokens, --max_tokens_per_request must be positive");
+  }
+  if (absl::GetFlag(FLAGS_load_report_interval) <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--load_report_interval must be positive");
+  }
+  return ParseDtype(absl::GetFlag(FLAGS_kv_dtype)).status();
+}
+
+int Run() {
+  auto options = ServerOptionsFromFlags(kName);
+  if (!options.ok()) DieWith(kName, options.status());
+  if (absl::Status st = CheckFlags(); !st.ok()) DieWith(kName, st);
+  // The /metrics exposer starts before any backend library loads (see server.h).
+  auto process = ServerProcess::Init(*options);
+  if (!process.ok()) DieWith(kName, process.status(), 1);
+
+  std::string model_path = absl::GetFlag(FLAGS_model);
+  if (model_path.empty()) model_path = gguf::DefaultModelPath();
+  auto model = model::LlamaModel::Load(model_path);
+  if (!model.ok()) DieWith(kName, model.status(), 1);
+  const gguf::LlamaHparams& hp = (*model)->hparams();
+  auto tokenizer = tok::Tokenizer::FromGguf((*model)->file());
+  if (!tokenizer.ok()) DieWith(kName, tokenizer.status(), 1);
+  auto chat = tok::ChatTemplate::FromGguf((*model)->file());
+  if (!chat.ok()) KV_LOG_WARN("no chat template ({}); chat input is refused", chat.status().ToString());
+
+  kv::KvCacheOptions ko;
+  ko.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv),
+                         static_cast<int>(hp.head_dim), *ParseDtype(absl::GetFlag(FLAGS_kv_dtype)),
+                         absl::GetFlag(FLAGS_page_tokens), static_cast<int>(hp.sliding_window)};
+  ko.model_id = (*model)->model_id();
+  ko.tier0_bytes = absl::GetFlag(FLAGS_tier0_bytes);
+  ko.tier1_bytes = absl::GetFlag(FLAGS_tier1_bytes);
+  ko.max_session_tokens = absl::GetFlag(FLAGS_max_context);
+  auto kv = kv::KvCacheManager::Create(ko);
+  if (!kv.ok()) {
+    DieWith(kName, absl::Status(kv.status().code(), absl::StrCat(kv.status().message(),
+                                                                 " (check --tier0_bytes / --tier1_bytes)")),
+            1);
+  }
+  cpu::CpuRunnerOptions ro;
+  ro.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  ro.threads = absl::GetFlag(FLAGS_threads);
+  auto runner = cpu::CpuLlamaRunner::Create(model->get(), kv->get(), ro);
+  if (!runner.ok()) DieWith(kName, runner.status(), 1);
+
+  sched::EngineOptions eo;
+  eo.max_batch_tokens = ro.max_batch_tokens;
+  eo.max_running = absl::GetFlag(FLAGS_max_running);
+  eo.max_waiting = absl::GetFlag(FLAGS_max_waiting);
+  eo.max_context = absl::GetFlag(FLAGS_max_context);
+  eo.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
+  eo.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
+  auto engine = sched::Engine::Create(eo, runner->get(), kv->get(), tokenizer->get());
+  if (!engine.ok()) DieWith(kName, engine.status(), 1);
+
+  std::string worker_id = absl::GetFlag(FLAGS_worker_id);
+  if (worker_id.empty()) worker_id = options->grpc_address;
+  service::WorkerMetrics metrics((*process)->metrics());
+  (*engine)->SetStepCallback([&metrics](const sched::StepStats& s) { metrics.OnStep(s); });
+
+  service::WorkerServiceOptions so;
+  so.worker_id = worker_id;
+  so.model_id = (*model)->model_id();
+  so.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
+  service::WorkerService* service_ptr = nullptr;
+  service::WatchHubOptions ho;
+  ho.worker_id = worker_id;
+  ho.model_id = so.model_id;
+  ho.load_interval = absl::GetFlag(FLAGS_load_report_interval);
+  service::WatchHub hub(ho, kv->get(), engine->get(), [&service_ptr] {
+    return service_ptr != nullptr && service_ptr->draining();
+  });
+  ServerProcess* proc = process->get();
+  service::WorkerService service(
+      so, engine->get(), kv->get(), tokenizer->get(), chat.ok() ? &*chat : nullptr, &hub, &metrics,
+      [proc](bool ready) { proc->SetReady(ready); }, [proc] { proc->RequestShutdown(); });
+  service_ptr = &service;
+
+  // Gauges that mirror the cache and the queue are refreshed on every scrape.
+  const int64_t page_bytes = ko.shape.page_bytes();
+  (*process)->SetCollectHook([&] { metrics.Refresh((*kv)->GetStats(), page_bytes, (*engine)->Load(), service.draining()); });
+
+  KV_LOG_INFO("model {} ({} layers, {} KV heads, head_dim {}); KV {} per token, tier 0 {} pages, tier 1 {} pages",
+              so.model_id, hp.n_layer, hp.n_head_kv, hp.head_dim, ko.shape.bytes_per_token(),
+              (*kv)->tier_capacity_pages(0), (*kv)->tier_capacity_pages(1));
+  absl::Status served = (*process)->Serve({&service}, [&] {
+    // SIGTERM or a finished drain: stop taking work, let running streams finish,
+    // end Watch streams so the server can stop.
+    service.BeginDrain();
+    (*engine)->WaitIdle(options->shutdown_deadline);
+    hub.Stop();
+  });
+  (*process)->SetCollectHook(nullptr);
+  (*engine)->Stop();
+  if (!served.ok()) DieWith(kName, served, 1);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcache
 
 int main(int argc, char** argv) {
-  const std::string name = "kvcache-worker";
-  kvcache::InitProcess(argc, argv, name, "kvcache-worker: KV-cache-centred LLM worker. See --help.");
-  auto options = kvcache::ServerOptionsFromFlags(name);
-  if (!options.ok()) kvcache::DieWith(name, options.status());
-  auto process = kvcache::ServerProcess::Init(*options);
-  if (!process.ok()) kvcache::DieWith(name, process.status(), 1);
-  kvcache::v1::Worker::CallbackService service;
-  absl::Status served = (*process)->Serve({&service});
-  if (!served.ok()) kvcache::DieWith(name, served, 1);
-  return 0;
+  kvcache::EnsurePassiveOpenMp(argv);
+  kvcache::InitProcess(argc, argv, kvcache::kName, "kvcache-worker: KV-cache-centred LLM worker. See --help.");
+  return kvcache::Run();
 }

@@ -477,6 +477,18 @@ absl::Status Engine::Reserve(const std::string& id, const std::string& tenant) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::ReserveWait(const std::string& id, const std::string& tenant, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));
+  auto free = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_.contains(id); };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&free), timeout)) {
+    return absl::AbortedError(absl::StrCat("session '", id, "' stayed busy for ", absl::FormatDuration(timeout)));
+  }
+  KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));  // it may have been closed meanwhile
+  busy_.insert(id);
+  return absl::OkStatus();
+}
+
 void Engine::Release(const std::string& id) {
   absl::MutexLock lock(&mu_);
   busy_.erase(id);

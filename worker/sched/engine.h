@@ -145,6 +145,8 @@ class Engine {
   // Marks the session busy (as a request would) so nothing else runs on it, e.g.
   // while it is exported. ABORTED when busy; NOT_FOUND when unknown.
   absl::Status Reserve(const std::string& id, const std::string& tenant);
+  // Like Reserve, but waits up to `timeout` for a running request to finish.
+  absl::Status ReserveWait(const std::string& id, const std::string& tenant, absl::Duration timeout);
   void Release(const std::string& id);
   // The session's whole context as the engine knows it: every token of its
   // conversation, including the last sampled one (which has no K/V yet) and any

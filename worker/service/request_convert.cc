@@ -1,0 +1,136 @@
+#include "worker/service/request_convert.h"
+
+#include <xxhash.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/tokenizer/streaming_detokenizer.h"
+
+namespace kvcache::service {
+
+absl::Status ValidateSessionId(const std::string& id) {
+  if (id.empty() || id.size() > kMaxSessionIdBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_id must be 1..", kMaxSessionIdBytes, " bytes, got ", id.size()));
+  }
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                    c == '_' || c == ':' || c == '-';
+    if (!ok) return absl::InvalidArgumentError("session_id may only hold [A-Za-z0-9._:-]");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateUtf8(absl::string_view text, absl::string_view what) {
+  std::string tail;
+  if (tok::SanitizeUtf8(text, /*keep_tail=*/false, &tail) != text) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is not valid UTF-8"));
+  }
+  return absl::OkStatus();
+}
+
+v1::FinishReason ToProto(sched::FinishReason reason) {
+  switch (reason) {
+    case sched::FinishReason::kStop: return v1::FINISH_REASON_STOP;
+    case sched::FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
+    case sched::FinishReason::kStopString: return v1::FINISH_REASON_STOP_STRING;
+    case sched::FinishReason::kContextFull: return v1::FINISH_REASON_CONTEXT_FULL;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest& request,
+                                                       const tok::Tokenizer& tokenizer,
+                                                       const tok::ChatTemplate* chat_template) {
+  sched::GenerateRequest out;
+  out.mode = request.mode() == v1::APPEND ? sched::RequestMode::kAppend : sched::RequestMode::kFullContext;
+  if (request.mode() != v1::MODE_UNSPECIFIED && request.mode() != v1::FULL_CONTEXT &&
+      request.mode() != v1::APPEND) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown mode ", request.mode()));
+  }
+  if (!request.session_id().empty()) {
+    absl::Status st = ValidateSessionId(request.session_id());
+    if (!st.ok()) return st;
+  } else if (out.mode == sched::RequestMode::kAppend) {
+    return absl::InvalidArgumentError("APPEND mode needs a session_id");
+  }
+  out.session_id = request.session_id();
+  out.tenant = TenantOf(request.tenant());
+  const bool append = out.mode == sched::RequestMode::kAppend;
+
+  tok::EncodeOptions encode;
+  encode.add_special = !append;  // BOS only at the start of a conversation
+  encode.parse_special = true;
+  switch (request.input().kind_case()) {
+    case v1::Input::kText: {
+      absl::Status st = ValidateUtf8(request.input().text(), "input.text");
+      if (!st.ok()) return st;
+      out.input = tokenizer.Encode(request.input().text(), encode);
+      break;
+    }
+    case v1::Input::kTokens:
+      out.input.assign(request.input().tokens().ids().begin(), request.input().tokens().ids().end());
+      break;
+    case v1::Input::kChat: {
+      if (chat_template == nullptr) {
+        return absl::FailedPreconditionError(
+            "this model has no recognised chat template; send input.text or input.tokens");
+      }
+      const auto& chat = request.input().chat();
+      if (chat.messages().empty()) return absl::InvalidArgumentError("input.chat has no messages");
+      std::vector<tok::ChatMessage> messages;
+      for (const auto& m : chat.messages()) {
+        if (m.role() != "system" && m.role() != "user" && m.role() != "assistant") {
+          return absl::InvalidArgumentError(
+              absl::StrCat("chat role '", m.role(), "' is not system, user or assistant"));
+        }
+        absl::Status st = ValidateUtf8(m.content(), "chat message content");
+        if (!st.ok()) return st;
+        messages.push_back(tok::ChatMessage{m.role(), m.content()});
+      }
+      const bool add_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
+      absl::StatusOr<std::string> text;
+      if (append) {
+        // Continue the conversation: the previous turn ended with its end token.
+        text = tok::ChatTemplate::ChatMl().Render(messages, add_prompt);
+        if (text.ok()) text = absl::StrCat("\n", *text);
+      } else {
+        text = chat_template->Render(messages, add_prompt);
+      }
+      if (!text.ok()) return text.status();
+      out.input = tokenizer.Encode(*text, encode);
+      break;
+    }
+    case v1::Input::KIND_NOT_SET:
+      return absl::InvalidArgumentError("input is empty: set text, tokens or chat");
+  }
+  if (out.input.empty()) return absl::InvalidArgumentError("input tokenises to zero tokens");
+
+  const v1::SamplingParams& s = request.sampling();
+  out.sampling.temperature = s.temperature();
+  out.sampling.top_k = s.top_k();
+  out.sampling.top_p = s.top_p() == 0.0f ? 1.0f : s.top_p();
+  out.sampling.seed = s.seed();
+  if (out.sampling.seed == 0) {
+    // Reproducible per session: derived from the id (or fixed for ephemeral ones).
+    const std::string& id = request.session_id();
+    out.sampling.seed = XXH3_64bits(id.data(), id.size()) | 1;
+  }
+  out.max_tokens = s.max_tokens();
+  if (s.stop_size() > kMaxStopStrings) {
+    return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxStopStrings, " stop strings"));
+  }
+  for (const auto& stop : s.stop()) {
+    if (stop.empty() || stop.size() > kMaxStopStringBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("stop strings must be 1..", kMaxStopStringBytes, " bytes"));
+    }
+    absl::Status st = ValidateUtf8(stop, "stop string");
+    if (!st.ok()) return st;
+    out.stop.push_back(stop);
+  }
+  out.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  out.ignore_eos = s.ignore_eos();
+  out.pin = request.pin();
+  return out;
+}
+
+}  // namespace kvcache::service

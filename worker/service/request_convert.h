@@ -1,0 +1,46 @@
+// Validation and conversion of wire requests (kvcache.v1.GenerateRequest) into
+// engine requests: the one place where the worker's input rules live.
+//
+// Thread-safety: pure functions over immutable inputs.
+#ifndef KVCACHE_WORKER_SERVICE_REQUEST_CONVERT_H_
+#define KVCACHE_WORKER_SERVICE_REQUEST_CONVERT_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/tokenizer.h"
+#include "kvcache/v1/common.pb.h"
+#include "worker/sched/engine.h"
+
+namespace kvcache::service {
+
+// Tenant used when a request carries none (no router, no auth).
+inline constexpr char kDefaultTenant[] = "default";
+
+inline constexpr int kMaxSessionIdBytes = 128;
+inline constexpr int kMaxStopStrings = 16;
+inline constexpr int kMaxStopStringBytes = 256;
+
+// INVALID_ARGUMENT unless `id` is 1..128 bytes of [A-Za-z0-9._:-].
+absl::Status ValidateSessionId(const std::string& id);
+// INVALID_ARGUMENT naming `what` unless `text` is well-formed UTF-8.
+absl::Status ValidateUtf8(absl::string_view text, absl::string_view what);
+
+// The engine request for `request`: tokenised input (text with special tokens
+// recognised; chat rendered with `chat_template`, which may be null when the
+// model has none), sampling and limits. APPEND input is tokenised without BOS,
+// and APPEND chat messages are rendered as a continuation of an existing ChatML
+// conversation (no default system prompt, a newline after the previous turn).
+absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest& request,
+                                                       const tok::Tokenizer& tokenizer,
+                                                       const tok::ChatTemplate* chat_template);
+
+// The tenant a request acts for.
+inline std::string TenantOf(const std::string& tenant) { return tenant.empty() ? kDefaultTenant : tenant; }
+
+v1::FinishReason ToProto(sched::FinishReason reason);
+
+}  // namespace kvcache::service
+
+#endif  // KVCACHE_WORKER_SERVICE_REQUEST_CONVERT_H_

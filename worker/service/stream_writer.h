@@ -1,0 +1,108 @@
+// A server-streaming reactor that queues messages pushed from any thread and
+// writes them one at a time, as gRPC requires; Close() finishes the stream
+// after everything queued has been written.
+//
+// Subclasses override OnClientGone() (client cancelled or a write failed) and
+// OnFinished() (after gRPC's OnDone, just before the object deletes itself).
+//
+// Thread-safety: Push and Close may be called from any thread.
+#ifndef KVCACHE_WORKER_SERVICE_STREAM_WRITER_H_
+#define KVCACHE_WORKER_SERVICE_STREAM_WRITER_H_
+
+#include <deque>
+
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/grpcpp.h"
+
+namespace kvcache::service {
+
+template <typename Msg>
+class StreamWriter : public grpc::ServerWriteReactor<Msg> {
+ public:
+  // `max_queued`: a client that lets more messages pile up is cut off with
+  // UNAVAILABLE (0 = unbounded).
+  explicit StreamWriter(size_t max_queued = 0) : max_queued_(max_queued) {}
+
+  // Queues a message; false once the stream is closed.
+  bool Push(Msg msg) {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    if (max_queued_ > 0 && queue_.size() >= max_queued_) {
+      CloseLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reader fell behind; reconnect"));
+      return false;
+    }
+    queue_.push_back(std::move(msg));
+    if (!writing_) {
+      writing_ = true;
+      this->StartWrite(&queue_.front());
+    }
+    return true;
+  }
+
+  // Finishes with `status` once the queue is written (at once when a write
+  // failed). Later calls are ignored.
+  void Close(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    CloseLocked(status);
+  }
+
+  void OnWriteDone(bool ok) override {
+    bool gone = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!queue_.empty()) queue_.pop_front();
+      if (!ok) {
+        queue_.clear();
+        gone = true;
+        if (!closed_) closed_ = true;
+        if (!finish_sent_) {
+          finish_sent_ = true;
+          this->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+        }
+      } else if (!queue_.empty()) {
+        writing_ = true;
+        this->StartWrite(&queue_.front());
+      } else if (closed_ && !finish_sent_) {
+        finish_sent_ = true;
+        this->Finish(status_);
+      }
+    }
+    if (gone) OnClientGone();
+  }
+
+  void OnCancel() override { OnClientGone(); }
+
+  void OnDone() override {
+    OnFinished();
+    delete this;
+  }
+
+ protected:
+  virtual void OnClientGone() {}
+  virtual void OnFinished() {}
+
+ private:
+  void CloseLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (closed_) return;
+    closed_ = true;
+    status_ = status;
+    if (!status.ok()) queue_.erase(queue_.begin() + (writing_ ? 1 : 0), queue_.end());
+    if (!writing_ && !finish_sent_) {
+      finish_sent_ = true;
+      this->Finish(status_);
+    }
+  }
+
+  const size_t max_queued_;
+  absl::Mutex mu_;
+  std::deque<Msg> queue_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_sent_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcache::service
+
+#endif  // KVCACHE_WORKER_SERVICE_STREAM_WRITER_H_

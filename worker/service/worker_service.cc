@@ -1,0 +1,545 @@
+#include "worker/service/worker_service.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "worker/kv/kv_transfer.h"
+#include "worker/service/chunk_convert.h"
+#include "worker/service/request_convert.h"
+#include "worker/service/stream_writer.h"
+
+namespace kvcache::service {
+namespace {
+
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+std::string CodeName(const absl::Status& st) {
+  return st.ok() ? "OK" : absl::StatusCodeToString(st.code());
+}
+
+}  // namespace
+
+// One Generate stream: the engine's observer on one side, the gRPC writer on the
+// other. Engine callbacks only queue messages; gRPC writes them in order.
+class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>,
+                                       public sched::GenerateObserver {
+ public:
+  GenerateReactor(WorkerService* service, bool stream_text)
+      : service_(service), stream_text_(stream_text), started_(absl::Now()) {}
+
+  void Start(absl::StatusOr<sched::GenerateRequest> request, absl::Time deadline) {
+    if (!request.ok()) return Fail(request.status());
+    if (service_->draining()) return Fail(absl::UnavailableError("worker is draining"));
+    request->deadline = deadline;
+    auto id = service_->engine_->Submit(std::move(*request), this);
+    if (!id.ok()) return Fail(id.status());
+    absl::MutexLock lock(&mu_);
+    request_id_ = *id;
+    if (cancelled_) service_->engine_->Cancel(request_id_);
+  }
+
+  // GenerateObserver (engine thread).
+  void OnToken(int32_t id, absl::string_view text) override {
+    const absl::Time now = absl::Now();
+    if (last_token_ != absl::InfinitePast()) service_->metrics_->OnInterTokenLatency(now - last_token_);
+    last_token_ = now;
+    v1::GenerateResponse msg;
+    msg.mutable_token()->set_id(id);
+    if (stream_text_) msg.mutable_token()->set_text(text.data(), text.size());
+    Push(std::move(msg));
+  }
+
+  void OnDone(const absl::Status& status, const sched::GenerateResult& result) override {
+    service_->metrics_->OnRequestDone(CodeName(status), &result);
+    if (status.ok()) {
+      v1::GenerateResponse msg;
+      auto* f = msg.mutable_final();
+      f->set_finish_reason(ToProto(result.finish));
+      f->set_session_id(result.session_id.rfind("~", 0) == 0 ? "" : result.session_id);
+      f->set_worker_id(service_->options_.worker_id);
+      f->set_predicted_cached_tokens(-1);
+      auto* u = f->mutable_usage();
+      u->set_prompt_tokens(static_cast<int32_t>(result.prompt_tokens));
+      u->set_cached_tokens(static_cast<int32_t>(result.cached_tokens));
+      u->set_restored_tokens(static_cast<int32_t>(result.restored_tokens));
+      u->set_generated_tokens(static_cast<int32_t>(result.generated_tokens));
+      u->set_time_to_first_token_us(absl::ToInt64Microseconds(result.time_to_first_token));
+      u->set_total_time_us(absl::ToInt64Microseconds(result.total_time));
+      u->set_queue_time_us(absl::ToInt64Microseconds(result.queue_time));
+      Push(std::move(msg));
+    }
+    Close(ToGrpcStatus(status));
+  }
+
+ private:
+  void Fail(const absl::Status& status) {
+    service_->metrics_->OnRequestDone(CodeName(status), nullptr);
+    Close(ToGrpcStatus(status));
+  }
+
+  // Client cancelled, its deadline passed, or a write failed: stop generating; the
+  // engine frees the pages at the next step and calls OnDone, which closes.
+  void OnClientGone() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    if (request_id_ != 0) service_->engine_->Cancel(request_id_);
+  }
+
+  WorkerService* const service_;
+  const bool stream_text_;
+  const absl::Time started_;
+  absl::Time last_token_ = absl::InfinitePast();  // engine thread only
+  absl::Mutex mu_;
+  uint64_t request_id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// ExportSession: pulls the next chunk from the exporter as each write completes,
+// so memory stays at one chunk however large the session.
+class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::SessionChunk> {
+ public:
+  ExportReactor(WorkerService* service, std::string session_id, std::string tenant)
+      : service_(service), session_id_(std::move(session_id)), tenant_(std::move(tenant)) {}
+
+  void Start(int64_t max_chunk_bytes) {
+    absl::Status st = service_->engine_->Reserve(session_id_, tenant_);
+    if (!st.ok()) return Done(st);
+    reserved_ = true;
+    auto context = service_->engine_->Context(session_id_);
+    if (!context.ok()) return Done(context.status());
+    context_ = std::move(*context);
+    kv::ExportOptions eo;
+    eo.max_chunk_bytes = max_chunk_bytes;
+    auto exporter = kv::SessionExporter::Create(service_->kv_, session_id_, eo);
+    if (!exporter.ok()) return Done(exporter.status());
+    exporter_ = std::move(*exporter);
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return Done(absl::CancelledError("export stream broken"));
+    Next();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Next() {
+    kv::KvChunk chunk;
+    absl::StatusOr<bool> more = bulk_ ? exporter_->NextBulk(&chunk) : exporter_->NextFinal(&chunk);
+    if (!more.ok()) return Done(more.status());
+    if (!*more && bulk_) {
+      bulk_ = false;
+      return Next();
+    }
+    if (!*more) return Done(absl::OkStatus());
+    msg_ = ToWire(chunk, index_++, context_);
+    StartWrite(&msg_);
+  }
+
+  void Done(const absl::Status& st) {
+    exporter_.reset();
+    if (reserved_) service_->engine_->Release(session_id_);
+    reserved_ = false;
+    Finish(ToGrpcStatus(st));
+  }
+
+  WorkerService* const service_;
+  const std::string session_id_;
+  const std::string tenant_;
+  bool reserved_ = false;
+  bool bulk_ = true;
+  int32_t index_ = 0;
+  std::vector<int32_t> context_;
+  std::unique_ptr<kv::SessionExporter> exporter_;
+  v1::SessionChunk msg_;
+};
+
+// ImportSession: feeds chunks to a staging importer; commits whole or not at all.
+class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionChunk> {
+ public:
+  ImportReactor(WorkerService* service, v1::SessionInfo* response) : service_(service), response_(response) {}
+
+  void Start() {
+    if (service_->draining()) return Done(absl::UnavailableError("worker is draining"));
+    auto importer = kv::SessionImporter::Create(service_->kv_);
+    if (!importer.ok()) return Done(importer.status());
+    importer_ = std::move(*importer);
+    started_ = absl::Now();
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (importer_ != nullptr && importer_->committed()) return Done(absl::OkStatus());
+      return Done(absl::InvalidArgumentError("import stream ended before its commit chunk"));
+    }
+    if (importer_->committed()) return Done(absl::InvalidArgumentError("chunks after the commit chunk"));
+    if (chunk_.has_begin()) tenant_ = chunk_.begin().tenant();
+    bytes_ += chunk_.ByteSizeLong();
+    std::vector<int32_t> context;
+    auto c = FromWire(chunk_, &context);
+    if (!c.ok()) return Done(c.status());
+    absl::Status st = importer_->Add(*c);
+    if (!st.ok()) return Done(st);
+    if (importer_->committed()) {
+      const std::string& id = importer_->session_id();
+      if (context.empty()) {
+        auto tokens = service_->kv_->GetTokens(id);
+        if (tokens.ok()) context = *tokens;
+      }
+      st = service_->engine_->AdoptSession(id, tenant_, std::move(context));
+      if (!st.ok()) {
+        (void)service_->kv_->CloseSession(id);
+        return Done(st);
+      }
+      service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_), absl::Now() - started_);
+      auto info = service_->Describe(id, tenant_);
+      if (info.ok()) *response_ = *info;
+      service_->hub_->Nudge();
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Done(const absl::Status& st) {
+    importer_.reset();  // frees staging pages unless committed
+    Finish(ToGrpcStatus(st));
+  }
+
+  WorkerService* const service_;
+  v1::SessionInfo* const response_;
+  std::unique_ptr<kv::SessionImporter> importer_;
+  v1::SessionChunk chunk_;
+  std::string tenant_;
+  size_t bytes_ = 0;
+  absl::Time started_;
+};
+
+WorkerService::WorkerService(WorkerServiceOptions options, sched::Engine* engine, kv::KvCacheManager* kv,
+                             const tok::Tokenizer* tokenizer, const tok::ChatTemplate* chat_template,
+                             WatchHub* hub, WorkerMetrics* metrics, std::function<void(bool)> set_ready,
+                             std::function<void()> request_exit)
+    : options_(std::move(options)),
+      engine_(engine),
+      kv_(kv),
+      tokenizer_(tokenizer),
+      chat_template_(chat_template),
+      hub_(hub),
+      metrics_(metrics),
+      set_ready_(std::move(set_ready)),
+      request_exit_(std::move(request_exit)) {}
+
+WorkerService::~WorkerService() {
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock lock(&mu_);
+    threads.swap(background_);
+  }
+  for (auto& t : threads) t.join();
+}
+
+void WorkerService::RunInBackground(std::function<void()> fn) {
+  absl::MutexLock lock(&mu_);
+  background_.emplace_back(std::move(fn));
+}
+
+absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id, const std::string& tenant) const {
+  auto context = engine_->Context(id);
+  auto info = kv_->GetSession(id);
+  if (!context.ok() || !info.ok() || info->tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+  }
+  v1::SessionInfo out;
+  out.set_session_id(id);
+  out.set_tenant(info->tenant);
+  out.set_worker_id(options_.worker_id);
+  out.set_tokens_cached(static_cast<int32_t>(info->num_tokens));
+  out.set_pages_device(static_cast<int32_t>(info->tier0_pages));
+  out.set_pages_host(static_cast<int32_t>(info->tier1_pages));
+  out.set_pinned(info->user_pinned);
+  out.set_state(info->running ? v1::SESSION_RUNNING
+                              : (info->tier1_pages > 0 ? v1::SESSION_OFFLOADED : v1::SESSION_IDLE));
+  // last_use is a logical clock inside the cache; report wall time of this call's
+  // view instead when the session is running.
+  out.set_last_used_unix_ms(absl::ToUnixMillis(absl::Now()));
+  return out;
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(grpc::CallbackServerContext* context,
+                                                                        const v1::GenerateRequest* request) {
+  auto* reactor = new GenerateReactor(this, !request->has_stream_text() || request->stream_text());
+  reactor->Start(ToEngineRequest(*request, *tokenizer_, chat_template_), absl::FromChrono(context->deadline()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::GetSession(grpc::CallbackServerContext* context,
+                                                    const v1::SessionRequest* request, v1::SessionInfo* response) {
+  auto info = Describe(request->session_id(), TenantOf(request->tenant()));
+  if (info.ok()) *response = *info;
+  return Answer(context, info.status());
+}
+
+grpc::ServerUnaryReactor* WorkerService::ListSessions(grpc::CallbackServerContext* context,
+                                                      const v1::ListSessionsRequest* request,
+                                                      v1::ListSessionsResponse* response) {
+  for (const kv::SessionInfo& s : kv_->Snapshot().sessions) {
+    if (s.id.rfind("~", 0) == 0) continue;
+    if (!request->tenant().empty() && s.tenant != request->tenant()) continue;
+    auto info = Describe(s.id, s.tenant);
+    if (info.ok()) *response->add_sessions() = *info;
+  }
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContext* context,
+                                                      const v1::SessionRequest* request,
+                                                      v1::CloseSessionResponse* response) {
+  const std::string tenant = TenantOf(request->tenant());
+  auto before = kv_->GetStats();
+  absl::Status st = engine_->CloseSession(request->session_id(), tenant);
+  if (st.ok()) {
+    auto after = kv_->GetStats();
+    response->set_pages_freed(static_cast<int32_t>(
+        std::max<int64_t>(0, after.tier[0].free_pages - before.tier[0].free_pages +
+                                 after.tier[1].free_pages - before.tier[1].free_pages)));
+  }
+  return Answer(context, st);
+}
+
+grpc::ServerUnaryReactor* WorkerService::ForkSession(grpc::CallbackServerContext* context,
+                                                     const v1::ForkSessionRequest* request,
+                                                     v1::SessionInfo* response) {
+  const std::string tenant = TenantOf(request->tenant());
+  absl::Status st = ValidateSessionId(request->new_session_id());
+  if (st.ok()) st = engine_->ForkSession(request->session_id(), request->new_session_id(), tenant);
+  if (st.ok()) {
+    auto info = Describe(request->new_session_id(), tenant);
+    if (info.ok()) *response = *info;
+    st = info.status();
+  }
+  return Answer(context, st);
+}
+
+grpc::ServerUnaryReactor* WorkerService::PinSession(grpc::CallbackServerContext* context,
+                                                    const v1::PinSessionRequest* request, v1::SessionInfo* response) {
+  const std::string tenant = TenantOf(request->tenant());
+  absl::Status st = engine_->SetPinned(request->session_id(), tenant, request->pinned());
+  if (st.ok()) {
+    auto info = Describe(request->session_id(), tenant);
+    if (info.ok()) *response = *info;
+    st = info.status();
+  }
+  return Answer(context, st);
+}
+
+grpc::ServerUnaryReactor* WorkerService::OffloadSession(grpc::CallbackServerContext* context,
+                                                        const v1::SessionRequest* request,
+                                                        v1::SessionInfo* response) {
+  const std::string tenant = TenantOf(request->tenant());
+  const absl::Time start = absl::Now();
+  absl::Status st = engine_->Offload(request->session_id(), tenant);
+  if (st.ok()) {
+    metrics_->OnOffload(absl::Now() - start);
+    auto info = Describe(request->session_id(), tenant);
+    if (info.ok()) *response = *info;
+    st = info.status();
+  }
+  return Answer(context, st);
+}
+
+grpc::ServerUnaryReactor* WorkerService::RestoreSession(grpc::CallbackServerContext* context,
+                                                        const v1::SessionRequest* request,
+                                                        v1::SessionInfo* response) {
+  const std::string tenant = TenantOf(request->tenant());
+  const absl::Time start = absl::Now();
+  absl::Status st = engine_->Restore(request->session_id(), tenant);
+  if (st.ok()) {
+    metrics_->OnRestore(absl::Now() - start);
+    auto info = Describe(request->session_id(), tenant);
+    if (info.ok()) *response = *info;
+    st = info.status();
+  }
+  return Answer(context, st);
+}
+
+grpc::ServerWriteReactor<v1::WatchEvent>* WorkerService::Watch(grpc::CallbackServerContext* context,
+                                                               const v1::WatchRequest* /*request*/) {
+  return hub_->Subscribe(context);
+}
+
+grpc::ServerWriteReactor<v1::SessionChunk>* WorkerService::ExportSession(
+    grpc::CallbackServerContext* /*context*/, const v1::ExportSessionRequest* request) {
+  auto* reactor = new ExportReactor(this, request->session_id(), TenantOf(request->tenant()));
+  int64_t max_chunk = request->max_chunk_bytes() == 0 ? options_.max_chunk_bytes : request->max_chunk_bytes();
+  max_chunk = std::clamp<int64_t>(max_chunk, 1 << 10, 3 << 20);
+  reactor->Start(max_chunk);
+  return reactor;
+}
+
+grpc::ServerReadReactor<v1::SessionChunk>* WorkerService::ImportSession(grpc::CallbackServerContext* /*context*/,
+                                                                        v1::SessionInfo* response) {
+  auto* reactor = new ImportReactor(this, response);
+  reactor->Start();
+  return reactor;
+}
+
+absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::string& session_id,
+                                                                  const std::string& tenant,
+                                                                  const std::string& target) {
+  const absl::Time start = absl::Now();
+  KVCACHE_RETURN_IF_ERROR(engine_->Context(session_id).status());
+  auto channel = grpc::CreateChannel(
+      target, options_.peer_credentials ? options_.peer_credentials : grpc::InsecureChannelCredentials());
+  auto stub = v1::Worker::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(5));
+  v1::SessionInfo imported;
+  auto writer = stub->ImportSession(&ctx, &imported);
+  int32_t index = 0;
+  int64_t bytes = 0;
+  kv::ExportOptions eo;
+  eo.max_chunk_bytes = options_.max_chunk_bytes;
+  KVCACHE_ASSIGN_OR_RETURN(auto exporter, kv::SessionExporter::Create(kv_, session_id, eo));
+  auto send = [&](const kv::KvChunk& chunk, const std::vector<int32_t>& context) {
+    v1::SessionChunk msg = ToWire(chunk, index++, context);
+    bytes += static_cast<int64_t>(msg.ByteSizeLong());
+    return writer->Write(msg);
+  };
+  auto fail = [&](absl::Status why) -> absl::Status {
+    ctx.TryCancel();
+    grpc::Status remote = writer->Finish();
+    if (!remote.ok() && why.code() == absl::StatusCode::kUnavailable) why = FromGrpcStatus(remote);
+    return absl::Status(why.code(), absl::StrCat("migration of '", session_id, "' to ", target, " failed: ",
+                                                 why.message(), "; the session stays here"));
+  };
+  // Pre-copy: the session keeps serving while its full pages move.
+  kv::KvChunk chunk;
+  while (true) {
+    auto more = exporter->NextBulk(&chunk);
+    if (!more.ok()) return fail(more.status());
+    if (!*more) break;
+    if (!send(chunk, {})) return fail(absl::UnavailableError("target closed the import stream"));
+  }
+  // Pause: no request may run while the tail and the commit go out.
+  absl::Status st = engine_->ReserveWait(session_id, tenant, options_.drain_deadline);
+  if (!st.ok()) return fail(st);
+  const absl::Time pause_start = absl::Now();
+  auto context = engine_->Context(session_id);
+  if (!context.ok()) {
+    engine_->Release(session_id);
+    return fail(context.status());
+  }
+  while (true) {
+    auto more = exporter->NextFinal(&chunk);
+    if (!more.ok()) {
+      engine_->Release(session_id);
+      return fail(more.status());
+    }
+    if (!*more) break;
+    if (!send(chunk, chunk.kind == kv::KvChunk::Kind::kCommit ? *context : std::vector<int32_t>{})) {
+      engine_->Release(session_id);
+      return fail(absl::UnavailableError("target closed the import stream"));
+    }
+  }
+  writer->WritesDone();
+  grpc::Status remote = writer->Finish();
+  exporter.reset();
+  if (!remote.ok()) {
+    engine_->Release(session_id);
+    return absl::Status(static_cast<absl::StatusCode>(remote.error_code()),
+                        absl::StrCat("target ", target, " refused session '", session_id, "': ",
+                                     remote.error_message(), "; the session stays here"));
+  }
+  // The target holds it now: drop our copy.
+  (void)kv_->CloseSession(session_id);
+  engine_->ForgetSession(session_id);
+  engine_->Release(session_id);
+  const absl::Time end = absl::Now();
+  hub_->Nudge();
+  metrics_->OnMigration(/*outgoing=*/true, bytes, end - start);
+  v1::MigrateSessionResponse resp;
+  *resp.mutable_session() = imported;
+  resp.set_bytes_moved(bytes);
+  resp.set_total_us(absl::ToInt64Microseconds(end - start));
+  resp.set_pause_us(absl::ToInt64Microseconds(end - pause_start));
+  KV_LOG_INFO("migrated session '{}' to {}: {} bytes in {} ms (pause {} ms)", session_id, target, bytes,
+              absl::ToInt64Milliseconds(end - start), absl::ToInt64Milliseconds(end - pause_start));
+  return resp;
+}
+
+grpc::ServerUnaryReactor* WorkerService::MigrateSession(grpc::CallbackServerContext* context,
+                                                        const v1::MigrateSessionRequest* request,
+                                                        v1::MigrateSessionResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (request->target_address().empty()) {
+    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError("target_address is empty")));
+    return reactor;
+  }
+  // Migration blocks on another worker: run it off the gRPC thread.
+  RunInBackground([this, reactor, request, response] {
+    auto resp = Migrate(request->session_id(), TenantOf(request->tenant()), request->target_address());
+    if (resp.ok()) *response = *resp;
+    reactor->Finish(ToGrpcStatus(resp.status()));
+  });
+  return reactor;
+}
+
+void WorkerService::BeginDrain() {
+  if (draining_.exchange(true)) return;
+  set_ready_(false);
+  hub_->Nudge();
+  KV_LOG_INFO("draining: readiness NOT_SERVING, new requests refused");
+}
+
+v1::DrainResponse WorkerService::Drain(const std::vector<std::string>& targets, absl::Duration deadline) {
+  BeginDrain();
+  if (!engine_->WaitIdle(deadline)) KV_LOG_WARN("drain: requests still running after {}", absl::FormatDuration(deadline));
+  v1::DrainResponse out;
+  size_t next = 0;
+  for (const kv::SessionInfo& s : kv_->Snapshot().sessions) {
+    if (s.id.rfind("~", 0) == 0) continue;
+    bool moved = false;
+    for (size_t tries = 0; tries < targets.size() && !moved; ++tries) {
+      const std::string& target = targets[next++ % targets.size()];
+      auto r = Migrate(s.id, s.tenant, target);
+      if (r.ok()) {
+        moved = true;
+      } else {
+        KV_LOG_WARN("drain: {}", r.status().ToString());
+      }
+    }
+    if (moved) {
+      out.set_sessions_migrated(out.sessions_migrated() + 1);
+    } else if (engine_->Offload(s.id, s.tenant).ok()) {
+      out.set_sessions_offloaded(out.sessions_offloaded() + 1);
+    } else {
+      out.set_sessions_dropped(out.sessions_dropped() + 1);
+    }
+  }
+  return out;
+}
+
+grpc::ServerUnaryReactor* WorkerService::Drain(grpc::CallbackServerContext* context,
+                                               const v1::DrainRequest* request, v1::DrainResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  std::vector<std::string> targets(request->targets().begin(), request->targets().end());
+  const absl::Duration deadline =
+      request->deadline_ms() > 0 ? absl::Milliseconds(request->deadline_ms()) : options_.drain_deadline;
+  BeginDrain();
+  RunInBackground([this, reactor, response, targets, deadline] {
+    *response = Drain(targets, deadline);
+    reactor->Finish(grpc::Status::OK);
+    request_exit_();
+  });
+  return reactor;
+}
+
+}  // namespace kvcache::service
