@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""Validates deploy/k8s without a cluster:
+
+1. deploy/generate.py --check: the PrometheusRule and the dashboard ConfigMap are up to date.
+2. Renders overlays/cpu and overlays/gpu, each with and without components/tls, with
+   kustomize_lite.py (the same output as `kubectl kustomize`; see crosscheck_kustomize.sh).
+3. Validates every built-in object against the Kubernetes JSON schemas (kubernetes-validate,
+   strict: unknown fields are errors), and the Prometheus Operator objects structurally.
+4. Checks the objects agree with each other: Service/PDB/ServiceMonitor selectors select pods,
+   named ports exist, every flag is one the binary takes, every $(VAR) is defined, probes use the
+   health service names and the gRPC ports, grace periods cover preStop + --shutdown_deadline,
+   the router resolves the headless worker Service, GPU requests, resources, TLS mounts.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+try:
+    import yaml
+except ImportError:
+    sys.exit("FAIL: PyYAML missing: apt-get install python3-yaml (or pip install PyYAML)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+K8S = os.path.join(ROOT, "deploy", "k8s")
+sys.path.insert(0, HERE)
+import kustomize_lite  # noqa: E402
+
+try:
+    import kubernetes_validate
+except ImportError:
+    sys.exit("FAIL: python module kubernetes_validate missing: pip install kubernetes-validate==1.37.0")
+
+K8S_VERSION = "1.30.0"  # native gRPC probes are GA since 1.27
+COMMON_FLAGS = {"listen", "metrics_listen", "shutdown_deadline", "tls_cert", "tls_key", "tls_client_ca",
+                "log_level"}
+FLAGS = {
+    "worker": COMMON_FLAGS | {"model", "worker_id", "device", "tier0_bytes", "tier1_bytes", "page_tokens",
+                              "kv_dtype", "threads", "max_batch_tokens", "max_context",
+                              # also in worker/main.cc, not used by the manifests yet
+                              "max_running", "max_waiting", "default_max_tokens", "max_tokens_per_request",
+                              "load_report_interval", "drain_deadline"},
+    "router": COMMON_FLAGS | {"workers", "worker_dns", "auth_tokens_file"},
+}
+TLS_DIR = "/etc/kvcache/tls"
+
+errors = []
+
+
+def err(variant, msg):
+    errors.append(f"[{variant}] {msg}")
+
+
+def selects(selector, labels):
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def duration_seconds(text):
+    m = re.fullmatch(r"(\d+)(s|m)", text)
+    if not m:
+        return None
+    return int(m.group(1)) * (60 if m.group(2) == "m" else 1)
+
+
+def check_crd(variant, o):
+    name = f"{o['kind']}/{o['metadata'].get('name')}"
+    spec = o.get("spec")
+    if o["apiVersion"] != "monitoring.coreos.com/v1" or not isinstance(spec, dict):
+        return err(variant, f"{name}: want apiVersion monitoring.coreos.com/v1 and a spec")
+    if o["kind"] == "ServiceMonitor":
+        if not isinstance(spec.get("selector", {}).get("matchLabels"), dict):
+            err(variant, f"{name}: spec.selector.matchLabels missing")
+        eps = spec.get("endpoints")
+        if not isinstance(eps, list) or not eps:
+            err(variant, f"{name}: spec.endpoints must be a non-empty list")
+        for ep in eps or []:
+            unknown = set(ep) - {"port", "targetPort", "path", "interval", "scrapeTimeout", "scheme",
+                                 "tlsConfig", "relabelings", "metricRelabelings", "honorLabels"}
+            if unknown or "port" not in ep:
+                err(variant, f"{name}: endpoint {ep}: needs port, unknown fields {sorted(unknown)}")
+            for key in ("interval", "scrapeTimeout"):
+                if key in ep and not re.fullmatch(r"\d+(ms|s|m|h)", ep[key]):
+                    err(variant, f"{name}: bad {key} {ep[key]!r}")
+    elif o["kind"] == "PrometheusRule":
+        groups = spec.get("groups")
+        if not isinstance(groups, list) or not groups:
+            return err(variant, f"{name}: spec.groups must be a non-empty list")
+        for g in groups:
+            if not isinstance(g.get("name"), str) or not isinstance(g.get("rules"), list):
+                err(variant, f"{name}: group needs name and rules")
+            for r in g.get("rules", []):
+                if ("alert" in r) == ("record" in r) or not isinstance(r.get("expr"), str):
+                    err(variant, f"{name}: rule needs expr and exactly one of alert/record: {r}")
+                if "for" in r and not re.fullmatch(r"\d+[smh]", r["for"]):
+                    err(variant, f"{name}: bad for {r['for']!r}")
+                for key in ("labels", "annotations"):
+                    if not all(isinstance(v, str) for v in r.get(key, {}).values()):
+                        err(variant, f"{name}: {key} values must be strings")
+    else:
+        err(variant, f"{name}: unexpected monitoring.coreos.com kind")
+
+
+def check_container(variant, role, pod, c, configmaps, tls):
+    where = f"{role} container {c['name']}"
+    env_names = {e["name"] for e in c.get("env", [])}
+    for ef in c.get("envFrom", []):
+        cm = configmaps.get(ef.get("configMapRef", {}).get("name"))
+        if cm is None:
+            err(variant, f"{where}: envFrom names a missing ConfigMap {ef}")
+        else:
+            env_names |= set(cm.get("data", {}))
+    env_values = {}
+    for ef in c.get("envFrom", []):
+        env_values.update(configmaps.get(ef.get("configMapRef", {}).get("name"), {}).get("data", {}))
+    flags = {}
+    for a in c.get("args", []):
+        m = re.fullmatch(r"--([a-z0-9_]+)=(.*)", a)
+        if not m:
+            err(variant, f"{where}: argument {a!r} is not --flag=value")
+            continue
+        if m.group(1) not in FLAGS[role]:
+            err(variant, f"{where}: kvcache-{role} takes no flag --{m.group(1)}")
+        flags[m.group(1)] = m.group(2)
+        for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", a):
+            if var not in env_names:
+                err(variant, f"{where}: {a} uses $({var}), which no env or ConfigMap key defines")
+    ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+    if set(ports) != {"grpc", "metrics"}:
+        err(variant, f"{where}: want ports named grpc and metrics, got {sorted(map(str, ports))}")
+    if flags.get("listen") != f"0.0.0.0:{ports.get('grpc')}":
+        err(variant, f"{where}: --listen={flags.get('listen')} does not match port grpc {ports.get('grpc')}")
+    if flags.get("metrics_listen") != f"0.0.0.0:{ports.get('metrics')}" or ports.get("metrics") != 9090:
+        err(variant, f"{where}: --metrics_listen={flags.get('metrics_listen')} / port metrics must be 9090")
+    want_grpc = {"worker": 7070, "router": 7000}[role]
+    if ports.get("grpc") != want_grpc:
+        err(variant, f"{where}: grpc port {ports.get('grpc')}, want {want_grpc}")
+    for f in ("tls_cert", "tls_key", "tls_client_ca", "shutdown_deadline", "log_level"):
+        if f not in flags:
+            err(variant, f"{where}: --{f} missing")
+
+    def expand(v):
+        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: str(env_values.get(m.group(1), "")), v)
+
+    # Probes: liveness/startup on "liveness", readiness on "readiness", against the gRPC port.
+    for probe, service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"),
+                           ("readinessProbe", "readiness")):
+        p = c.get(probe)
+        if not p:
+            err(variant, f"{where}: {probe} missing")
+            continue
+        if not tls:
+            if p.get("grpc") != {"port": want_grpc, "service": service}:
+                err(variant, f"{where}: {probe} must be grpc {{port: {want_grpc}, service: {service}}}, "
+                             f"got {p.get('grpc')}")
+        else:
+            cmd = p.get("exec", {}).get("command", [])
+            want = [f"--addr=127.0.0.1:{want_grpc}", f"--service={service}", f"--tls_ca={TLS_DIR}/ca.crt",
+                    f"--tls_cert={TLS_DIR}/tls.crt", f"--tls_key={TLS_DIR}/tls.key"]
+            if "grpc" in p or not cmd or cmd[0] != "/usr/local/bin/kvcache-health" or \
+                    any(w not in cmd for w in want):
+                err(variant, f"{where}: TLS {probe} must exec kvcache-health with {want}, got {p}")
+    if c.get("startupProbe"):
+        sp = c["startupProbe"]
+        budget = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)
+        if role == "worker" and budget < 120:
+            err(variant, f"{where}: startupProbe allows only {budget}s for the model to load")
+    # preStop pause, then SIGTERM drain within the grace period.
+    cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    if len(cmd) != 2 or not cmd[0].endswith("sleep") or not cmd[1].isdigit():
+        err(variant, f"{where}: preStop must be exec sleep N, got {cmd}")
+        pause = 0
+    else:
+        pause = int(cmd[1])
+    deadline = duration_seconds(expand(flags.get("shutdown_deadline", "")))
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    if deadline is None:
+        err(variant, f"{where}: --shutdown_deadline={expand(flags.get('shutdown_deadline', ''))} not Ns/Nm")
+    elif grace < pause + deadline + 10:
+        err(variant, f"{where}: terminationGracePeriodSeconds {grace} < preStop {pause}s + deadline "
+                     f"{deadline}s + 10s")
+    if role == "worker" and grace < 120:
+        err(variant, f"{where}: worker grace period {grace}s leaves no time to migrate sessions")
+    # Resources.
+    res = c.get("resources", {})
+    for kind in ("requests", "limits"):
+        for r in ("cpu", "memory"):
+            if r not in res.get(kind, {}):
+                err(variant, f"{where}: resources.{kind}.{r} missing")
+    # TLS: the flags point into the mounted Secret, or are all empty.
+    tls_values = [expand(flags.get(f, "")) for f in ("tls_cert", "tls_key", "tls_client_ca")]
+    mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    if tls:
+        if tls_values != [f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt"]:
+            err(variant, f"{where}: TLS flags expand to {tls_values}")
+        secret = volumes.get(mounts.get(TLS_DIR), {}).get("secret", {}).get("secretName")
+        if secret != "kvcache-tls":
+            err(variant, f"{where}: Secret kvcache-tls not mounted at {TLS_DIR}")
+        if not pod.get("securityContext", {}).get("fsGroup"):
+            err(variant, f"{where}: fsGroup needed for the non-root user to read the Secret")
+    elif any(tls_values):
+        err(variant, f"{where}: TLS flags set without the tls component: {tls_values}")
+    if "/tmp" not in mounts:
+        err(variant, f"{where}: read-only root filesystem needs an emptyDir at /tmp")
+    sc = c.get("securityContext", {})
+    if sc.get("allowPrivilegeEscalation") is not False or not sc.get("readOnlyRootFilesystem"):
+        err(variant, f"{where}: securityContext must forbid privilege escalation, read-only root fs")
+    if not pod.get("securityContext", {}).get("runAsNonRoot"):
+        err(variant, f"{where}: pod must runAsNonRoot")
+    return flags, expand, res
+
+
+def check_variant(variant, objs, gpu, tls):
+    by_kind = {}
+    for o in objs:
+        by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
+
+    # 3. Schemas.
+    for o in objs:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if o["apiVersion"].startswith("monitoring.coreos.com/"):
+            check_crd(variant, o)
+            continue
+        try:
+            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            err(variant, f"{name}: schema: {path}: {e.message}")
+        except kubernetes_validate.SchemaNotFoundError:
+            err(variant, f"{name}: no Kubernetes {K8S_VERSION} schema for {o['apiVersion']} {o['kind']}")
+
+    # 4. Consistency.
+    namespaces = list(by_kind.get("Namespace", {}))
+    if len(namespaces) != 1:
+        return err(variant, f"want one Namespace, got {namespaces}")
+    ns = namespaces[0]
+    for o in objs:
+        if o["kind"] != "Namespace" and o["metadata"].get("namespace") != ns:
+            err(variant, f"{o['kind']}/{o['metadata']['name']}: not in namespace {ns}")
+    sts = by_kind.get("StatefulSet", {}).get("kvcache-worker")
+    dep = by_kind.get("Deployment", {}).get("kvcache-router")
+    if not sts or not dep:
+        return err(variant, "StatefulSet kvcache-worker and Deployment kvcache-router are required")
+    if dep["spec"].get("replicas") != 2:
+        err(variant, "router Deployment: want 2 replicas")
+    configmaps = by_kind.get("ConfigMap", {})
+    workloads = {"worker": sts, "router": dep}
+    pod_labels = {r: w["spec"]["template"]["metadata"]["labels"] for r, w in workloads.items()}
+    container_ports = {}
+    flags = {}
+    for role, w in workloads.items():
+        if not selects(w["spec"]["selector"]["matchLabels"], pod_labels[role]):
+            err(variant, f"{role}: selector does not match its pod template")
+        pod = w["spec"]["template"]["spec"]
+        cs = pod["containers"]
+        if len(cs) != 1:
+            err(variant, f"{role}: want one container")
+        c = cs[0]
+        container_ports[role] = {p.get("name") for p in c.get("ports", [])}
+        f, expand, res = check_container(variant, role, pod, c, configmaps, tls)
+        flags[role] = (f, expand)
+        image = c.get("image", "")
+        if role == "worker":
+            want_tag = "cuda" if gpu else "cpu"
+            if not image.endswith(":" + want_tag):
+                err(variant, f"worker image {image!r}: want tag {want_tag}")
+            device = expand(f.get("device", ""))
+            gpus = [res.get(k, {}).get("nvidia.com/gpu") for k in ("requests", "limits")]
+            if gpu:
+                if device != "cuda:0" or gpus != [1, 1]:
+                    err(variant, f"gpu worker: --device={device}, nvidia.com/gpu requests/limits {gpus}")
+                if not pod.get("tolerations") or not pod.get("nodeSelector"):
+                    err(variant, "gpu worker: nodeSelector and tolerations example missing")
+            elif device != "cpu" or gpus != [None, None]:
+                err(variant, f"cpu worker: --device={device}, nvidia.com/gpu {gpus}")
+            if f.get("worker_id") != "$(POD_NAME)" or not any(
+                    e["name"] == "POD_NAME" and e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+                    == "metadata.name" for e in c.get("env", [])):
+                err(variant, "worker: --worker_id must be the pod name from the downward API")
+            for k in ("tier0_bytes", "tier1_bytes", "page_tokens", "threads", "max_batch_tokens", "max_context"):
+                if not expand(f.get(k, "")).isdigit():
+                    err(variant, f"worker: --{k}={expand(f.get(k, ''))} is not a number")
+
+    # The headless Service the StatefulSet and the router's --worker_dns use.
+    services = by_kind.get("Service", {})
+    headless = services.get(sts["spec"].get("serviceName"))
+    if not headless or headless["spec"].get("clusterIP") != "None":
+        err(variant, f"StatefulSet serviceName {sts['spec'].get('serviceName')} is not a headless Service")
+    else:
+        grpc_port = next((p["port"] for p in headless["spec"]["ports"] if p["name"] == "grpc"), None)
+        want = f"{headless['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:{grpc_port}"
+        if flags["router"][0].get("worker_dns") != want:
+            err(variant, f"router --worker_dns={flags['router'][0].get('worker_dns')}, want {want}")
+        rc = dep["spec"]["template"]["spec"]["containers"][0]
+        if not any(e["name"] == "POD_NAMESPACE" and e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+                   == "metadata.namespace" for e in rc.get("env", [])):
+            err(variant, "router: POD_NAMESPACE must come from the downward API")
+    if services.get("kvcache-router", {}).get("spec", {}).get("type") != "ClusterIP":
+        err(variant, "Service kvcache-router must be ClusterIP")
+    for name, s in services.items():
+        roles = [r for r in workloads if selects(s["spec"].get("selector"), pod_labels[r])]
+        if len(roles) != 1:
+            err(variant, f"Service {name} selects {roles}, want exactly one workload")
+            continue
+        for p in s["spec"]["ports"]:
+            if p.get("targetPort") not in container_ports[roles[0]]:
+                err(variant, f"Service {name} port {p['name']}: targetPort {p.get('targetPort')} not a named port")
+        if {p["name"] for p in s["spec"]["ports"]} != {"grpc", "metrics"}:
+            err(variant, f"Service {name}: want ports grpc and metrics")
+    pdbs = by_kind.get("PodDisruptionBudget", {})
+    want_pdb = {"worker": ("maxUnavailable", 1), "router": ("minAvailable", 1)}
+    for role, (field, value) in want_pdb.items():
+        found = [p for p in pdbs.values() if selects(p["spec"]["selector"]["matchLabels"], pod_labels[role])]
+        if len(found) != 1 or found[0]["spec"].get(field) != value:
+            err(variant, f"{role}: want one PodDisruptionBudget with {field}: {value}")
+
+    # Monitoring.
+    sms = by_kind.get("ServiceMonitor", {})
+    scraped = set()
+    for sm in sms.values():
+        for name, s in services.items():
+            if selects(sm["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {})):
+                scraped.add(name)
+                for ep in sm["spec"]["endpoints"]:
+                    if ep["port"] not in {p["name"] for p in s["spec"]["ports"]} or ep.get("path") != "/metrics":
+                        err(variant, f"ServiceMonitor: Service {name} has no port {ep['port']} (or path not /metrics)")
+    if scraped != set(services):
+        err(variant, f"ServiceMonitor scrapes {sorted(scraped)}, want {sorted(services)}")
+    with open(os.path.join(ROOT, "deploy", "prometheus", "alerts.yml")) as f:
+        alerts = yaml.safe_load(f)
+    rules = by_kind.get("PrometheusRule", {})
+    if len(rules) != 1 or next(iter(rules.values()))["spec"]["groups"] != alerts["groups"]:
+        err(variant, "PrometheusRule groups differ from deploy/prometheus/alerts.yml")
+    dash = [cm for cm in configmaps.values() if cm["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    with open(os.path.join(ROOT, "deploy", "grafana", "kvcache-dashboard.json")) as f:
+        dash_text = f.read()
+    if len(dash) != 1 or dash[0].get("data", {}).get("kvcache-dashboard.json") != dash_text:
+        err(variant, "want one ConfigMap labelled grafana_dashboard=\"1\" holding deploy/grafana/kvcache-dashboard.json")
+    else:
+        json.loads(dash[0]["data"]["kvcache-dashboard.json"])
+
+
+def main():
+    gen = subprocess.run([sys.executable, os.path.join(ROOT, "deploy", "generate.py"), "--check"],
+                         capture_output=True, text=True)
+    if gen.returncode != 0:
+        errors.append("deploy/generate.py --check: " + (gen.stderr or gen.stdout).strip())
+    variants = 0
+    for overlay in ("cpu", "gpu"):
+        for tls in (False, True):
+            variant = overlay + ("+tls" if tls else "")
+            comps = ["../../components/tls"] if tls else []
+            try:
+                objs = kustomize_lite.render(os.path.join(K8S, "overlays", overlay), comps)
+            except (kustomize_lite.RenderError, OSError, yaml.YAMLError, KeyError) as e:
+                err(variant, f"render: {e}")
+                continue
+            before = len(errors)
+            check_variant(variant, objs, gpu=(overlay == "gpu"), tls=tls)
+            variants += 1
+            print(f"{variant}: {len(objs)} objects ({', '.join(sorted({o['kind'] for o in objs}))}): "
+                  f"{'ok' if len(errors) == before else 'FAILED'}")
+    for e in errors:
+        print("FAIL:", e)
+    if errors or variants != 4:
+        sys.exit(f"check_k8s: {len(errors)} problem(s)")
+    print(f"check_k8s: 4 renderings valid against Kubernetes {K8S_VERSION} schemas and consistent")
+
+
+if __name__ == "__main__":
+    main()

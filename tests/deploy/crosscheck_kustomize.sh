@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Manual check (not run by ctest: kubectl is not part of the set-up): renders each overlay, with
+# and without components/tls, with both `kubectl kustomize` and kustomize_lite.py and compares the
+# objects. Run it after changing the kustomizations or kustomize_lite.py on a machine with kubectl.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+command -v kubectl >/dev/null || { echo "FAIL: kubectl not found" >&2; exit 1; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cp -r deploy/k8s "$tmp/"
+for overlay in cpu gpu; do
+  for tls in no yes; do
+    dir=deploy/k8s/overlays/$overlay
+    lite=(python3 tests/deploy/kustomize_lite.py "$dir")
+    if [ "$tls" = yes ]; then
+      # kustomize takes only relative paths: an overlay on the overlay, in a copy of the tree.
+      mkdir -p "$tmp/k8s/overlays/$overlay-tls"
+      printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ../%s\ncomponents:\n  - ../../components/tls\n' \
+        "$overlay" >"$tmp/k8s/overlays/$overlay-tls/kustomization.yaml"
+      kubectl kustomize "$tmp/k8s/overlays/$overlay-tls" >"$tmp/real.yaml"
+      lite+=(--component deploy/k8s/components/tls)
+    else
+      kubectl kustomize "$dir" >"$tmp/real.yaml"
+    fi
+    "${lite[@]}" >"$tmp/lite.yaml"
+    python3 - "$tmp/real.yaml" "$tmp/lite.yaml" "$overlay tls=$tls" <<'PY'
+import sys, yaml
+real, lite = ({(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(open(p)) if o}
+              for p in sys.argv[1:3])
+bad = sorted(set(real) ^ set(lite)) + [k for k in sorted(set(real) & set(lite)) if real[k] != lite[k]]
+print(f"{sys.argv[3]}: {len(real)} objects, {'identical' if not bad else 'DIFFERENT: ' + str(bad)}")
+sys.exit(1 if bad else 0)
+PY
+  done
+done
