@@ -3,7 +3,7 @@
 #include <xxhash.h>
 
 #include "absl/strings/str_cat.h"
-#include "common/tokenizer/streaming_detokenizer.h"
+#include "common/input_tokens.h"
 
 namespace kvcache::service {
 
@@ -16,14 +16,6 @@ absl::Status ValidateSessionId(const std::string& id) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
                     c == '_' || c == ':' || c == '-';
     if (!ok) return absl::InvalidArgumentError("session_id may only hold [A-Za-z0-9._:-]");
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ValidateUtf8(absl::string_view text, absl::string_view what) {
-  std::string tail;
-  if (tok::SanitizeUtf8(text, /*keep_tail=*/false, &tail) != text) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " is not valid UTF-8"));
   }
   return absl::OkStatus();
 }
@@ -57,53 +49,9 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
   out.tenant = TenantOf(request.tenant());
   const bool append = out.mode == sched::RequestMode::kAppend;
 
-  tok::EncodeOptions encode;
-  encode.add_special = !append;  // BOS only at the start of a conversation
-  encode.parse_special = true;
-  switch (request.input().kind_case()) {
-    case v1::Input::kText: {
-      absl::Status st = ValidateUtf8(request.input().text(), "input.text");
-      if (!st.ok()) return st;
-      out.input = tokenizer.Encode(request.input().text(), encode);
-      break;
-    }
-    case v1::Input::kTokens:
-      out.input.assign(request.input().tokens().ids().begin(), request.input().tokens().ids().end());
-      break;
-    case v1::Input::kChat: {
-      if (chat_template == nullptr) {
-        return absl::FailedPreconditionError(
-            "this model has no recognised chat template; send input.text or input.tokens");
-      }
-      const auto& chat = request.input().chat();
-      if (chat.messages().empty()) return absl::InvalidArgumentError("input.chat has no messages");
-      std::vector<tok::ChatMessage> messages;
-      for (const auto& m : chat.messages()) {
-        if (m.role() != "system" && m.role() != "user" && m.role() != "assistant") {
-          return absl::InvalidArgumentError(
-              absl::StrCat("chat role '", m.role(), "' is not system, user or assistant"));
-        }
-        absl::Status st = ValidateUtf8(m.content(), "chat message content");
-        if (!st.ok()) return st;
-        messages.push_back(tok::ChatMessage{m.role(), m.content()});
-      }
-      const bool add_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
-      absl::StatusOr<std::string> text;
-      if (append) {
-        // Continue the conversation: the previous turn ended with its end token.
-        text = tok::ChatTemplate::ChatMl().Render(messages, add_prompt);
-        if (text.ok()) text = absl::StrCat("\n", *text);
-      } else {
-        text = chat_template->Render(messages, add_prompt);
-      }
-      if (!text.ok()) return text.status();
-      out.input = tokenizer.Encode(*text, encode);
-      break;
-    }
-    case v1::Input::KIND_NOT_SET:
-      return absl::InvalidArgumentError("input is empty: set text, tokens or chat");
-  }
-  if (out.input.empty()) return absl::InvalidArgumentError("input tokenises to zero tokens");
+  auto tokens = TokenizeInput(request.input(), append, tokenizer, chat_template);
+  if (!tokens.ok()) return tokens.status();
+  out.input = std::move(*tokens);
 
   const v1::SamplingParams& s = request.sampling();
   out.sampling.temperature = s.temperature();

@@ -24,8 +24,6 @@ inline constexpr int kMaxStopStringBytes = 256;
 
 // INVALID_ARGUMENT unless `id` is 1..128 bytes of [A-Za-z0-9._:-].
 absl::Status ValidateSessionId(const std::string& id);
-// INVALID_ARGUMENT naming `what` unless `text` is well-formed UTF-8.
-absl::Status ValidateUtf8(absl::string_view text, absl::string_view what);
 
 // The engine request for `request`: tokenised input (text with special tokens
 // recognised; chat rendered with `chat_template`, which may be null when the

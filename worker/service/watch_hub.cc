@@ -3,7 +3,7 @@
 #include <string>
 
 #include "common/logging.h"
-#include "worker/service/stream_writer.h"
+#include "common/stream_writer.h"
 
 namespace kvcache::service {
 

@@ -8,7 +8,7 @@
 #include "worker/kv/kv_transfer.h"
 #include "worker/service/chunk_convert.h"
 #include "worker/service/request_convert.h"
-#include "worker/service/stream_writer.h"
+#include "common/stream_writer.h"
 
 namespace kvcache::service {
 namespace {

@@ -6,15 +6,15 @@
 // OnFinished() (after gRPC's OnDone, just before the object deletes itself).
 //
 // Thread-safety: Push and Close may be called from any thread.
-#ifndef KVCACHE_WORKER_SERVICE_STREAM_WRITER_H_
-#define KVCACHE_WORKER_SERVICE_STREAM_WRITER_H_
+#ifndef KVCACHE_COMMON_STREAM_WRITER_H_
+#define KVCACHE_COMMON_STREAM_WRITER_H_
 
 #include <deque>
 
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 
-namespace kvcache::service {
+namespace kvcache {
 
 template <typename Msg>
 class StreamWriter : public grpc::ServerWriteReactor<Msg> {
@@ -103,6 +103,6 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace kvcache::service
+}  // namespace kvcache
 
-#endif  // KVCACHE_WORKER_SERVICE_STREAM_WRITER_H_
+#endif  // KVCACHE_COMMON_STREAM_WRITER_H_

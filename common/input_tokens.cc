@@ -1,0 +1,72 @@
+#include "common/input_tokens.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/tokenizer/streaming_detokenizer.h"
+
+namespace kvcache {
+
+absl::Status ValidateUtf8(absl::string_view text, absl::string_view what) {
+  std::string tail;
+  if (tok::SanitizeUtf8(text, /*keep_tail=*/false, &tail) != text) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is not valid UTF-8"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> TokenizeInput(const v1::Input& input, bool append,
+                                                   const tok::Tokenizer& tokenizer,
+                                                   const tok::ChatTemplate* chat_template) {
+  std::vector<int32_t> tokens;
+  tok::EncodeOptions encode;
+  encode.add_special = !append;  // BOS only at the start of a conversation
+  encode.parse_special = true;
+  switch (input.kind_case()) {
+    case v1::Input::kText: {
+      absl::Status st = ValidateUtf8(input.text(), "input.text");
+      if (!st.ok()) return st;
+      tokens = tokenizer.Encode(input.text(), encode);
+      break;
+    }
+    case v1::Input::kTokens:
+      tokens.assign(input.tokens().ids().begin(), input.tokens().ids().end());
+      break;
+    case v1::Input::kChat: {
+      if (chat_template == nullptr) {
+        return absl::FailedPreconditionError(
+            "this model has no recognised chat template; send input.text or input.tokens");
+      }
+      const auto& chat = input.chat();
+      if (chat.messages().empty()) return absl::InvalidArgumentError("input.chat has no messages");
+      std::vector<tok::ChatMessage> messages;
+      for (const auto& m : chat.messages()) {
+        if (m.role() != "system" && m.role() != "user" && m.role() != "assistant") {
+          return absl::InvalidArgumentError(
+              absl::StrCat("chat role '", m.role(), "' is not system, user or assistant"));
+        }
+        absl::Status st = ValidateUtf8(m.content(), "chat message content");
+        if (!st.ok()) return st;
+        messages.push_back(tok::ChatMessage{m.role(), m.content()});
+      }
+      const bool add_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
+      absl::StatusOr<std::string> text;
+      if (append) {
+        // Continue the conversation: the previous turn ended with its end token.
+        text = tok::ChatTemplate::ChatMl().Render(messages, add_prompt);
+        if (text.ok()) text = absl::StrCat("\n", *text);
+      } else {
+        text = chat_template->Render(messages, add_prompt);
+      }
+      if (!text.ok()) return text.status();
+      tokens = tokenizer.Encode(*text, encode);
+      break;
+    }
+    case v1::Input::KIND_NOT_SET:
+      return absl::InvalidArgumentError("input is empty: set text, tokens or chat");
+  }
+  if (tokens.empty()) return absl::InvalidArgumentError("input tokenises to zero tokens");
+  return tokens;
+}
+
+}  // namespace kvcache
