@@ -142,6 +142,14 @@ std::optional<SessionLocation> Directory::FindSession(const std::string& session
   return it->second;
 }
 
+std::optional<SessionLocation> Directory::AwaitSession(const std::string& session_id,
+                                                      absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto known = [this, &session_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(session_id); };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&known), timeout)) return std::nullopt;
+  return sessions_.at(session_id);
+}
+
 absl::flat_hash_map<WorkerId, PrefixMatch> Directory::MatchPrefix(absl::Span<const BlockHash> chain) const {
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<WorkerId, PrefixMatch> out;

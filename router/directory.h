@@ -18,6 +18,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/block_hash.h"
 #include "kvcache/v1/worker.pb.h"
@@ -54,6 +55,9 @@ class Directory {
   std::vector<std::string> RemoveWorker(const WorkerId& worker);
 
   std::optional<SessionLocation> FindSession(const std::string& session_id) const;
+  // FindSession, waiting up to `timeout` for the session to appear (a worker's
+  // placement event may trail the reply that created the session).
+  std::optional<SessionLocation> AwaitSession(const std::string& session_id, absl::Duration timeout) const;
   // For each worker holding at least the first page: how many leading pages of
   // `chain` it holds, tier-aware (a page counts in the deepest tier that has it
   // on that worker: device if present there, else host).

@@ -1,20 +1,159 @@
-// kvcache-router: the front door. Until the router lands (issue: router) the
-// binary brings up the process scaffolding only: gRPC with health and
-// reflection, /metrics, graceful shutdown; KvCache RPCs answer UNIMPLEMENTED.
+// kvcache-router: the front door. Routes each session to a worker by cache
+// affinity (session, then prefix overlap against load) and proxies its stream.
+#include <fstream>
+#include <sstream>
+
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/synchronization/notification.h"
+#include "absl/strings/str_split.h"
+#include "common/gguf/model_path.h"
 #include "common/init.h"
+#include "common/logging.h"
 #include "common/server.h"
-#include "kvcache/v1/router.grpc.pb.h"
+#include "common/status_macros.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/tokenizer.h"
+#include "router/auth.h"
+#include "router/directory.h"
+#include "router/router_metrics.h"
+#include "router/router_service.h"
+#include "router/worker_pool.h"
+
+ABSL_FLAG(std::string, workers, "", "Comma-separated worker addresses host:port (static membership)");
+ABSL_FLAG(std::string, worker_dns, "",
+          "Comma-separated DNS names name:port whose every address is a worker (Kubernetes headless Service)");
+ABSL_FLAG(absl::Duration, dns_refresh, absl::Seconds(10), "How often --worker_dns is re-resolved");
+ABSL_FLAG(std::string, model, "", "GGUF file whose tokenizer the router uses for prefix hashes (same as the workers')");
+ABSL_FLAG(std::string, placement, "affinity", "Placement policy: affinity, round_robin or random");
+ABSL_FLAG(std::string, auth_tokens_file, "", "Bearer tokens: lines 'TOKEN TENANT [admin]'; empty disables auth");
+ABSL_FLAG(absl::Duration, health_timeout, absl::Seconds(3), "A worker silent this long is unhealthy");
+ABSL_FLAG(absl::Duration, forget_after, absl::Seconds(30), "A worker unreachable this long is forgotten");
+ABSL_FLAG(absl::Duration, rebalance_interval, absl::Seconds(5), "Rebalancing period (0 disables)");
+ABSL_FLAG(int32_t, max_attempts, 3, "Workers tried per request");
+ABSL_FLAG(int32_t, min_ready_workers, 1, "Readiness is SERVING while at least this many workers are healthy");
+ABSL_FLAG(std::string, worker_tls_ca, "", "PEM CA that signs the workers' certificates (enables TLS to workers)");
+ABSL_FLAG(std::string, worker_tls_cert, "", "PEM client certificate for mutual TLS to workers");
+ABSL_FLAG(std::string, worker_tls_key, "", "PEM key of --worker_tls_cert");
+
+namespace kvcache {
+namespace {
+
+constexpr char kName[] = "kvcache-router";
+
+absl::StatusOr<std::string> ReadPem(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> WorkerCredentials() {
+  const std::string ca = absl::GetFlag(FLAGS_worker_tls_ca), cert = absl::GetFlag(FLAGS_worker_tls_cert),
+                    key = absl::GetFlag(FLAGS_worker_tls_key);
+  if (ca.empty()) {
+    if (!cert.empty() || !key.empty()) return absl::InvalidArgumentError("--worker_tls_cert/key need --worker_tls_ca");
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions o;
+  KVCACHE_ASSIGN_OR_RETURN(o.pem_root_certs, ReadPem(ca));
+  if (cert.empty() != key.empty()) return absl::InvalidArgumentError("--worker_tls_cert and --worker_tls_key go together");
+  if (!cert.empty()) {
+    KVCACHE_ASSIGN_OR_RETURN(o.pem_cert_chain, ReadPem(cert));
+    KVCACHE_ASSIGN_OR_RETURN(o.pem_private_key, ReadPem(key));
+  }
+  return grpc::SslCredentials(o);
+}
+
+int Run() {
+  auto options = ServerOptionsFromFlags(kName);
+  if (!options.ok()) DieWith(kName, options.status());
+  auto mode = router::ParsePlacementMode(absl::GetFlag(FLAGS_placement));
+  if (!mode.ok()) DieWith(kName, mode.status());
+  const std::vector<std::string> workers =
+      absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
+  const std::vector<std::string> dns = absl::StrSplit(absl::GetFlag(FLAGS_worker_dns), ',', absl::SkipEmpty());
+  if (absl::GetFlag(FLAGS_max_attempts) < 1) DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
+  for (const auto& list : {workers, dns}) {
+    for (const auto& a : list) {
+      if (a.rfind(':') == std::string::npos) {
+        DieWith(kName, absl::InvalidArgumentError(absl::StrCat("worker address '", a, "' needs host:port")));
+      }
+    }
+  }
+  auto creds = WorkerCredentials();
+  if (!creds.ok()) DieWith(kName, creds.status());
+  std::unique_ptr<router::Authenticator> auth = std::make_unique<router::Authenticator>();
+  if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
+    auto a = router::Authenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file));
+    if (!a.ok()) DieWith(kName, a.status());
+    auth = std::move(*a);
+  }
+  auto process = ServerProcess::Init(*options);
+  if (!process.ok()) DieWith(kName, process.status(), 1);
+
+  std::string model_path = absl::GetFlag(FLAGS_model);
+  if (model_path.empty()) model_path = gguf::DefaultModelPath();
+  auto file = gguf::OpenModelFile(model_path);
+  if (!file.ok()) DieWith(kName, file.status(), 1);
+  auto tokenizer = tok::Tokenizer::FromGguf(**file);
+  if (!tokenizer.ok()) DieWith(kName, tokenizer.status(), 1);
+  auto chat = tok::ChatTemplate::FromGguf(**file);
+
+  router::Directory directory;
+  router::WorkerPoolOptions po;
+  po.health_timeout = absl::GetFlag(FLAGS_health_timeout);
+  po.forget_after = absl::GetFlag(FLAGS_forget_after);
+  po.dns_refresh = absl::GetFlag(FLAGS_dns_refresh);
+  po.credentials = *creds;
+  router::WorkerPool pool(po, &directory);
+  if (!workers.empty()) pool.SetAddresses(workers);
+  for (const auto& name : dns) pool.AddDnsName(name);
+  if (workers.empty() && dns.empty()) KV_LOG_WARN("no --workers or --worker_dns: every request will be UNAVAILABLE");
+
+  router::RouterMetrics metrics((*process)->metrics());
+  router::RouterOptions ro;
+  ro.mode = *mode;
+  ro.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  ro.rebalance_interval = absl::GetFlag(FLAGS_rebalance_interval);
+  router::RouterService service(ro, &pool, &directory, tokenizer->get(), chat.ok() ? &*chat : nullptr, auth.get(),
+                                &metrics);
+  router::AdminService admin(&service);
+  (*process)->SetCollectHook([&] { metrics.SetWorkers(pool.Workers()); });
+
+  // Readiness follows the pool: a router without enough healthy workers takes
+  // no traffic.
+  const size_t min_ready = static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_min_ready_workers)));
+  absl::Notification stop_readiness;
+  (*process)->SetReady(min_ready == 0);
+  std::thread readiness([&] {
+    bool ready = min_ready == 0;
+    while (!stop_readiness.HasBeenNotified()) {
+      if (pool.AwaitHealthy(min_ready, !ready, absl::Milliseconds(500))) {
+        ready = !ready;
+        (*process)->SetReady(ready);
+        KV_LOG_INFO("readiness {}: {} healthy workers needed", ready ? "SERVING" : "NOT_SERVING", min_ready);
+      }
+    }
+  });
+  absl::Status served = (*process)->Serve({&service, &admin}, [&] {
+    stop_readiness.Notify();
+    pool.Stop();
+  });
+  readiness.join();
+  (*process)->SetCollectHook(nullptr);
+  service.Shutdown();
+  if (!served.ok()) DieWith(kName, served, 1);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcache
 
 int main(int argc, char** argv) {
-  const std::string name = "kvcache-router";
-  kvcache::InitProcess(argc, argv, name, "kvcache-router: routes sessions to workers by cache affinity.");
-  auto options = kvcache::ServerOptionsFromFlags(name);
-  if (!options.ok()) kvcache::DieWith(name, options.status());
-  auto process = kvcache::ServerProcess::Init(*options);
-  if (!process.ok()) kvcache::DieWith(name, process.status(), 1);
-  kvcache::v1::KvCache::CallbackService api;
-  kvcache::v1::KvCacheAdmin::CallbackService admin;
-  absl::Status served = (*process)->Serve({&api, &admin});
-  if (!served.ok()) kvcache::DieWith(name, served, 1);
-  return 0;
+  kvcache::InitProcess(argc, argv, kvcache::kName,
+                       "kvcache-router: routes sessions to workers by cache affinity. See --help.");
+  return kvcache::Run();
 }

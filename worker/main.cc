@@ -137,7 +137,6 @@ int Run() {
   std::string worker_id = absl::GetFlag(FLAGS_worker_id);
   if (worker_id.empty()) worker_id = options->grpc_address;
   service::WorkerMetrics metrics((*process)->metrics());
-  (*engine)->SetStepCallback([&metrics](const sched::StepStats& s) { metrics.OnStep(s); });
 
   service::WorkerServiceOptions so;
   so.worker_id = worker_id;
@@ -156,6 +155,10 @@ int Run() {
       so, engine->get(), kv->get(), tokenizer->get(), chat.ok() ? &*chat : nullptr, &hub, &metrics,
       [proc](bool ready) { proc->SetReady(ready); }, [proc] { proc->RequestShutdown(); });
   service_ptr = &service;
+  (*engine)->SetStepCallback([&](const sched::StepStats& s) {
+    metrics.OnStep(s);
+    hub.Nudge();  // cache events of this step go out without waiting for the poll
+  });
 
   // Gauges that mirror the cache and the queue are refreshed on every scrape.
   const int64_t page_bytes = ko.shape.page_bytes();

@@ -155,6 +155,36 @@ grpc::ServerWriteReactor<v1::WatchEvent>* WatchHub::Subscribe(grpc::CallbackServ
   return s;
 }
 
+void WatchHub::Flush() {
+  absl::MutexLock lock(&mu_);
+  if (!stopping_) DeliverEventsLocked();
+}
+
+void WatchHub::DeliverEventsLocked() {
+  // Events since the last pass, to every subscriber that has not seen them.
+  while (true) {
+    kv::EventBatch batch = kv_->ReadEvents(last_seq_, 1024);
+    if (batch.gap) {
+      KV_LOG_WARN("watch: {} cache events were lost; subscribers must resync", batch.last_seq - last_seq_);
+      for (auto& [s, unused] : subscribers_) {
+        s->Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "events lost; reconnect to resync"));
+      }
+      last_seq_ = batch.last_seq;
+      break;
+    }
+    for (const kv::KvEvent& e : batch.events) {
+      v1::WatchEvent w;
+      if (!ToCacheEvent(e, w.mutable_event())) continue;
+      if (e.session_id.rfind("~", 0) == 0) continue;  // ephemeral sessions
+      for (auto& [s, unused] : subscribers_) {
+        if (e.seq > s->skip_until()) s->Send(w);
+      }
+    }
+    if (!batch.events.empty()) last_seq_ = batch.events.back().seq;
+    if (batch.events.size() < 1024) break;
+  }
+}
+
 void WatchHub::Pump() {
   absl::Time next_load = absl::Now() + options_.load_interval;
   while (true) {
@@ -162,28 +192,7 @@ void WatchHub::Pump() {
     wake_.WaitWithTimeout(&mu_, options_.poll_interval);
     if (stopping_) return;
     nudged_ = false;
-    // Events since the last pass, to every subscriber that has not seen them.
-    while (true) {
-      kv::EventBatch batch = kv_->ReadEvents(last_seq_, 1024);
-      if (batch.gap) {
-        KV_LOG_WARN("watch: {} cache events were lost; subscribers must resync", batch.last_seq - last_seq_);
-        for (auto& [s, unused] : subscribers_) {
-          s->Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "events lost; reconnect to resync"));
-        }
-        last_seq_ = batch.last_seq;
-        break;
-      }
-      for (const kv::KvEvent& e : batch.events) {
-        v1::WatchEvent w;
-        if (!ToCacheEvent(e, w.mutable_event())) continue;
-        if (e.session_id.rfind("~", 0) == 0) continue;  // ephemeral sessions
-        for (auto& [s, unused] : subscribers_) {
-          if (e.seq > s->skip_until()) s->Send(w);
-        }
-      }
-      if (!batch.events.empty()) last_seq_ = batch.events.back().seq;
-      if (batch.events.size() < 1024) break;
-    }
+    DeliverEventsLocked();
     if (absl::Now() >= next_load) {
       next_load = absl::Now() + options_.load_interval;
       v1::WatchEvent w;

@@ -50,10 +50,15 @@ class WatchHub {
   void Stop();
   // Wakes the pump now (after a change the routers should hear about quickly).
   void Nudge();
+  // Hands every cache event so far to the subscribers' streams now, on the
+  // caller's thread: a reply sent after Flush trails the events that describe
+  // it, so a router sees where a session lives before its client can ask again.
+  void Flush();
 
  private:
   class Subscriber;
   void Pump();
+  void DeliverEventsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::WorkerSnapshot MakeSnapshot(uint64_t* last_seq) const;
   void Remove(Subscriber* s);
 

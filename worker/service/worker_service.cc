@@ -57,6 +57,7 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
 
   void OnDone(const absl::Status& status, const sched::GenerateResult& result) override {
     service_->metrics_->OnRequestDone(CodeName(status), &result);
+    service_->hub_->Flush();  // routers hear of this request's pages before its client does
     if (status.ok()) {
       v1::GenerateResponse msg;
       auto* f = msg.mutable_final();
@@ -201,7 +202,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
       service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_), absl::Now() - started_);
       auto info = service_->Describe(id, tenant_);
       if (info.ok()) *response_ = *info;
-      service_->hub_->Nudge();
+      service_->hub_->Flush();
     }
     StartRead(&chunk_);
   }
@@ -463,7 +464,7 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   engine_->ForgetSession(session_id);
   engine_->Release(session_id);
   const absl::Time end = absl::Now();
-  hub_->Nudge();
+  hub_->Flush();
   metrics_->OnMigration(/*outgoing=*/true, bytes, end - start);
   v1::MigrateSessionResponse resp;
   *resp.mutable_session() = imported;

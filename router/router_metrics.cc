@@ -1,0 +1,48 @@
+#include "router/router_metrics.h"
+
+namespace kvcache::router {
+
+RouterMetrics::RouterMetrics(prometheus::Registry& r)
+    : requests_(prometheus::BuildCounter()
+                    .Name("kvcache_router_requests_total")
+                    .Help("Generate requests by final gRPC code")
+                    .Register(r)),
+      decisions_(prometheus::BuildCounter()
+                     .Name("kvcache_router_decisions_total")
+                     .Help("Placement decisions by reason (affinity, prefix, load, retry)")
+                     .Register(r)),
+      predicted_(&prometheus::BuildCounter()
+                      .Name("kvcache_router_predicted_cached_tokens_total")
+                      .Help("Cached tokens the router expected the chosen worker to reuse")
+                      .Register(r)
+                      .Add({})),
+      actual_(&prometheus::BuildCounter()
+                   .Name("kvcache_router_actual_cached_tokens_total")
+                   .Help("Cached tokens the workers reported reusing")
+                   .Register(r)
+                   .Add({})),
+      worker_up_(prometheus::BuildGauge()
+                     .Name("kvcache_router_worker_up")
+                     .Help("1 while the worker is healthy, else 0")
+                     .Register(r)),
+      ttft_(&prometheus::BuildHistogram()
+                 .Name("kvcache_router_time_to_first_token_seconds")
+                 .Help("Request receipt at the router to first token out")
+                 .Register(r)
+                 .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                                  0.25, 0.5, 1, 2.5, 5, 10, 30})),
+      retries_(&prometheus::BuildCounter()
+                    .Name("kvcache_router_retries_total")
+                    .Help("Requests resent to another worker")
+                    .Register(r)
+                    .Add({})),
+      migrations_(prometheus::BuildCounter()
+                      .Name("kvcache_router_migrations_total")
+                      .Help("Session migrations the router started, by reason")
+                      .Register(r)) {}
+
+void RouterMetrics::SetWorkers(const std::vector<WorkerView>& workers) {
+  for (const WorkerView& w : workers) worker_up_.Add({{"worker", w.address}}).Set(w.healthy ? 1 : 0);
+}
+
+}  // namespace kvcache::router

@@ -1,0 +1,47 @@
+// The router's Prometheus metrics (names as in deploy/metrics.txt).
+//
+// Thread-safety: prometheus-cpp metrics are thread-safe.
+#ifndef KVCACHE_ROUTER_ROUTER_METRICS_H_
+#define KVCACHE_ROUTER_ROUTER_METRICS_H_
+
+#include <string>
+#include <vector>
+
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "router/worker_pool.h"
+
+namespace kvcache::router {
+
+class RouterMetrics {
+ public:
+  explicit RouterMetrics(prometheus::Registry& registry);
+
+  void OnDecision(const char* reason) { decisions_.Add({{"reason", reason}}).Increment(); }
+  void OnRequestDone(const std::string& code) { requests_.Add({{"code", code}}).Increment(); }
+  void OnCachedTokens(int64_t predicted, int64_t actual) {
+    predicted_->Increment(static_cast<double>(predicted));
+    actual_->Increment(static_cast<double>(actual));
+  }
+  void OnFirstToken(double seconds) { ttft_->Observe(seconds); }
+  void OnRetry() { retries_->Increment(); }
+  void OnMigration(const char* reason) { migrations_.Add({{"reason", reason}}).Increment(); }
+  // Mirrors worker health into kvcache_router_worker_up{worker}.
+  void SetWorkers(const std::vector<WorkerView>& workers);
+
+ private:
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Counter>& decisions_;
+  prometheus::Counter* predicted_;
+  prometheus::Counter* actual_;
+  prometheus::Family<prometheus::Gauge>& worker_up_;
+  prometheus::Histogram* ttft_;
+  prometheus::Counter* retries_;
+  prometheus::Family<prometheus::Counter>& migrations_;
+};
+
+}  // namespace kvcache::router
+
+#endif  // KVCACHE_ROUTER_ROUTER_METRICS_H_

@@ -1,0 +1,305 @@
+#include "router/worker_pool.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include "absl/container/flat_hash_set.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+
+namespace kvcache::router {
+
+struct WorkerPool::Worker {
+  std::string address;
+  std::shared_ptr<grpc::Channel> channel;
+  std::thread thread;
+  absl::Notification stop;
+  // Guarded by the pool's mutex.
+  std::string worker_id;
+  std::string model_id;
+  v1::KvShape kv_shape;
+  v1::WorkerLoad load;
+  bool connected = false;
+  bool suspect = false;
+  bool admin_draining = false;
+  absl::Time last_message = absl::InfinitePast();
+  absl::Time disconnected_since = absl::Now();
+  bool forgotten = false;
+  grpc::ClientContext* stream = nullptr;  // the open Watch call, to cancel it
+};
+
+WorkerPool::WorkerPool(WorkerPoolOptions options, Directory* directory)
+    : options_(std::move(options)), directory_(directory) {
+  health_ = std::thread([this] {
+    const absl::Duration tick = std::max(absl::Milliseconds(50), options_.health_timeout / 4);
+    while (!stop_.WaitForNotificationWithTimeout(tick)) {
+      std::vector<WorkerId> forget;
+      {
+        absl::MutexLock lock(&mu_);
+        const absl::Time now = absl::Now();
+        for (auto& [addr, w] : workers_) {
+          if (w->connected && now - w->last_message > options_.health_timeout && w->stream != nullptr) {
+            KV_LOG_WARN("worker {} silent for {}; reconnecting", addr, absl::FormatDuration(now - w->last_message));
+            w->stream->TryCancel();
+          }
+          if (!w->connected && !w->forgotten && now - w->disconnected_since > options_.forget_after) {
+            w->forgotten = true;
+            forget.push_back(addr);
+          }
+        }
+      }
+      for (const WorkerId& addr : forget) {
+        auto lost = directory_->RemoveWorker(addr);
+        KV_LOG_WARN("worker {} unreachable for {}: forgetting it and {} sessions", addr,
+                    absl::FormatDuration(options_.forget_after), lost.size());
+      }
+    }
+  });
+}
+
+WorkerPool::~WorkerPool() { Stop(); }
+
+void WorkerPool::Stop() {
+  std::vector<std::unique_ptr<Worker>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& [addr, w] : workers_) {
+      w->stop.Notify();
+      if (w->stream != nullptr) w->stream->TryCancel();
+      all.push_back(std::move(w));
+    }
+    workers_.clear();
+    for (auto& w : retired_) all.push_back(std::move(w));
+    retired_.clear();
+  }
+  stop_.Notify();
+  for (auto& w : all) {
+    if (w->thread.joinable()) w->thread.join();
+  }
+  if (resolver_.joinable()) resolver_.join();
+  if (health_.joinable()) health_.join();
+}
+
+void WorkerPool::AddLocked(const std::string& address) {
+  if (workers_.contains(address) || stopping_) return;
+  auto w = std::make_unique<Worker>();
+  w->address = address;
+  w->channel = grpc::CreateChannel(
+      address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials());
+  Worker* raw = w.get();
+  workers_[address] = std::move(w);
+  raw->thread = std::thread([this, raw] { Watch(raw); });
+  KV_LOG_INFO("watching worker {}", address);
+}
+
+void WorkerPool::SetAddresses(const std::vector<std::string>& addresses) {
+  std::vector<WorkerId> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::flat_hash_set<std::string> keep(addresses.begin(), addresses.end());
+    for (const auto& a : addresses) {
+      static_[a] = true;
+      AddLocked(a);
+    }
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (!keep.contains(it->first) && static_.contains(it->first)) {
+        it->second->stop.Notify();
+        if (it->second->stream != nullptr) it->second->stream->TryCancel();
+        removed.push_back(it->first);
+        static_.erase(it->first);
+        retired_.push_back(std::move(it->second));
+        workers_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& a : removed) directory_->RemoveWorker(a);
+}
+
+void WorkerPool::AddDnsName(const std::string& name_and_port) {
+  {
+    absl::MutexLock lock(&mu_);
+    dns_names_.push_back(name_and_port);
+  }
+  Resolve();
+  if (!resolver_.joinable()) {
+    resolver_ = std::thread([this] {
+      while (!stop_.WaitForNotificationWithTimeout(options_.dns_refresh)) Resolve();
+    });
+  }
+}
+
+void WorkerPool::Resolve() {
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    names = dns_names_;
+  }
+  absl::flat_hash_set<std::string> found;
+  for (const std::string& np : names) {
+    const auto colon = np.rfind(':');
+    const std::string host = np.substr(0, colon), port = np.substr(colon + 1);
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) {
+      KV_LOG_WARN("cannot resolve worker name {}", np);
+      continue;
+    }
+    for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+      char buf[NI_MAXHOST];
+      if (getnameinfo(a->ai_addr, a->ai_addrlen, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) == 0) {
+        const bool v6 = a->ai_family == AF_INET6;
+        found.insert(v6 ? absl::StrCat("[", buf, "]:", port) : absl::StrCat(buf, ":", port));
+      }
+    }
+    freeaddrinfo(res);
+  }
+  std::vector<WorkerId> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& a : found) AddLocked(a);
+    // Workers that left the DNS answer (pods deleted) are dropped.
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (!static_.contains(it->first) && !found.contains(it->first)) {
+        it->second->stop.Notify();
+        if (it->second->stream != nullptr) it->second->stream->TryCancel();
+        removed.push_back(it->first);
+        retired_.push_back(std::move(it->second));
+        workers_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& a : removed) directory_->RemoveWorker(a);
+}
+
+void WorkerPool::Watch(Worker* w) {
+  auto stub = v1::Worker::NewStub(w->channel);
+  while (!w->stop.HasBeenNotified()) {
+    grpc::ClientContext ctx;
+    {
+      absl::MutexLock lock(&mu_);
+      if (w->stop.HasBeenNotified()) break;
+      w->stream = &ctx;
+    }
+    v1::WatchRequest req;
+    req.set_subscriber("kvcache-router");
+    auto reader = stub->Watch(&ctx, req);
+    v1::WatchEvent ev;
+    uint64_t expected = 1;
+    while (reader->Read(&ev)) {
+      if (ev.sequence() != expected) {
+        KV_LOG_WARN("worker {}: watch sequence {} after {}; resyncing", w->address, ev.sequence(), expected - 1);
+        break;
+      }
+      ++expected;
+      if (ev.has_snapshot()) {
+        directory_->ApplySnapshot(w->address, ev.snapshot());
+      } else if (ev.has_event()) {
+        directory_->ApplyEvent(w->address, ev.event());
+      } else if (ev.has_load()) {
+        directory_->ApplyLoad(w->address, ev.load());
+      }
+      absl::MutexLock lock(&mu_);
+      if (!w->connected) KV_LOG_INFO("worker {} connected", w->address);
+      w->connected = true;
+      w->suspect = false;
+      w->forgotten = false;
+      w->last_message = absl::Now();
+      if (ev.has_snapshot()) {
+        w->worker_id = ev.snapshot().worker_id();
+        w->model_id = ev.snapshot().model_id();
+        w->kv_shape = ev.snapshot().kv_shape();
+        w->load = ev.snapshot().load();
+      } else if (ev.has_load()) {
+        w->load = ev.load();
+      }
+    }
+    ctx.TryCancel();
+    grpc::Status st = reader->Finish();
+    {
+      absl::MutexLock lock(&mu_);
+      w->stream = nullptr;
+      if (w->connected) {
+        KV_LOG_WARN("worker {} watch ended: {}", w->address, st.error_message());
+        w->connected = false;
+        w->disconnected_since = absl::Now();
+      }
+    }
+    w->stop.WaitForNotificationWithTimeout(options_.reconnect_backoff);
+  }
+}
+
+WorkerView WorkerPool::ViewLocked(const Worker& w) const {
+  WorkerView v;
+  v.address = w.address;
+  v.worker_id = w.worker_id.empty() ? w.address : w.worker_id;
+  v.connected = w.connected;
+  v.draining = w.admin_draining || w.load.draining();
+  v.healthy = w.connected && !w.suspect && !v.draining;
+  v.load = w.load;
+  v.model_id = w.model_id;
+  v.kv_shape = w.kv_shape;
+  return v;
+}
+
+std::vector<WorkerView> WorkerPool::Workers() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerView> out;
+  for (const auto& [addr, w] : workers_) out.push_back(ViewLocked(*w));
+  std::sort(out.begin(), out.end(), [](const WorkerView& a, const WorkerView& b) { return a.address < b.address; });
+  return out;
+}
+
+std::vector<WorkerView> WorkerPool::Healthy() const {
+  std::vector<WorkerView> out;
+  for (WorkerView& v : Workers()) {
+    if (v.healthy) out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::optional<WorkerView> WorkerPool::Find(const std::string& address_or_id) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [addr, w] : workers_) {
+    if (addr == address_or_id || w->worker_id == address_or_id) return ViewLocked(*w);
+  }
+  return std::nullopt;
+}
+
+std::shared_ptr<grpc::Channel> WorkerPool::Channel(const WorkerId& address) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(address);
+  return it == workers_.end() ? nullptr : it->second->channel;
+}
+
+void WorkerPool::SetDraining(const WorkerId& address) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(address);
+  if (it != workers_.end()) it->second->admin_draining = true;
+}
+
+void WorkerPool::MarkSuspect(const WorkerId& address) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(address);
+  if (it != workers_.end()) it->second->suspect = true;
+}
+
+bool WorkerPool::AwaitHealthy(size_t n, bool want, absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto enough = [this, n, want]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    size_t healthy = 0;
+    for (const auto& [addr, w] : workers_) healthy += ViewLocked(*w).healthy ? 1 : 0;
+    return (healthy >= n) == want;
+  };
+  return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+}
+
+}  // namespace kvcache::router

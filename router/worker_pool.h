@@ -1,0 +1,99 @@
+// The router's view of its workers: where they are (a static list or DNS names
+// re-resolved periodically), whether they are healthy, and a Watch stream per
+// worker that feeds the Directory.
+//
+// A worker is healthy while its Watch stream is connected and has delivered a
+// message within `health_timeout`, and it is not draining. A stream that breaks,
+// stalls or skips a sequence number is cancelled and reopened; the reconnect
+// starts with a snapshot, which replaces what the directory knew of the worker.
+// A worker that stays unreachable longer than `forget_after` is removed from the
+// directory (its sessions are lost; the next FULL_CONTEXT request recomputes).
+//
+// Thread-safety: all public methods are thread-safe.
+#ifndef KVCACHE_ROUTER_WORKER_POOL_H_
+#define KVCACHE_ROUTER_WORKER_POOL_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kvcache/v1/worker.grpc.pb.h"
+#include "router/directory.h"
+
+namespace kvcache::router {
+
+struct WorkerPoolOptions {
+  absl::Duration health_timeout = absl::Seconds(3);   // no Watch message for this long: unhealthy
+  absl::Duration forget_after = absl::Seconds(30);    // unreachable this long: forgotten
+  absl::Duration reconnect_backoff = absl::Milliseconds(200);
+  absl::Duration dns_refresh = absl::Seconds(10);
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // insecure when null
+};
+
+// What placement and admin calls see of one worker.
+struct WorkerView {
+  WorkerId address;       // host:port: the key everywhere in the router
+  std::string worker_id;  // the worker's own name (from its snapshot)
+  bool connected = false;
+  bool healthy = false;
+  bool draining = false;
+  v1::WorkerLoad load;
+  std::string model_id;
+  v1::KvShape kv_shape;
+};
+
+class WorkerPool {
+ public:
+  WorkerPool(WorkerPoolOptions options, Directory* directory);
+  ~WorkerPool();  // Stop()
+
+  // Static membership: adds watchers for new addresses, removes the others.
+  void SetAddresses(const std::vector<std::string>& addresses);
+  // DNS membership: `name:port` is resolved now and every dns_refresh; every
+  // address it resolves to is a worker (a Kubernetes headless Service).
+  void AddDnsName(const std::string& name_and_port);
+
+  std::vector<WorkerView> Workers() const;
+  std::vector<WorkerView> Healthy() const;
+  std::optional<WorkerView> Find(const std::string& address_or_id) const;
+  std::shared_ptr<grpc::Channel> Channel(const WorkerId& address) const;
+  // Stops placing on a worker (admin drain); cleared when it leaves the pool.
+  void SetDraining(const WorkerId& address);
+  // A request saw the worker fail: treat it as unhealthy until its stream
+  // delivers again.
+  void MarkSuspect(const WorkerId& address);
+  // Blocks until "at least `n` workers are healthy" equals `want`, or `timeout`
+  // passes; returns whether it does.
+  bool AwaitHealthy(size_t n, bool want, absl::Duration timeout) const;
+
+  void Stop();
+
+ private:
+  struct Worker;
+  void Watch(Worker* w);
+  void Resolve();
+  void AddLocked(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  WorkerView ViewLocked(const Worker& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  const WorkerPoolOptions options_;
+  Directory* const directory_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<WorkerId, std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Worker>> retired_ ABSL_GUARDED_BY(mu_);  // joined in Stop
+  std::vector<std::string> dns_names_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<WorkerId, bool> static_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Notification stop_;
+  std::thread resolver_;
+  std::thread health_;
+};
+
+}  // namespace kvcache::router
+
+#endif  // KVCACHE_ROUTER_WORKER_POOL_H_

@@ -1,0 +1,315 @@
+// kvcache-router in front of real kvcache-worker processes over loopback gRPC:
+// session affinity, prefix routing, a worker killed mid-stream, replicas that
+// agree, drain through the admin API, authentication and tenant isolation.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "common/gguf/tiny_llama.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvcache/v1/router.grpc.pb.h"
+#include "kvcache/v1/worker.grpc.pb.h"
+#include "tests/testing/child_process.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Reply {
+  std::vector<int32_t> tokens;
+  v1::GenerateResponse::Final final;
+  grpc::Status status;
+};
+
+v1::GenerateRequest Text(const std::string& session, const std::string& text, int max_tokens,
+                         v1::Mode mode = v1::FULL_CONTEXT) {
+  v1::GenerateRequest r;
+  r.set_session_id(session);
+  r.set_mode(mode);
+  r.mutable_input()->set_text(text);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_ignore_eos(true);
+  return r;
+}
+
+template <typename Stub>
+Reply Generate(Stub* stub, const v1::GenerateRequest& req, const std::string& token = "") {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+  auto reader = stub->Generate(&ctx, req);
+  Reply r;
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    if (msg.has_token()) r.tokens.push_back(msg.token().id());
+    if (msg.has_final()) r.final = msg.final();
+  }
+  r.status = reader->Finish();
+  return r;
+}
+
+class RouterTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new std::string(::testing::TempDir() + "/kvcache_router_test_tiny.gguf");
+    gguf::TinyLlamaOptions o;
+    o.n_ctx = 2048;
+    ASSERT_TRUE(gguf::WriteTinyLlama(o, *model_).ok());
+  }
+  static void TearDownTestSuite() {
+    std::remove(model_->c_str());
+    delete model_;
+  }
+
+  void StartWorkers(int n) {
+    for (int i = 0; i < n; ++i) {
+      auto w = testing::ServerUnderTest::Start(
+          testing::BinaryPath("worker/kvcache-worker"),
+          {"--model=" + *model_, "--worker_id=w" + std::to_string(i), "--threads=1", "--load_report_interval=100ms"});
+      ASSERT_TRUE(w.ok()) << w.status();
+      workers_.push_back(std::move(*w));
+    }
+  }
+
+  std::unique_ptr<testing::ServerUnderTest> StartRouter(std::vector<std::string> extra = {}) {
+    std::string list;
+    for (const auto& w : workers_) list += (list.empty() ? "" : ",") + w->grpc_address();
+    // Readiness (which ServerUnderTest waits for) needs every worker healthy.
+    std::vector<std::string> args = {"--workers=" + list, "--model=" + *model_, "--health_timeout=2s",
+                                     "--rebalance_interval=0s",
+                                     "--min_ready_workers=" + std::to_string(workers_.size())};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = testing::ServerUnderTest::Start(testing::BinaryPath("router/kvcache-router"), args);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return nullptr;
+    return std::move(*r);
+  }
+
+  static std::string* model_;
+  std::vector<std::unique_ptr<testing::ServerUnderTest>> workers_;
+};
+
+std::string* RouterTest::model_ = nullptr;
+
+TEST_F(RouterTest, EveryTurnOfASessionLandsOnTheSameWorker) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  std::map<std::string, int> per_worker;
+  for (int s = 0; s < 6; ++s) {
+    const std::string id = "user-" + std::to_string(s);
+    std::string home;
+    for (int turn = 0; turn < 3; ++turn) {
+      Reply r = Generate(stub.get(), turn == 0 ? Text(id, std::string(40 + s, 'a' + s), 4)
+                                               : Text(id, " and then?", 4, v1::APPEND));
+      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+      if (turn == 0) home = r.final.worker_id();
+      EXPECT_EQ(r.final.worker_id(), home) << id << " turn " << turn;
+      if (turn > 0) EXPECT_GT(r.final.usage().cached_tokens(), 30);
+    }
+    ++per_worker[home];
+  }
+  EXPECT_EQ(per_worker.size(), 2u) << "six new sessions should spread over both workers";
+}
+
+TEST_F(RouterTest, NewSessionWithACachedPrefixGoesToItsWorker) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  const std::string system(600, 's');  // a long shared system prompt
+  Reply first = Generate(stub.get(), Text("a", system + " question one", 2));
+  ASSERT_TRUE(first.status.ok());
+  for (int i = 0; i < 4; ++i) {
+    Reply r = Generate(stub.get(), Text("b" + std::to_string(i), system + " question " + std::to_string(i + 2), 2));
+    ASSERT_TRUE(r.status.ok());
+    EXPECT_EQ(r.final.worker_id(), first.final.worker_id());
+    EXPECT_GT(r.final.usage().cached_tokens(), 200);
+    EXPECT_GT(r.final.predicted_cached_tokens(), 200);
+  }
+}
+
+TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  const v1::GenerateRequest req = Text("victim", "tell me a long story about the sea", 300);
+  // Reference: the same greedy request on a worker directly.
+  auto direct = v1::Worker::NewStub(workers_[0]->channel());
+  v1::GenerateRequest ref_req = req;
+  ref_req.set_session_id("");
+  Reply ref = Generate(direct.get(), ref_req);
+  ASSERT_TRUE(ref.status.ok());
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = stub->Generate(&ctx, req);
+  std::vector<int32_t> got;
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  got.push_back(msg.token().id());
+  // Find and kill the worker serving it.
+  {
+    auto admin = v1::KvCache::NewStub(router->channel());
+    grpc::ClientContext c;
+    v1::SessionRequest sr;
+    sr.set_session_id("victim");
+    v1::SessionInfo info;
+    ASSERT_TRUE(admin->GetSession(&c, sr, &info).ok());
+    const int victim = info.worker_id() == "w0" ? 0 : 1;
+    workers_[victim]->process().Signal(SIGKILL);
+  }
+  v1::GenerateResponse::Final final;
+  while (reader->Read(&msg)) {
+    if (msg.has_token()) got.push_back(msg.token().id());
+    if (msg.has_final()) final = msg.final();
+  }
+  grpc::Status st = reader->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(got, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
+  EXPECT_EQ(final.usage().generated_tokens(), 300);
+
+  // An APPEND to a session that lived only on a dead worker fails clearly.
+  Reply r = Generate(stub.get(), Text("victim", " more", 3, v1::APPEND));
+  if (!r.status.ok()) {
+    EXPECT_THAT(r.status.error_code(), ::testing::AnyOf(grpc::UNAVAILABLE, grpc::NOT_FOUND));
+    EXPECT_THAT(r.status.error_message(), HasSubstr("victim"));
+  }
+}
+
+TEST_F(RouterTest, AppendOnALostWorkerNamesTheSession) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  Reply first = Generate(stub.get(), Text("gone", "remember this", 3));
+  ASSERT_TRUE(first.status.ok());
+  const int victim = first.final.worker_id() == "w0" ? 0 : 1;
+  workers_[victim]->process().Signal(SIGKILL);
+  ASSERT_TRUE(workers_[victim]->process().Wait(absl::Seconds(10)).ok());
+  Reply r = Generate(stub.get(), Text("gone", " what was it?", 3, v1::APPEND));
+  EXPECT_EQ(r.status.error_code(), grpc::UNAVAILABLE) << r.status.error_message();
+  EXPECT_THAT(r.status.error_message(), HasSubstr("gone"));
+  // FULL_CONTEXT of the same conversation recomputes on the survivor.
+  Reply again = Generate(stub.get(), Text("gone", "remember this what was it?", 3));
+  EXPECT_TRUE(again.status.ok()) << again.status.error_message();
+}
+
+TEST_F(RouterTest, TwoReplicasAgree) {
+  StartWorkers(2);
+  auto r1 = StartRouter();
+  auto r2 = StartRouter();
+  ASSERT_NE(r1, nullptr);
+  ASSERT_NE(r2, nullptr);
+  auto s1 = v1::KvCache::NewStub(r1->channel());
+  auto s2 = v1::KvCache::NewStub(r2->channel());
+  for (int s = 0; s < 6; ++s) {
+    const std::string id = "shared-" + std::to_string(s);
+    Reply a = Generate(s1.get(), Text(id, std::string(30, 'k' + s), 2));
+    ASSERT_TRUE(a.status.ok());
+    // The other replica learned of the session from the worker's stream.
+    Reply b = Generate(s2.get(), Text(id, " next", 2, v1::APPEND));
+    ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+    EXPECT_EQ(a.final.worker_id(), b.final.worker_id());
+  }
+}
+
+TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->channel());
+  std::map<std::string, std::vector<std::string>> by_worker;
+  for (int s = 0; s < 8; ++s) {
+    const std::string id = "d-" + std::to_string(s);
+    Reply r = Generate(stub.get(), Text(id, std::string(50, 'p' + s), 2));
+    ASSERT_TRUE(r.status.ok());
+    by_worker[r.final.worker_id()].push_back(id);
+  }
+  // Drain the busier worker.
+  const std::string leaving = by_worker["w0"].size() >= by_worker["w1"].size() ? "w0" : "w1";
+  const std::string staying = leaving == "w0" ? "w1" : "w0";
+  grpc::ClientContext ctx;
+  v1::DrainWorkerRequest dr;
+  dr.set_worker(leaving);
+  v1::DrainResponse resp;
+  ASSERT_TRUE(admin->DrainWorker(&ctx, dr, &resp).ok());
+  EXPECT_EQ(resp.sessions_migrated(), static_cast<int>(by_worker[leaving].size()));
+  EXPECT_EQ(resp.sessions_dropped(), 0);
+  ASSERT_TRUE(workers_[leaving == "w0" ? 0 : 1]->process().Wait(absl::Seconds(30)).ok());
+  for (int s = 0; s < 8; ++s) {
+    Reply r = Generate(stub.get(), Text("d-" + std::to_string(s), " again", 2, v1::APPEND));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.final.worker_id(), staying);
+    EXPECT_GT(r.final.usage().cached_tokens(), 20);
+  }
+}
+
+TEST_F(RouterTest, TokensMapToTenantsAndTenantsAreIsolated) {
+  StartWorkers(1);
+  const std::string tokens = ::testing::TempDir() + "/kvcache_tokens.txt";
+  std::ofstream(tokens) << "alpha-secret tenant-a\nbeta-secret tenant-b\nops-secret ops admin\n";
+  auto router = StartRouter({"--auth_tokens_file=" + tokens});
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  const v1::GenerateRequest req = Text("private", std::string(200, 'x') + " my secret plan", 2);
+  EXPECT_EQ(Generate(stub.get(), req).status.error_code(), grpc::UNAUTHENTICATED);
+  EXPECT_EQ(Generate(stub.get(), req, "wrong").status.error_code(), grpc::UNAUTHENTICATED);
+  Reply a = Generate(stub.get(), req, "alpha-secret");
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  // Tenant B: the identical prompt gets no cached tokens from A's pages, and A's
+  // session is invisible to B.
+  v1::GenerateRequest other = req;
+  other.set_session_id("b-own");
+  Reply b = Generate(stub.get(), other, "beta-secret");
+  ASSERT_TRUE(b.status.ok());
+  EXPECT_EQ(b.final.usage().cached_tokens(), 0);
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer beta-secret");
+    v1::SessionRequest sr;
+    sr.set_session_id("private");
+    v1::SessionInfo info;
+    EXPECT_EQ(stub->GetSession(&c, sr, &info).error_code(), grpc::NOT_FOUND);
+  }
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer beta-secret");
+    v1::SessionRequest sr;
+    sr.set_session_id("private");
+    v1::CloseSessionResponse resp;
+    EXPECT_EQ(stub->CloseSession(&c, sr, &resp).error_code(), grpc::NOT_FOUND);
+  }
+  EXPECT_EQ(Generate(stub.get(), Text("private", " more", 2, v1::APPEND), "beta-secret").status.error_code(),
+            grpc::NOT_FOUND);
+  // Admin calls need an admin token.
+  auto admin = v1::KvCacheAdmin::NewStub(router->channel());
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer alpha-secret");
+    v1::ListWorkersRequest lr;
+    v1::ListWorkersResponse lw;
+    EXPECT_EQ(admin->ListWorkers(&c, lr, &lw).error_code(), grpc::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer ops-secret");
+    v1::ListWorkersRequest lr;
+    v1::ListWorkersResponse lw;
+    EXPECT_TRUE(admin->ListWorkers(&c, lr, &lw).ok());
+    EXPECT_EQ(lw.workers_size(), 1);
+  }
+  std::remove(tokens.c_str());
+}
+
+}  // namespace
+}  // namespace kvcache
