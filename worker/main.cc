@@ -1,7 +1,5 @@
 // kvcache-worker: serves one model on one backend and keeps every session's KV
 // cache in pages (tier 0: backend memory, tier 1: host RAM).
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstdlib>
 
@@ -15,6 +13,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
+#include "worker/backend/cpu/omp_env.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
 #include "worker/sched/engine.h"
@@ -43,17 +42,6 @@ namespace kvcache {
 namespace {
 
 constexpr char kName[] = "kvcache-worker";
-
-// libgomp reads OMP_WAIT_POLICY once, when it loads: its default spins idle
-// threads, which on a shared or small machine steals the cores the other
-// threads need (measured: decode steps 100x slower under contention). Re-exec
-// with the passive policy unless the operator chose one.
-void EnsurePassiveOpenMp(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
-  setenv("OMP_WAIT_POLICY", "passive", 1);
-  execv("/proc/self/exe", argv);
-  std::fprintf(stderr, "%s: cannot re-exec with OMP_WAIT_POLICY=passive; continuing\n", kName);
-}
 
 absl::StatusOr<kv::KvDtype> ParseDtype(const std::string& s) {
   if (s == "f16") return kv::KvDtype::kF16;
@@ -184,7 +172,7 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::EnsurePassiveOpenMp(argv);
+  kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);  // before any thread starts
   kvcache::InitProcess(argc, argv, kvcache::kName, "kvcache-worker: KV-cache-centred LLM worker. See --help.");
   return kvcache::Run();
 }

@@ -10,10 +10,8 @@
 //               divided by this machine's read bandwidth measured in the same run.
 #include <cblas.h>
 #include <immintrin.h>
-#include <omp.h>
 
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,6 +31,8 @@
 #include "worker/backend/cpu/attention.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/matmul.h"
+#include "worker/backend/cpu/omp_env.h"
+#include "tests/bench/mem_bandwidth.h"
 
 ABSL_FLAG(std::string, sections, "bw,matvec,decode,prefill,attention",
           "comma-separated parts to run (bw is always measured)");
@@ -82,45 +82,6 @@ std::vector<uint8_t> RandomWeights(GgmlType type, int64_t rows, int64_t cols, ui
   return bytes;
 }
 
-__attribute__((target("avx2"))) double SumBuffer(const float* p, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i + 32 <= n; i += 32) {
-    a0 = _mm256_add_ps(a0, _mm256_load_ps(p + i));
-    a1 = _mm256_add_ps(a1, _mm256_load_ps(p + i + 8));
-    a2 = _mm256_add_ps(a2, _mm256_load_ps(p + i + 16));
-    a3 = _mm256_add_ps(a3, _mm256_load_ps(p + i + 24));
-  }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  double s = 0;
-  for (float x : t) s += x;
-  return s;
-}
-
-// Read bandwidth of a 512 MiB buffer summed by NumThreads() threads (best of runs).
-double MeasureReadBandwidth() {
-  const int64_t n = int64_t{512} << 20 >> 2;
-  float* buf = static_cast<float*>(std::aligned_alloc(64, n * 4));
-#pragma omp parallel for schedule(static) num_threads(NumThreads())
-  for (int64_t i = 0; i < n; ++i) buf[i] = 1.0f;
-  double best = 1e30, sink = 0;
-  for (int r = 0; r < 5; ++r) {
-    const auto start = Clock::now();
-    double total = 0;
-#pragma omp parallel num_threads(NumThreads()) reduction(+ : total)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      const int64_t chunk = n / nt / 32 * 32;
-      total += SumBuffer(buf + t * chunk, t == nt - 1 ? n - t * chunk : chunk);
-    }
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
-    sink += total;
-  }
-  std::free(buf);
-  if (sink == 0) return 0;  // keeps the sums alive
-  return n * 4.0 / best;
-}
-
 struct Linear {
   GgmlType type;
   int64_t rows, cols;
@@ -133,14 +94,8 @@ struct Linear {
 
 int main(int argc, char** argv) {
   using namespace kvcache::cpu;  // NOLINT
-  // libgomp reads its wait policy once, at load. Its default (spin, then sleep) makes
-  // every parallel region wait out a scheduler slice when other processes share the
-  // cores; `passive` is what the worker should run with on a shared machine. Re-exec
-  // once with it unless the caller chose a policy.
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    setenv("OMP_WAIT_POLICY", "passive", 1);
-    execv("/proc/self/exe", argv);  // returns only on failure: carry on as we are
-  }
+  // Passive OpenMP waits, as the worker runs (see omp_env.h): re-execs once.
+  EnsurePassiveOmpWaitPolicy(argv);
   absl::ParseCommandLine(argc, argv);
   kvcache::bench::BenchReport report;
   report.benchmark = "cpu_kernels";
@@ -155,7 +110,7 @@ int main(int argc, char** argv) {
 
   const std::string sections = absl::GetFlag(FLAGS_sections);
   auto want = [&](const char* name) { return sections.find(name) != std::string::npos; };
-  const double bw = MeasureReadBandwidth();
+  const double bw = kvcache::bench::MeasureReadBandwidth(threads);
   report.metrics["mem_read_bw_gb_per_s"] = bw / 1e9;
 
   // ---- matvec GB/s at batch 1/4/16 (SmolLM2 shapes), weights cycled through >= 128 MiB.

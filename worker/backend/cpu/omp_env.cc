@@ -1,0 +1,18 @@
+#include "worker/backend/cpu/omp_env.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+
+namespace kvcache::cpu {
+
+const char* EnsurePassiveOmpWaitPolicy(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv);  // returns only on failure: carry on as we are
+  }
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  return policy != nullptr ? policy : "";
+}
+
+}  // namespace kvcache::cpu
