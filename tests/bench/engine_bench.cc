@@ -1,0 +1,458 @@
+// End-to-end benchmark of the serving path: SmolLM2-135M (Q4_1) through the
+// Engine (continuous batching) on CpuLlamaRunner over the paged KV cache, with
+// the same thread count as the llama.cpp baseline.
+//
+//   decode:     single stream, greedy, ignore_eos, 128 tokens after a short prompt;
+//               tokens/s from the first generated token to the last (no prefill)
+//   prefill:    512-token prompt, tokens / time to first token
+//   batched:    aggregate decode tokens/s with 1, 4, 16 concurrent sessions
+//   cache vs recompute: time to generate 256 tokens after a 256 (1024)-token
+//               prompt through the engine (KV cache) vs recomputing: a full
+//               prefill of the whole context for every new token on the same
+//               runner (sampled at a few context lengths, integrated)
+//   attention:  one decode token's paged attention over a 4096-token session
+//               (all 30 layers, f16 KV) as K/V bytes read per second, divided by
+//               the read bandwidth measured in this run
+//   llama.cpp:  tests/bench/llamacpp_baseline.py in a subprocess (same GGUF,
+//               same prompts, same threads); left out when llama_cpp is missing.
+//
+// Timings are the best of a few repetitions: the cores are shared.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
+#include "common/bench_json.h"
+#include "common/gguf/model_path.h"
+#include "common/tokenizer/tokenizer.h"
+#include "tests/bench/mem_bandwidth.h"
+#include "worker/backend/cpu/attention.h"
+#include "worker/backend/cpu/cpu_features.h"
+#include "worker/backend/cpu/cpu_llama_runner.h"
+#include "worker/backend/cpu/omp_env.h"
+#include "worker/kv/kv_cache_manager.h"
+#include "worker/model/llama_model.h"
+#include "worker/sched/engine.h"
+
+ABSL_FLAG(std::string, model, "", "GGUF path (default: DefaultModelPath())");
+ABSL_FLAG(int, threads, 2, "kernel threads (and llama.cpp n_threads)");
+ABSL_FLAG(int, reps, 3, "repetitions per measurement (best is kept)");
+ABSL_FLAG(int, recompute_samples, 6, "context lengths sampled for the recompute baseline");
+ABSL_FLAG(std::string, python, "python3", "interpreter for the llama.cpp baseline");
+ABSL_FLAG(std::string, llamacpp_script, KVCACHE_SOURCE_DIR "/tests/bench/llamacpp_baseline.py",
+          "llama.cpp baseline script");
+ABSL_FLAG(bool, llamacpp, true, "run the llama.cpp baseline");
+ABSL_FLAG(std::string, sections, "decode,prefill,batched,recompute,attention",
+          "comma-separated parts to run (for profiling; ratios of parts not run are left out)");
+
+namespace kvcache {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+constexpr int kMaxBatchTokens = 512;
+constexpr int kDecodeTokens = 128;
+constexpr int kPrefillTokens = 512;
+constexpr int kGenTokens = 256;  // cache vs recompute
+
+// Records when each token arrives and the final result.
+class Timeline : public sched::GenerateObserver {
+ public:
+  void OnToken(int32_t, absl::string_view) override { times.push_back(Clock::now()); }
+  void OnDone(const absl::Status& s, const sched::GenerateResult& r) override {
+    end = Clock::now();
+    status = s;
+    result = r;
+    done.Notify();
+  }
+  std::vector<Clock::time_point> times;
+  Clock::time_point submitted, end;
+  absl::Status status;
+  sched::GenerateResult result;
+  absl::Notification done;
+};
+
+struct Setup {
+  std::unique_ptr<model::LlamaModel> model;
+  std::unique_ptr<tok::Tokenizer> tokenizer;
+  std::unique_ptr<kv::KvCacheManager> kv;
+  std::unique_ptr<cpu::CpuLlamaRunner> runner;
+  std::unique_ptr<sched::Engine> engine;
+};
+
+kv::KvShape ShapeOf(const model::LlamaModel& m) {
+  const auto& hp = m.hparams();
+  return kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv),
+                     static_cast<int>(hp.head_dim), kv::KvDtype::kF16, 16, 0};
+}
+
+absl::StatusOr<std::unique_ptr<kv::KvCacheManager>> MakeKv(const model::LlamaModel& m, int64_t tokens) {
+  kv::KvCacheOptions ko;
+  ko.shape = ShapeOf(m);
+  ko.model_id = m.model_id();
+  ko.tier0_bytes = (tokens / ko.shape.page_tokens + 1) * ko.shape.page_bytes();
+  return kv::KvCacheManager::Create(ko);
+}
+
+// A prompt of exactly n tokens: English prose (repeated) so the tokenizer and the
+// model see ordinary text. `salt` varies the start so prompts differ.
+std::vector<int32_t> Prompt(const tok::Tokenizer& t, int n, int salt) {
+  static const char* kText =
+      "The history of computing is a story of layered abstractions. Engineers built "
+      "machines from relays, then vacuum tubes, then transistors, and each generation "
+      "of hardware invited a new generation of software that hid the details below it. ";
+  std::string text = absl::StrCat("Note ", salt, ": ");
+  std::vector<int32_t> ids;
+  while (static_cast<int>(ids.size()) < n) {
+    text += kText;
+    ids = t.Encode(text, {.add_special = true});
+  }
+  ids.resize(n);
+  return ids;
+}
+
+// Submits the requests at once and waits for all of them.
+absl::Status RunAll(sched::Engine& engine, std::vector<sched::GenerateRequest> reqs,
+                    std::vector<std::unique_ptr<Timeline>>* out) {
+  out->clear();
+  for (auto& r : reqs) {
+    out->push_back(std::make_unique<Timeline>());
+    out->back()->submitted = Clock::now();
+    absl::StatusOr<uint64_t> id = engine.Submit(std::move(r), out->back().get());
+    if (!id.ok()) return id.status();
+  }
+  for (auto& t : *out) {
+    t->done.WaitForNotification();
+    if (!t->status.ok()) return t->status;
+  }
+  return absl::OkStatus();
+}
+
+int g_tenant = 0;
+sched::GenerateRequest Greedy(std::vector<int32_t> input, int max_tokens) {
+  sched::GenerateRequest r;
+  r.tenant = absl::StrCat("t", ++g_tenant);  // a fresh tenant: no prefix-cache hits
+  r.input = std::move(input);
+  r.max_tokens = max_tokens;
+  r.ignore_eos = true;
+  return r;
+}
+
+// Full prefill of `tokens` in a fresh session of `kv` on `runner` (chunks of the
+// runner's max_batch_tokens, logits for the last one); returns seconds.
+absl::StatusOr<double> TimePrefill(kv::KvCacheManager& kv, cpu::CpuLlamaRunner& runner,
+                                   const std::vector<int32_t>& tokens) {
+  static int n = 0;
+  const std::string id = absl::StrCat("recompute", ++n);
+  if (absl::Status st = kv.CreateSession(id, "recompute"); !st.ok()) return st;
+  std::vector<float> logits;
+  const auto start = Clock::now();
+  for (size_t i = 0; i < tokens.size(); i += kMaxBatchTokens) {
+    const size_t len = std::min<size_t>(kMaxBatchTokens, tokens.size() - i);
+    absl::StatusOr<kv::StepReservation> res = kv.BeginStep(id, static_cast<int64_t>(len));
+    if (!res.ok()) return res.status();
+    model::SequenceStep s;
+    s.tokens = absl::MakeConstSpan(tokens).subspan(i, len);
+    s.first_pos = res->first_pos;
+    s.page_table = res->page_table;
+    s.want_logits = i + len == tokens.size();
+    if (absl::Status st = runner.Forward({s}, &logits); !st.ok()) return st;
+    if (absl::Status st = kv.CommitStep(id, s.tokens); !st.ok()) return st;
+  }
+  const double t = Seconds(start, Clock::now());
+  if (absl::Status st = kv.CloseSession(id); !st.ok()) return st;
+  return t;
+}
+
+// Runs the llama.cpp baseline script; fills `out` from its JSON. False with a
+// reason in `why` when it could not run.
+bool RunLlamaCpp(const std::string& model_path, const std::vector<int32_t>& decode_prompt,
+                 const std::vector<int32_t>& prefill_prompt, int threads, int reps,
+                 std::map<std::string, double>* out, std::string* why) {
+  const std::string python = absl::GetFlag(FLAGS_python);
+  if (std::system(absl::StrCat(python, " -c 'import llama_cpp' >/dev/null 2>&1").c_str()) != 0) {
+    *why = absl::StrCat("`", python, " -c \"import llama_cpp\"` failed: llama.cpp ratios left out");
+    return false;
+  }
+  char spec_path[] = "/tmp/engine_bench_spec_XXXXXX";
+  const int fd = mkstemp(spec_path);
+  if (fd < 0) {
+    *why = "cannot create a temp file";
+    return false;
+  }
+  close(fd);
+  {
+    std::ofstream f(spec_path);
+    f << "{\"threads\": " << threads << ", \"decode_tokens\": " << kDecodeTokens << ", \"reps\": " << reps
+      << ", \"decode_prompt\": [" << absl::StrJoin(decode_prompt, ",") << "], \"prefill_prompt\": ["
+      << absl::StrJoin(prefill_prompt, ",") << "]}";
+  }
+  const std::string cmd = absl::StrCat(python, " ", absl::GetFlag(FLAGS_llamacpp_script), " '", model_path,
+                                       "' ", spec_path, " 2>/dev/null");
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string text;
+  char buf[4096];
+  while (p != nullptr && fgets(buf, sizeof(buf), p) != nullptr) text += buf;
+  const int rc = p != nullptr ? pclose(p) : -1;
+  unlink(spec_path);
+  // Tiny parser for the two numbers we need: "key": value.
+  auto number = [&](const std::string& key, double* v) {
+    const size_t at = text.find("\"" + key + "\":");
+    if (at == std::string::npos) return false;
+    *v = std::strtod(text.c_str() + at + key.size() + 3, nullptr);
+    return *v > 0;
+  };
+  double dec = 0, pre = 0;
+  if (rc != 0 || !number("decode_tokens_per_s", &dec) || !number("prefill_tokens_per_s", &pre)) {
+    *why = absl::StrCat("baseline script failed (rc ", rc, "): ", text.substr(0, 300));
+    return false;
+  }
+  (*out)["decode"] = dec;
+  (*out)["prefill"] = pre;
+  return true;
+}
+
+int Main() {
+  bench::BenchReport report;
+  report.benchmark = "engine";
+  const int threads = absl::GetFlag(FLAGS_threads);
+  const int reps = absl::GetFlag(FLAGS_reps);
+  std::string model_path = absl::GetFlag(FLAGS_model);
+  if (model_path.empty()) model_path = gguf::DefaultModelPath();
+  auto fail = [](const absl::Status& st) {
+    std::fprintf(stderr, "engine_bench: %s\n", st.ToString().c_str());
+    return 1;
+  };
+
+  Setup s;
+  {
+    auto m = model::LlamaModel::Load(model_path);
+    if (!m.ok()) return fail(m.status());
+    s.model = std::move(*m);
+    auto t = tok::Tokenizer::FromGguf(s.model->file());
+    if (!t.ok()) return fail(t.status());
+    s.tokenizer = std::move(*t);
+    auto kv = MakeKv(*s.model, 16384);
+    if (!kv.ok()) return fail(kv.status());
+    s.kv = std::move(*kv);
+    auto r = cpu::CpuLlamaRunner::Create(s.model.get(), s.kv.get(), {kMaxBatchTokens, threads});
+    if (!r.ok()) return fail(r.status());
+    s.runner = std::move(*r);
+    sched::EngineOptions eo;
+    eo.max_batch_tokens = kMaxBatchTokens;
+    auto e = sched::Engine::Create(eo, s.runner.get(), s.kv.get(), s.tokenizer.get());
+    if (!e.ok()) return fail(e.status());
+    s.engine = std::move(*e);
+  }
+  report.metrics["threads"] = threads;
+  report.notes["kernel_level"] = cpu::CpuKernelLevelName(cpu::GetCpuKernelLevel());
+  report.notes["omp_wait_policy"] = std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "";
+  report.notes["model"] = model_path;
+  const tok::Tokenizer& tk = *s.tokenizer;
+  std::vector<std::unique_ptr<Timeline>> tl;
+
+  // Warm-up: page in the weights, grow scratch buffers.
+  if (auto st = RunAll(*s.engine, {Greedy(Prompt(tk, 64, 0), 8)}, &tl); !st.ok()) return fail(st);
+
+  const std::string sections = absl::GetFlag(FLAGS_sections);
+  auto want = [&](const char* name) { return sections.find(name) != std::string::npos; };
+
+  // ---- single-stream decode.
+  const std::vector<int32_t> decode_prompt = Prompt(tk, 16, 1);
+  double decode_single = 0;
+  for (int r = 0; r < reps && want("decode"); ++r) {
+    if (auto st = RunAll(*s.engine, {Greedy(decode_prompt, kDecodeTokens)}, &tl); !st.ok()) return fail(st);
+    const auto& times = tl[0]->times;
+    decode_single = std::max(decode_single, (times.size() - 1) / Seconds(times.front(), times.back()));
+  }
+  report.metrics["decode_tokens_per_s_single"] = decode_single;
+
+  // ---- prefill (time to first token of a 512-token prompt).
+  const std::vector<int32_t> prefill_prompt = Prompt(tk, kPrefillTokens, 2);
+  double prefill = 0;
+  for (int r = 0; r < reps && want("prefill"); ++r) {
+    if (auto st = RunAll(*s.engine, {Greedy(prefill_prompt, 1)}, &tl); !st.ok()) return fail(st);
+    if (tl[0]->result.cached_tokens != 0) return fail(absl::InternalError("prefill hit the prefix cache"));
+    prefill = std::max(prefill, kPrefillTokens / absl::ToDoubleSeconds(tl[0]->result.time_to_first_token));
+  }
+  report.metrics["prefill_tokens_per_s"] = prefill;
+
+  // ---- batched decode: N sessions decoding together; the window runs from the
+  // step where the last one got its first token to the first one's last token.
+  std::map<int, double> batched;
+  for (int n : {1, 4, 16}) {
+    if (!want("batched")) break;
+    const int gen = 64;
+    for (int r = 0; r < reps; ++r) {
+      std::vector<sched::GenerateRequest> reqs;
+      for (int i = 0; i < n; ++i) reqs.push_back(Greedy(Prompt(tk, 16, 100 + i), gen));
+      if (auto st = RunAll(*s.engine, std::move(reqs), &tl); !st.ok()) return fail(st);
+      Clock::time_point from = tl[0]->times.front(), to = tl[0]->times.back();
+      for (const auto& t : tl) {
+        from = std::max(from, t->times.front());
+        to = std::min(to, t->times.back());
+      }
+      int64_t tokens = 0;
+      for (const auto& t : tl) {
+        for (const auto& x : t->times) tokens += x > from && x <= to;
+      }
+      batched[n] = std::max(batched[n], tokens / Seconds(from, to));
+    }
+    report.metrics[absl::StrCat("batched_decode_tokens_per_s_", n, "_sessions")] = batched[n];
+  }
+  if (want("batched")) report.ratio["batch16_vs_single"] = batched[16] / batched[1];
+
+  // ---- cache vs recompute. The recompute baseline uses a second KV cache and runner
+  // on the same model (the engine is idle meanwhile).
+  auto kv2 = MakeKv(*s.model, 4096 + 64);
+  if (!kv2.ok()) return fail(kv2.status());
+  auto runner2 = cpu::CpuLlamaRunner::Create(s.model.get(), kv2->get(), {kMaxBatchTokens, threads});
+  if (!runner2.ok()) return fail(runner2.status());
+  const int samples = std::max(2, absl::GetFlag(FLAGS_recompute_samples));
+  for (int prompt_len : {256, 1024}) {
+    if (!want("recompute")) break;
+    const std::vector<int32_t> prompt = Prompt(tk, prompt_len, 3 + prompt_len);
+    double cached = 1e30;
+    std::vector<int32_t> generated;
+    for (int r = 0; r < std::max(1, reps - 1); ++r) {
+      if (auto st = RunAll(*s.engine, {Greedy(prompt, kGenTokens)}, &tl); !st.ok()) return fail(st);
+      cached = std::min(cached, absl::ToDoubleSeconds(tl[0]->result.total_time));
+      generated = tl[0]->result.output;
+    }
+    // Token i (0-based) needs a prefill of prompt_len + i tokens. Sample the cost at
+    // `samples` evenly spaced i, best of 2 each, and sum the linear interpolation
+    // over every i in [0, kGenTokens).
+    std::vector<int32_t> context = prompt;
+    context.insert(context.end(), generated.begin(), generated.end());
+    std::vector<std::pair<int, double>> pts;
+    for (int j = 0; j < samples; ++j) {
+      const int i = j * (kGenTokens - 1) / (samples - 1);
+      const std::vector<int32_t> ctx(context.begin(), context.begin() + prompt_len + i);
+      double best = 1e30;
+      for (int r = 0; r < 2; ++r) {
+        absl::StatusOr<double> t = TimePrefill(**kv2, **runner2, ctx);
+        if (!t.ok()) return fail(t.status());
+        best = std::min(best, *t);
+      }
+      pts.push_back({i, best});
+    }
+    double recompute = 0;
+    for (size_t j = 0; j + 1 < pts.size(); ++j) {
+      const auto [i0, t0] = pts[j];
+      const auto [i1, t1] = pts[j + 1];
+      for (int i = i0; i < i1 + (j + 2 == pts.size() ? 1 : 0); ++i) {
+        recompute += t0 + (t1 - t0) * (i - i0) / (i1 - i0);
+      }
+    }
+    const std::string key = absl::StrCat("_", prompt_len);
+    report.metrics["cache_generate_256_s" + key] = cached;
+    report.baseline["recompute_generate_256_s" + key] = recompute;
+    report.ratio["cache_vs_recompute" + key] = recompute / cached;
+  }
+
+  // ---- decode attention over a 4096-token session, all layers, f16 KV, pages as
+  // the KV cache lays them out (K/V content is random: the bytes read are what count).
+  if (want("attention")) {
+    const double bw = bench::MeasureReadBandwidth(threads);
+    const int ctx = 4096;
+    kv::KvCacheManager& kv = **kv2;
+    if (auto st = kv.CreateSession("attn", "attn"); !st.ok()) return fail(st);
+    absl::StatusOr<kv::StepReservation> res = kv.BeginStep("attn", ctx);
+    if (!res.ok()) return fail(res.status());
+    const kv::KvShape sh = ShapeOf(*s.model);
+    cpu::PageLayout L{sh.layers, sh.kv_heads, sh.head_dim, sh.page_tokens, cpu::KvDtype::kF16};
+    void* base = kv.Tier0PageData(0);
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    std::vector<float> rows(static_cast<size_t>(L.row_elems()) * L.page_tokens);
+    for (float& v : rows) v = dist(rng);
+    const std::vector<int32_t> table(res->page_table.begin(), res->page_table.end());
+    for (int p = 0; p < ctx / L.page_tokens; ++p) {
+      for (int l = 0; l < L.layers; ++l) {
+        if (auto st = cpu::WriteKv(L, base, table, l, p * L.page_tokens, L.page_tokens, rows.data(), rows.data());
+            !st.ok()) {
+          return fail(st);
+        }
+      }
+    }
+    const int n_heads = static_cast<int>(s.model->hparams().n_head);
+    std::vector<float> q(static_cast<size_t>(n_heads) * L.head_dim), out(q.size());
+    for (float& v : q) v = dist(rng);
+    cpu::AttentionParams ap;
+    ap.layout = L;
+    ap.kv_base = base;
+    ap.n_heads = n_heads;
+    const cpu::AttentionSeq seq{table, ctx, 1};
+    auto step = [&] {
+      for (int l = 0; l < L.layers; ++l) {
+        ap.layer = l;
+        (void)cpu::PagedAttention(ap, {seq}, q.data(), out.data());
+      }
+    };
+    step();
+    double best = 1e30;
+    for (int r = 0; r < 5 * reps; ++r) {
+      const auto start = Clock::now();
+      step();
+      best = std::min(best, Seconds(start, Clock::now()));
+    }
+    const double bytes = double{1} * L.layers * ctx * 2 * L.row_bytes();
+    report.metrics["attention_decode_ctx4096_ms"] = best * 1e3;
+    report.metrics["attention_kv_gb_per_s"] = bytes / best / 1e9;
+    report.metrics["mem_read_bw_gb_per_s"] = bw / 1e9;
+    report.baseline["mem_read_bw_gb_per_s"] = bw / 1e9;
+    report.ratio["attention_bw_fraction"] = bytes / best / bw;
+    (void)kv.AbortStep("attn");
+    (void)kv.CloseSession("attn");
+  }
+
+  // ---- llama.cpp baseline (same prompts, same threads).
+  std::map<std::string, double> lc;
+  std::string why;
+  if (absl::GetFlag(FLAGS_llamacpp) && want("decode") && want("prefill") &&
+      RunLlamaCpp(model_path, decode_prompt, prefill_prompt, threads, reps, &lc, &why)) {
+    report.baseline["llamacpp_decode_tokens_per_s"] = lc["decode"];
+    report.baseline["llamacpp_prefill_tokens_per_s"] = lc["prefill"];
+    report.ratio["decode_vs_llamacpp"] = decode_single / lc["decode"];
+    report.ratio["prefill_vs_llamacpp"] = prefill / lc["prefill"];
+    report.notes["llamacpp"] =
+        "llama-cpp-python (tests/bench/llamacpp_baseline.py) on the same GGUF, same token ids, "
+        "n_threads as ours, greedy argmax, best of reps; its build is GGML_NATIVE=OFF (AVX2, no "
+        "AVX-512 paths), and it inherits OMP_WAIT_POLICY";
+  } else {
+    report.notes["llamacpp"] = why.empty() ? "skipped (--nollamacpp or --sections)" : why;
+  }
+  report.notes["method"] = absl::StrCat(
+      "best of ", reps, " reps; decode: ", kDecodeTokens, " greedy tokens after a 16-token prompt, timed first "
+      "token to last; prefill: ", kPrefillTokens, "-token prompt / time to first token; batched: N sessions x 64 "
+      "tokens submitted together, tokens emitted while all N decode / that window; cache_vs_recompute: engine "
+      "total time for prompt + 256 tokens vs the sum over the 256 tokens of a full prefill of the context so far "
+      "on the same runner, measured at ", samples, " evenly spaced context lengths (best of 2) and linearly "
+      "interpolated; attention: one decode token over a 4096-token session, all layers, random f16 K/V");
+  return bench::Finish(report).ok() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace kvcache
+
+int main(int argc, char** argv) {
+  kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);
+  absl::ParseCommandLine(argc, argv);
+  return kvcache::Main();
+}
