@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -31,7 +32,7 @@ uint64_t RendezvousWeight(const std::string& key, const WorkerId& worker) {
 }
 
 absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& session_id,
-                                 const WorkerId& affinity_worker, int page_tokens,
+                                 const WorkerId& affinity_worker, int page_tokens, int request_pages,
                                  const std::vector<Candidate>& candidates, bool retry) {
   if (candidates.empty()) return absl::UnavailableError("no healthy worker can take the request");
   if (!affinity_worker.empty()) {
@@ -57,7 +58,10 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
     if (any_under_cap && load > cap) continue;
     const double reuse =
         page_tokens * (cand.match.device_pages + c.host_restore_weight * cand.match.host_pages);
-    const double score = reuse - c.load_weight * load;
+    const int64_t needed = std::max(0, request_pages - cand.match.device_pages);
+    const int64_t shortfall = std::max<int64_t>(0, needed - cand.load.pages_free_device());
+    const double pressure = cand.load.pages_total_device() > 0 ? c.eviction_weight * page_tokens * shortfall : 0;
+    const double score = reuse - c.load_weight * load - pressure;
     const uint64_t weight = RendezvousWeight(session_id, cand.worker);
     if (best == nullptr || score > best_score || (score == best_score && weight > best_weight)) {
       best = &cand;

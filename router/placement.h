@@ -7,6 +7,9 @@
 //        score = reuse_value - load_cost
 //        reuse_value = page_tokens * (device_pages + host_restore_weight * host_pages)
 //        load_cost   = load_weight * (queued_prefill_tokens + decode_token_weight * running)
+//                    + eviction_weight * page_tokens * max(0, pages_needed - pages_free_device)
+//     (pages_needed: the request's pages not already cached there; placing it
+//     where tier 0 is full evicts other sessions' pages to host RAM)
 //     among candidates under the bounded-load cap: a worker whose load exceeds
 //     cap_factor * (mean load + cap_slack) is skipped unless every worker is over
 //     it (so one hot prefix cannot herd all traffic onto one worker);
@@ -36,6 +39,9 @@ struct PlacementConfig {
   double load_weight = 1.0;
   // A running decode stream counts as this many queued tokens.
   double decode_token_weight = 32.0;
+  // Cost of each page the request would push out of a full tier 0, in tokens
+  // per page token (an evicted page is restored, or recomputed, later).
+  double eviction_weight = 1.0;
   // Bounded-load cap: load <= cap_factor * (mean + cap_slack).
   double cap_factor = 1.5;
   double cap_slack = 256.0;
@@ -58,10 +64,11 @@ struct Placement {
 };
 
 // REQUIRES: candidates hold only workers allowed for this request (healthy, not
-// draining, not already tried). `affinity_worker` may be empty.
+// draining, not already tried). `affinity_worker` may be empty. `request_pages`
+// is the pages the request's context needs (0 when unknown).
 // UNAVAILABLE when there is no candidate.
 absl::StatusOr<Placement> Choose(const PlacementConfig& config, const std::string& session_id,
-                                 const WorkerId& affinity_worker, int page_tokens,
+                                 const WorkerId& affinity_worker, int page_tokens, int request_pages,
                                  const std::vector<Candidate>& candidates, bool retry);
 
 // Load of a worker in queued-token units (what the cap and load_cost use).

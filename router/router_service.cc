@@ -66,7 +66,6 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     // stream elsewhere from exactly what the client has.
     auto tokens = TokenizeInput(request_.input(), append, *router_->tokenizer_, router_->chat_template_);
     if (!tokens.ok()) return ToGrpcStatus(tokens.status());
-    prompt_tokens_ = static_cast<int32_t>(tokens->size());
 
     std::vector<WorkerId> tried;
     grpc::Status last(grpc::UNAVAILABLE, "no healthy worker");
@@ -94,6 +93,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         if (max > 0) req.mutable_sampling()->set_max_tokens(std::max<int32_t>(1, max - static_cast<int32_t>(emitted_.size())));
       }
       const size_t before = emitted_.size();
+      continued_from_ = before;
       last = Attempt(*placement, req);
       if (last.ok()) return last;
       if (client_gone_.load()) return grpc::Status(grpc::CANCELLED, "client cancelled");
@@ -136,8 +136,9 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         auto* f = msg.mutable_final();
         f->set_predicted_cached_tokens(placement.predicted_cached_tokens);
         router_->metrics_->OnCachedTokens(placement.predicted_cached_tokens, f->usage().cached_tokens());
-        // Report the client's view: its prompt and every token it received.
-        f->mutable_usage()->set_prompt_tokens(prompt_tokens_);
+        // Report the client's view: after a continuation elsewhere, the worker's
+        // prompt included the tokens the client had already received.
+        f->mutable_usage()->set_prompt_tokens(f->usage().prompt_tokens() - static_cast<int32_t>(continued_from_));
         f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(emitted_.size()));
         f->mutable_usage()->set_total_time_us(absl::ToInt64Microseconds(absl::Now() - start_));
         Push(msg);
@@ -159,8 +160,8 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   grpc::CallbackServerContext* const context_;
   v1::GenerateRequest request_;
   const absl::Time start_;
-  int32_t prompt_tokens_ = 0;
   std::vector<int32_t> emitted_;  // proxy thread only
+  size_t continued_from_ = 0;     // tokens already streamed when the current attempt began
   std::atomic<bool> client_gone_{false};
   absl::Mutex mu_;
   grpc::ClientContext* call_ ABSL_GUARDED_BY(mu_) = nullptr;
@@ -259,10 +260,13 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     if (m != matches.end()) c.match = m->second;
     candidates.push_back(std::move(c));
   }
-  return Choose(options_.placement, session_id.empty() ? absl::StrJoin(tokens.begin(),
-                                                                       tokens.begin() + std::min<size_t>(tokens.size(), 64), ",")
-                                                       : session_id,
-                loc.has_value() ? loc->worker : WorkerId(), page_tokens, candidates, /*retry=*/false);
+  // Ties among equals go by rendezvous of the session id (or the prompt's start).
+  const std::string key = session_id.empty()
+                              ? absl::StrJoin(tokens.begin(), tokens.begin() + std::min<size_t>(tokens.size(), 64), ",")
+                              : session_id;
+  const int request_pages = static_cast<int>((tokens.size() + page_tokens - 1) / page_tokens);
+  return Choose(options_.placement, key, loc.has_value() ? loc->worker : WorkerId(), page_tokens, request_pages,
+                candidates, /*retry=*/false);
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(grpc::CallbackServerContext* context,

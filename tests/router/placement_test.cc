@@ -20,11 +20,11 @@ Candidate Cand(const std::string& w, int queued = 0, int device_pages = 0, int h
 }
 
 TEST(PlacementTest, NoCandidatesIsUnavailable) {
-  EXPECT_EQ(Choose({}, "s", "", 16, {}, false).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Choose({}, "s", "", 16, 0, {}, false).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(PlacementTest, AffinityWinsWhenItsWorkerIsACandidate) {
-  auto p = Choose({}, "s", "b", 16, {Cand("a", 0, 10), Cand("b", 5000, 2)}, false);
+  auto p = Choose({}, "s", "b", 16, 0, {Cand("a", 0, 10), Cand("b", 5000, 2)}, false);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->worker, "b");
   EXPECT_EQ(p->reason, PlacementReason::kAffinity);
@@ -32,20 +32,20 @@ TEST(PlacementTest, AffinityWinsWhenItsWorkerIsACandidate) {
 }
 
 TEST(PlacementTest, AffinityWorkerGoneFallsBackToScore) {
-  auto p = Choose({}, "s", "gone", 16, {Cand("a"), Cand("b", 0, 4)}, false);
+  auto p = Choose({}, "s", "gone", 16, 0, {Cand("a"), Cand("b", 0, 4)}, false);
   EXPECT_EQ(p->worker, "b");
   EXPECT_EQ(p->reason, PlacementReason::kPrefix);
 }
 
 TEST(PlacementTest, PrefixBeatsSmallLoadButNotHugeLoad) {
   // 20 pages * 16 = 320 reused tokens vs 100 queued tokens: prefix wins.
-  EXPECT_EQ(Choose({}, "s", "", 16, {Cand("a", 0), Cand("b", 100, 20)}, false)->worker, "b");
+  EXPECT_EQ(Choose({}, "s", "", 16, 0, {Cand("a", 0), Cand("b", 100, 20)}, false)->worker, "b");
   // 2000 queued tokens outweigh 320 reused tokens.
-  EXPECT_EQ(Choose({}, "s", "", 16, {Cand("a", 0), Cand("b", 2000, 20)}, false)->worker, "a");
+  EXPECT_EQ(Choose({}, "s", "", 16, 0, {Cand("a", 0), Cand("b", 2000, 20)}, false)->worker, "a");
 }
 
 TEST(PlacementTest, DeviceHitBeatsHostHitOfSameLength) {
-  auto p = Choose({}, "s", "", 16, {Cand("a", 0, 0, 10), Cand("b", 0, 10, 0)}, false);
+  auto p = Choose({}, "s", "", 16, 0, {Cand("a", 0, 0, 10), Cand("b", 0, 10, 0)}, false);
   EXPECT_EQ(p->worker, "b");
 }
 
@@ -53,10 +53,10 @@ TEST(PlacementTest, BoundedLoadCapStopsHerding) {
   PlacementConfig c;
   c.load_weight = 0.0;  // prefix alone would always win
   // "hot" holds the prefix but is far above the mean load: skipped.
-  auto p = Choose(c, "s", "", 16, {Cand("hot", 10000, 50), Cand("x", 0), Cand("y", 0)}, false);
+  auto p = Choose(c, "s", "", 16, 0, {Cand("hot", 10000, 50), Cand("x", 0), Cand("y", 0)}, false);
   EXPECT_NE(p->worker, "hot");
   // When every worker is over the cap the cap is ignored.
-  auto q = Choose(c, "s", "", 16, {Cand("hot", 10000, 50)}, false);
+  auto q = Choose(c, "s", "", 16, 0, {Cand("hot", 10000, 50)}, false);
   EXPECT_EQ(q->worker, "hot");
 }
 
@@ -65,18 +65,33 @@ TEST(PlacementTest, TiesSpreadByRendezvousAndAreStable) {
   std::map<std::string, int> counts;
   for (int i = 0; i < 4000; ++i) {
     const std::string s = absl::StrCat("session-", i);
-    auto p = Choose({}, s, "", 16, cands, false);
+    auto p = Choose({}, s, "", 16, 0, cands, false);
     ++counts[p->worker];
     EXPECT_EQ(p->reason, PlacementReason::kLoad);
     // Same inputs, same answer, regardless of candidate order.
     std::vector<Candidate> reversed(cands.rbegin(), cands.rend());
-    EXPECT_EQ(Choose({}, s, "", 16, reversed, false)->worker, p->worker);
+    EXPECT_EQ(Choose({}, s, "", 16, 0, reversed, false)->worker, p->worker);
   }
   for (const auto& [w, n] : counts) EXPECT_NEAR(n, 1000, 150) << w;
 }
 
+TEST(PlacementTest, FullTierZeroCostsEvictions) {
+  // "full" holds 5 of the request's 30 pages but has no free page; "empty" has
+  // room: pushing 25 pages out of a full tier 0 costs more than recomputing 5.
+  Candidate full = Cand("full", 0, 5);
+  full.load.set_pages_total_device(100);
+  full.load.set_pages_free_device(0);
+  Candidate empty = Cand("empty");
+  empty.load.set_pages_total_device(100);
+  empty.load.set_pages_free_device(100);
+  EXPECT_EQ(Choose({}, "s", "", 16, 30, {full, empty}, false)->worker, "empty");
+  // With room on both, the prefix wins again.
+  full.load.set_pages_free_device(50);
+  EXPECT_EQ(Choose({}, "s", "", 16, 30, {full, empty}, false)->worker, "full");
+}
+
 TEST(PlacementTest, RetryReason) {
-  EXPECT_EQ(Choose({}, "s", "", 16, {Cand("a")}, true)->reason, PlacementReason::kRetry);
+  EXPECT_EQ(Choose({}, "s", "", 16, 0, {Cand("a")}, true)->reason, PlacementReason::kRetry);
 }
 
 }  // namespace
