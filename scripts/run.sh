@@ -1,24 +1,67 @@
 #!/usr/bin/env bash
-# The main job: sets up, starts a router and two CPU workers on loopback with the
-# bundled SmolLM2, runs a scripted multi-user multi-turn chat through the router
-# and prints what the cache did, then stops everything it started.
+# The main job: sets up, starts one router and two CPU workers on loopback with
+# the bundled SmolLM2, runs a scripted multi-user, multi-turn chat through the
+# router (printing, per turn, the worker, cached tokens, time to first token and
+# tokens/s), squeezes memory and migrates a session mid-conversation, checks the
+# conversation continues with identical output, and stops everything it started.
+#
+# Workers get a small tier-0 budget (KVCACHE_DEMO_TIER0_BYTES, default 12 MiB =
+# 34 SmolLM2 pages of 16 tokens) so that the six conversations do not all fit and
+# cold pages are offloaded to host RAM and restored.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/common.sh
 scripts/setup.sh
 
-# What exists so far: the process scaffolding (health, reflection, /metrics). The
-# model runtime, worker service and router land with their issues; until then this
-# script starts both binaries, shows they are healthy, and says what is missing.
+TIER0=${KVCACHE_DEMO_TIER0_BYTES:-$((12 << 20))}
+THREADS=${KVCACHE_DEMO_THREADS:-$(nproc)}
+RUN_DIR=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-for bin in worker/kvcache-worker worker/kvcache-worker router/kvcache-router; do
-  out=$(mktemp)
-  "$KVCACHE_BUILD_DIR/$bin" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 >"$out" &
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$RUN_DIR"
+}
+trap cleanup EXIT INT TERM
+
+# start NAME BINARY ARGS...: runs a server on port 0 and waits for its
+# "listening grpc=HOST:PORT metrics=HOST:PORT" line; sets ADDR_<NAME>, METRICS_<NAME>.
+start() {
+  local name=$1 bin=$2
+  shift 2
+  "$KVCACHE_BUILD_DIR/$bin" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 "$@" \
+    >"$RUN_DIR/$name.out" 2>"$RUN_DIR/$name.log" &
   pids+=($!)
-  for _ in $(seq 100); do grep -q listening "$out" && break; sleep 0.1; done
-  grep listening "$out" || { log "$bin did not start"; exit 1; }
+  local line=""
+  for _ in $(seq 600); do
+    line=$(grep -m1 ' listening ' "$RUN_DIR/$name.out" 2>/dev/null || true)
+    [ -n "$line" ] && break
+    kill -0 "${pids[-1]}" 2>/dev/null || { cat "$RUN_DIR/$name.log" >&2; log "$name exited"; exit 1; }
+    sleep 0.1
+  done
+  [ -n "$line" ] || { cat "$RUN_DIR/$name.log" >&2; log "$name did not start"; exit 1; }
+  local grpc=${line#*grpc=}; grpc=${grpc%% *}
+  local metrics=${line#*metrics=}
+  printf -v "ADDR_$name" '%s' "$grpc"
+  printf -v "METRICS_$name" '%s' "$metrics"
+  log "$name serving on $grpc (metrics http://$metrics/metrics)"
+}
+
+log "starting two workers (tier 0: $((TIER0 >> 20)) MiB each, $THREADS threads) and a router"
+start w0 worker/kvcache-worker --worker_id=w0 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL"
+start w1 worker/kvcache-worker --worker_id=w1 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL"
+start router router/kvcache-router --workers="$ADDR_w0,$ADDR_w1" --min_ready_workers=2 \
+  --rebalance_interval=0s --model="$KVCACHE_MODEL"
+
+status=0
+"$KVCACHE_BUILD_DIR/router/kvcache-demo" --router="$ADDR_router" || status=$?
+
+echo
+log "cache counters from the workers' /metrics:"
+for w in w0 w1; do
+  var="METRICS_$w"
+  curl -s "http://${!var}/metrics" | grep -E '^kvcache_(offload|restore|migration)_bytes_total|^kvcache_prefix_(hit|query)_tokens_total|^kvcache_preemptions_total' \
+    | sed "s/^/  $w  /"
 done
-log "not built yet: model runtime (issue 5), worker service (issue 6), router and chat demo (issue 7)."
-log "the multi-turn conversation demo arrives with those issues; stopping the processes started above."
+log "stopping everything this script started"
+exit $status
