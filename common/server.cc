@@ -1,7 +1,12 @@
 #include "common/server.h"
 
-#include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 
 #include <cstdio>
 #include <fstream>
@@ -29,6 +34,19 @@ std::string WithPort(const std::string& address, int port) {
   auto pos = address.rfind(':');
   std::string host = pos == std::string::npos ? address : address.substr(0, pos);
   return absl::StrCat(host, ":", port);
+}
+
+// Write end of the live ServerProcess's signal pipe (-1 when none): a process
+// has one set of signal dispositions, so at most one ServerProcess at a time
+// receives signals.
+std::atomic<int> g_signal_fd{-1};
+
+void OnSignal(int sig) {
+  const int saved = errno;
+  const unsigned char b = static_cast<unsigned char>(sig);
+  const int fd = g_signal_fd.load();
+  if (fd >= 0) (void)!write(fd, &b, 1);
+  errno = saved;
 }
 
 }  // namespace
@@ -90,15 +108,18 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Init(const ServerO
   if (options.shutdown_deadline < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("shutdown deadline must not be negative");
   }
-  // Every thread created from here on inherits the blocked mask, so only the
-  // signal thread sees SIGTERM/SIGINT.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-
+  // SIGTERM/SIGINT may land on any thread, including ones that libraries start
+  // before main (OpenBLAS's pool), so blocking them per thread is not enough: a
+  // handler writes the signal number into a pipe that the signal thread reads.
   std::unique_ptr<ServerProcess> p(new ServerProcess(options));
+  if (pipe2(p->signal_pipe_, O_CLOEXEC) != 0) return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
+  g_signal_fd = p->signal_pipe_[1];
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
   if (!options.metrics_address.empty()) {
     try {
       p->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics_address, 2);
@@ -119,21 +140,24 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Init(const ServerO
 ServerProcess::~ServerProcess() {
   RequestShutdown();
   if (signal_thread_.joinable()) signal_thread_.join();
+  int expected = signal_pipe_[1];
+  g_signal_fd.compare_exchange_strong(expected, -1);
+  for (int fd : signal_pipe_) {
+    if (fd >= 0) close(fd);
+  }
 }
 
 void ServerProcess::WaitForSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  while (!shutdown_requested_.HasBeenNotified()) {
-    // Poll with a timeout so that RequestShutdown also ends this thread.
-    timespec ts{0, 200 * 1000 * 1000};
-    int sig = sigtimedwait(&set, nullptr, &ts);
-    if (sig == SIGTERM || sig == SIGINT) {
+  while (true) {
+    unsigned char sig = 0;
+    const ssize_t n = read(signal_pipe_[0], &sig, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n != 1 || sig == 0) return;  // 0: RequestShutdown's wake-up
+    if (!shutdown_requested_.HasBeenNotified()) {
       KV_LOG_INFO("{} received {}; shutting down", options_.name, sig == SIGTERM ? "SIGTERM" : "SIGINT");
-      RequestShutdown();
+      shutdown_requested_.Notify();
     }
+    return;
   }
 }
 
@@ -142,7 +166,10 @@ void ServerProcess::SetCollectHook(std::function<void()> hook) {
 }
 
 void ServerProcess::RequestShutdown() {
-  if (!shutdown_requested_.HasBeenNotified()) shutdown_requested_.Notify();
+  if (shutdown_requested_.HasBeenNotified()) return;
+  shutdown_requested_.Notify();
+  const unsigned char wake = 0;
+  (void)!write(signal_pipe_[1], &wake, 1);  // ends the signal thread's read
 }
 
 void ServerProcess::SetReady(bool ready) {

@@ -61,8 +61,8 @@ struct ServerOptions {
 
 class ServerProcess {
  public:
-  // Blocks SIGTERM/SIGINT in every thread (a dedicated thread waits for them) and
-  // starts the /metrics exposer. Call before creating any other thread.
+  // Installs SIGTERM/SIGINT handlers (a dedicated thread turns them into a
+  // shutdown) and starts the /metrics exposer. One ServerProcess per process.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Init(const ServerOptions& options);
 
   ~ServerProcess();
@@ -111,6 +111,7 @@ class ServerProcess {
   std::atomic<int> grpc_port_{0};
 
   absl::Notification shutdown_requested_;
+  int signal_pipe_[2] = {-1, -1};  // the signal handler writes, signal_thread_ reads
   std::thread signal_thread_;
 
   absl::Mutex mu_;

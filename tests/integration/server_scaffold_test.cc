@@ -17,14 +17,16 @@ using ::testing::HasSubstr;
 
 struct Binary {
   std::string path;
-  std::string service;  // the kvcache service it must list
+  std::string service;     // the kvcache service it must list
+  std::string extra_flag;  // binary-specific flag for this test
 };
 
 class ServerScaffoldTest : public ::testing::TestWithParam<Binary> {};
 
 TEST_P(ServerScaffoldTest, ServesHealthReflectionMetricsAndStopsOnSigterm) {
+  // A router with no workers is alive but not ready unless told to be.
   auto server = testing::ServerUnderTest::Start(testing::BinaryPath(GetParam().path),
-                                                {"--shutdown_deadline=2s"});
+                                                {"--shutdown_deadline=2s", GetParam().extra_flag});
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = (*server)->channel();
 
@@ -68,8 +70,9 @@ TEST_P(ServerScaffoldTest, BadFlagsExitNonZero) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Binaries, ServerScaffoldTest,
-                         ::testing::Values(Binary{"worker/kvcache-worker", "kvcache.v1.Worker"},
-                                           Binary{"router/kvcache-router", "kvcache.v1.KvCache"}),
+                         ::testing::Values(Binary{"worker/kvcache-worker", "kvcache.v1.Worker", "--threads=1"},
+                                           Binary{"router/kvcache-router", "kvcache.v1.KvCache",
+                                                  "--min_ready_workers=0"}),
                          [](const auto& info) { return info.index == 0 ? "worker" : "router"; });
 
 }  // namespace
