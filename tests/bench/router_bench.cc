@@ -1,0 +1,190 @@
+// router.json: what the router costs.
+//
+//  router_added_ttft_p50_ms   p50 time to first token through the router minus
+//                             p50 straight to the worker (same requests, loopback)
+//  router_vs_direct_tokens    decode tokens/s streamed through the router ÷
+//                             straight from the worker
+//  decisions_per_second       placement decisions (hash a 512-token prompt's
+//                             pages, match them in a directory of 10,000
+//                             sessions on 8 workers, score, choose) per second,
+//                             in-process
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "common/bench_json.h"
+#include "common/block_hash.h"
+#include "common/gguf/model_path.h"
+#include "kvcache/v1/router.grpc.pb.h"
+#include "kvcache/v1/worker.grpc.pb.h"
+#include "router/directory.h"
+#include "router/placement.h"
+#include "tests/testing/child_process.h"
+#include "worker/backend/cpu/omp_env.h"
+
+ABSL_FLAG(int, requests, 40, "Requests per path for the time-to-first-token comparison");
+ABSL_FLAG(int, decode_tokens, 200, "Tokens generated for the throughput comparison");
+ABSL_FLAG(int, threads, 2, "Worker compute threads");
+
+namespace kvcache {
+namespace {
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+struct Timing {
+  double ttft_ms = 0;
+  double tokens_per_s = 0;
+  bool ok = false;
+};
+
+template <typename Stub>
+Timing Measure(Stub* stub, const std::string& text, int max_tokens) {
+  v1::GenerateRequest req;
+  req.mutable_input()->set_text(text);
+  req.mutable_sampling()->set_max_tokens(max_tokens);
+  req.mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(5));
+  const absl::Time start = absl::Now();
+  auto reader = stub->Generate(&ctx, req);
+  v1::GenerateResponse msg;
+  int n = 0;
+  absl::Time first, last;
+  while (reader->Read(&msg)) {
+    if (!msg.has_token()) continue;
+    last = absl::Now();
+    if (n++ == 0) first = last;
+  }
+  Timing t;
+  t.ok = reader->Finish().ok() && n > 0;
+  t.ttft_ms = absl::ToDoubleMilliseconds(first - start);
+  t.tokens_per_s = n > 1 ? (n - 1) / absl::ToDoubleSeconds(last - first) : 0;
+  return t;
+}
+
+double DecisionsPerSecond() {
+  using router::Candidate;
+  using router::Directory;
+  Directory dir;
+  const int workers = 8, sessions = 10000, page_tokens = 16;
+  std::mt19937 rng(1);
+  // Each worker holds sessions with distinct 512-token prompts, plus a shared
+  // system prompt of 256 tokens cached everywhere.
+  std::vector<int32_t> system(256);
+  for (auto& t : system) t = static_cast<int32_t>(rng() % 49152);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int s = 0; s < sessions; ++s) {
+    std::vector<int32_t> p = system;
+    for (int i = 0; i < 256; ++i) p.push_back(static_cast<int32_t>(rng() % 49152));
+    const std::string w = absl::StrCat("worker-", s % workers);
+    v1::CacheEvent placed;
+    placed.set_kind(v1::CacheEvent::SESSION_PLACED);
+    placed.set_session_id(absl::StrCat("s", s));
+    placed.set_tokens(static_cast<int32_t>(p.size()));
+    dir.ApplyEvent(w, placed);
+    v1::CacheEvent stored;
+    stored.set_kind(v1::CacheEvent::PREFIX_STORED);
+    stored.set_tier(v1::TIER_DEVICE);
+    for (const BlockHash& h : ChainBlockHashes(p, page_tokens, "model", "tenant")) {
+      stored.add_block_hashes(std::string(h.bytes.begin(), h.bytes.end()));
+    }
+    dir.ApplyEvent(w, stored);
+    if (s < 1000) prompts.push_back(std::move(p));
+  }
+  router::PlacementConfig config;
+  const absl::Time start = absl::Now();
+  int decisions = 0;
+  size_t sink = 0;
+  while (absl::Now() - start < absl::Seconds(2)) {
+    const auto& p = prompts[decisions % prompts.size()];
+    const auto chain = ChainBlockHashes(p, page_tokens, "model", "tenant");
+    const auto matches = dir.MatchPrefix(chain);
+    std::vector<Candidate> cands;
+    for (int w = 0; w < workers; ++w) {
+      Candidate c;
+      c.worker = absl::StrCat("worker-", w);
+      c.load.set_pages_total_device(1000);
+      c.load.set_pages_free_device(500);
+      auto m = matches.find(c.worker);
+      if (m != matches.end()) c.match = m->second;
+      cands.push_back(std::move(c));
+    }
+    auto placed = router::Choose(config, absl::StrCat("new-", decisions), "", page_tokens,
+                                 static_cast<int>(p.size() / page_tokens), cands, false);
+    sink += placed.ok() ? placed->worker.size() : 0;
+    ++decisions;
+  }
+  if (sink == 0) std::fprintf(stderr, "no placement succeeded\n");
+  return decisions / absl::ToDoubleSeconds(absl::Now() - start);
+}
+
+int Run() {
+  bench::BenchReport report;
+  report.benchmark = "router";
+  auto worker = testing::ServerUnderTest::Start(
+      testing::BinaryPath("worker/kvcache-worker"),
+      {"--worker_id=w", "--threads=" + std::to_string(absl::GetFlag(FLAGS_threads)),
+       "--model=" + gguf::DefaultModelPath()});
+  if (!worker.ok()) {
+    std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
+    return 1;
+  }
+  auto router = testing::ServerUnderTest::Start(
+      testing::BinaryPath("router/kvcache-router"),
+      {"--workers=" + (*worker)->grpc_address(), "--model=" + gguf::DefaultModelPath(), "--rebalance_interval=0s"});
+  if (!router.ok()) {
+    std::fprintf(stderr, "router: %s\n", router.status().ToString().c_str());
+    return 1;
+  }
+  auto direct = v1::Worker::NewStub((*worker)->channel());
+  auto routed = v1::KvCache::NewStub((*router)->channel());
+  std::vector<double> ttft_direct, ttft_routed, tps_direct, tps_routed;
+  const int n = absl::GetFlag(FLAGS_requests);
+  for (int i = 0; i < n; ++i) {
+    // Alternate the paths so that drift on a shared machine hits both alike;
+    // distinct prompts so that neither path gets a cache hit.
+    const std::string a = absl::StrCat("Question number ", i, ": what is the tide like today?");
+    const std::string b = absl::StrCat("Question number ", i + n, ": what is the tide like today?");
+    Timing d = Measure(direct.get(), a, 1);
+    Timing r = Measure(routed.get(), b, 1);
+    if (!d.ok || !r.ok) return 1;
+    ttft_direct.push_back(d.ttft_ms);
+    ttft_routed.push_back(r.ttft_ms);
+  }
+  for (int i = 0; i < 3; ++i) {
+    Timing d = Measure(direct.get(), absl::StrCat("Tell a long story, part ", i), absl::GetFlag(FLAGS_decode_tokens));
+    Timing r = Measure(routed.get(), absl::StrCat("Tell a long story, part ", i + 3), absl::GetFlag(FLAGS_decode_tokens));
+    if (!d.ok || !r.ok) return 1;
+    tps_direct.push_back(d.tokens_per_s);
+    tps_routed.push_back(r.tokens_per_s);
+  }
+  report.metrics["ttft_p50_ms_router"] = Percentile(ttft_routed, 0.5);
+  report.baseline["ttft_p50_ms_direct"] = Percentile(ttft_direct, 0.5);
+  report.metrics["router_added_ttft_p50_ms"] = Percentile(ttft_routed, 0.5) - Percentile(ttft_direct, 0.5);
+  report.metrics["router_tokens_per_s"] = Percentile(tps_routed, 0.5);
+  report.baseline["direct_tokens_per_s"] = Percentile(tps_direct, 0.5);
+  report.ratio["router_vs_direct_tokens"] = Percentile(tps_routed, 0.5) / Percentile(tps_direct, 0.5);
+  report.metrics["decisions_per_second"] = DecisionsPerSecond();
+  report.notes["method"] = absl::StrCat(
+      "one SmolLM2 worker and one router on loopback; ", n,
+      " single-token requests per path alternating direct/router (TTFT p50), 3 x ",
+      absl::GetFlag(FLAGS_decode_tokens), "-token streams per path (median tokens/s); decisions: "
+      "SHA-256 chain of a 512-token prompt + directory match (10,000 sessions, 8 workers) + scoring, in-process, 2 s");
+  return bench::Finish(report).ok() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace kvcache
+
+int main(int argc, char** argv) {
+  kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);
+  absl::ParseCommandLine(argc, argv);
+  return kvcache::Run();
+}

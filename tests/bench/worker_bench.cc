@@ -1,0 +1,251 @@
+// worker.json: the worker over real gRPC on loopback, with SmolLM2.
+//
+//  ttft_cold_vs_cached       time to first token of a turn after a ~2,000-token
+//                            history with nothing cached (a fresh tenant) ÷ the
+//                            same turn when the history is cached (APPEND)
+//  grpc_vs_inprocess_tokens  decode tokens/s streamed through gRPC ÷ tokens/s of
+//                            the same engine driven in-process (same model,
+//                            threads and request)
+//  migration_total_ms, migration_pause_ms: moving a 4,000-token session between
+//                            two worker processes (pause = the final phase,
+//                            when the session cannot decode)
+// Each figure is the median of --reps runs, taken in this one run.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/bench_json.h"
+#include "common/gguf/model_path.h"
+#include "common/tokenizer/tokenizer.h"
+#include "kvcache/v1/worker.grpc.pb.h"
+#include "tests/testing/child_process.h"
+#include "worker/backend/cpu/cpu_llama_runner.h"
+#include "worker/backend/cpu/omp_env.h"
+#include "worker/sched/engine.h"
+
+ABSL_FLAG(int, threads, 2, "Compute threads of the workers and the in-process engine");
+ABSL_FLAG(int, reps, 3, "Repetitions per figure (median kept)");
+ABSL_FLAG(int, history_tokens, 2000, "History length for the time-to-first-token comparison");
+ABSL_FLAG(int, migrate_tokens, 4000, "Length of the migrated session");
+ABSL_FLAG(int, decode_tokens, 256, "Tokens generated for the streaming comparison");
+
+namespace kvcache {
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// A synthetic history of exactly n token ids (ordinary vocabulary, no control
+// tokens), so that lengths are exact.
+std::vector<int32_t> History(int n, int salt) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(1000 + (i * 37 + salt * 101) % 20000);
+  return t;
+}
+
+v1::GenerateRequest TokensRequest(const std::string& session, const std::string& tenant,
+                                  const std::vector<int32_t>& tokens, int max_tokens, v1::Mode mode) {
+  v1::GenerateRequest r;
+  r.set_session_id(session);
+  r.set_tenant(tenant);
+  r.set_mode(mode);
+  r.mutable_input()->mutable_tokens()->mutable_ids()->Assign(tokens.begin(), tokens.end());
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_ignore_eos(true);
+  return r;
+}
+
+struct Result {
+  v1::GenerateResponse::Final final;
+  double first_token_s = 0, end_s = 0;
+  int tokens = 0;
+  grpc::Status status;
+};
+
+Result Call(v1::Worker::Stub* stub, const v1::GenerateRequest& req) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+  const absl::Time start = absl::Now();
+  auto reader = stub->Generate(&ctx, req);
+  Result r;
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    if (msg.has_token()) {
+      if (r.tokens++ == 0) r.first_token_s = absl::ToDoubleSeconds(absl::Now() - start);
+    } else {
+      r.final = msg.final();
+    }
+  }
+  r.end_s = absl::ToDoubleSeconds(absl::Now() - start);
+  r.status = reader->Finish();
+  return r;
+}
+
+class Collector : public sched::GenerateObserver {
+ public:
+  void OnToken(int32_t, absl::string_view) override {
+    if (tokens++ == 0) first = absl::Now();
+    last = absl::Now();
+  }
+  void OnDone(const absl::Status& s, const sched::GenerateResult&) override {
+    status = s;
+    done.Notify();
+  }
+  int tokens = 0;
+  absl::Time first, last;
+  absl::Status status;
+  absl::Notification done;
+};
+
+// Decode tokens/s of the engine in this process (no gRPC), same settings.
+absl::StatusOr<double> InProcessDecode(int threads, int n_tokens, const std::vector<int32_t>& prompt) {
+  auto model = model::LlamaModel::Load(gguf::DefaultModelPath());
+  if (!model.ok()) return model.status();
+  const auto& hp = (*model)->hparams();
+  kv::KvCacheOptions ko;
+  ko.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv), static_cast<int>(hp.head_dim),
+                         kv::KvDtype::kF16, 16, 0};
+  ko.model_id = (*model)->model_id();
+  ko.tier0_bytes = int64_t{1} << 30;
+  auto kv = kv::KvCacheManager::Create(ko);
+  if (!kv.ok()) return kv.status();
+  auto runner = cpu::CpuLlamaRunner::Create(model->get(), kv->get(), {256, threads});
+  if (!runner.ok()) return runner.status();
+  auto tokenizer = tok::Tokenizer::FromGguf((*model)->file());
+  if (!tokenizer.ok()) return tokenizer.status();
+  auto engine = sched::Engine::Create({}, runner->get(), kv->get(), tokenizer->get());
+  if (!engine.ok()) return engine.status();
+  std::vector<double> rates;
+  for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
+    Collector c;
+    sched::GenerateRequest req;
+    req.input = prompt;
+    req.tenant = "bench";
+    req.max_tokens = n_tokens;
+    req.ignore_eos = true;
+    auto id = (*engine)->Submit(req, &c);
+    if (!id.ok()) return id.status();
+    c.done.WaitForNotification();
+    if (!c.status.ok()) return c.status;
+    rates.push_back((c.tokens - 1) / absl::ToDoubleSeconds(c.last - c.first));
+  }
+  return Median(rates);
+}
+
+int Run() {
+  bench::BenchReport report;
+  report.benchmark = "worker";
+  const int threads = absl::GetFlag(FLAGS_threads);
+  const std::string worker_bin = testing::BinaryPath("worker/kvcache-worker");
+  auto start_worker = [&](const std::string& id) {
+    return testing::ServerUnderTest::Start(
+        worker_bin, {"--worker_id=" + id, "--threads=" + std::to_string(threads), "--tier0_bytes=1073741824",
+                     "--max_batch_tokens=512", "--model=" + gguf::DefaultModelPath()});
+  };
+  auto w1 = start_worker("bench-1");
+  if (!w1.ok()) {
+    std::fprintf(stderr, "cannot start the worker: %s\n", w1.status().ToString().c_str());
+    return 1;
+  }
+  auto stub = v1::Worker::NewStub((*w1)->channel());
+
+  // 1. Time to first token of turn N after a long history: cold vs cached.
+  const int history = absl::GetFlag(FLAGS_history_tokens);
+  const std::vector<int32_t> turn = History(40, 7);
+  std::vector<double> cold, cached;
+  for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
+    const std::string tenant = absl::StrCat("t", rep);
+    const std::vector<int32_t> h = History(history, rep);
+    Result built = Call(stub.get(), TokensRequest("conv", tenant, h, 1, v1::FULL_CONTEXT));
+    Result hot = Call(stub.get(), TokensRequest("conv", tenant, turn, 1, v1::APPEND));
+    std::vector<int32_t> full = h;
+    full.insert(full.end(), turn.begin(), turn.end());
+    Result fresh = Call(stub.get(), TokensRequest("", tenant + "-cold", full, 1, v1::FULL_CONTEXT));
+    if (!built.status.ok() || !hot.status.ok() || !fresh.status.ok()) {
+      std::fprintf(stderr, "ttft run failed: %s %s %s\n", built.status.error_message().c_str(),
+                   hot.status.error_message().c_str(), fresh.status.error_message().c_str());
+      return 1;
+    }
+    cached.push_back(hot.final.usage().time_to_first_token_us() / 1e3);
+    cold.push_back(fresh.final.usage().time_to_first_token_us() / 1e3);
+  }
+  report.metrics["ttft_cached_ms"] = Median(cached);
+  report.baseline["ttft_cold_ms"] = Median(cold);
+  report.ratio["ttft_cold_vs_cached"] = Median(cold) / Median(cached);
+
+  // 2. Streaming: decode tokens/s through gRPC vs the engine in-process.
+  const int n = absl::GetFlag(FLAGS_decode_tokens);
+  const std::vector<int32_t> prompt = History(32, 3);
+  std::vector<double> grpc_rates;
+  for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
+    Result r = Call(stub.get(), TokensRequest("", "stream", prompt, n, v1::FULL_CONTEXT));
+    if (!r.status.ok()) return 1;
+    grpc_rates.push_back((r.tokens - 1) / (r.end_s - r.first_token_s));
+  }
+  report.metrics["grpc_decode_tokens_per_s"] = Median(grpc_rates);
+
+  // 3. Migration of a long session between two worker processes.
+  auto w2 = start_worker("bench-2");
+  if (!w2.ok()) return 1;
+  const int m = absl::GetFlag(FLAGS_migrate_tokens);
+  std::vector<double> total, pause, bytes;
+  for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
+    const std::string id = absl::StrCat("long-", rep);
+    Result built = Call(stub.get(), TokensRequest(id, "mig", History(m, 50 + rep), 1, v1::FULL_CONTEXT));
+    if (!built.status.ok()) {
+      std::fprintf(stderr, "building the long session failed: %s\n", built.status.error_message().c_str());
+      return 1;
+    }
+    grpc::ClientContext ctx;
+    v1::MigrateSessionRequest req;
+    req.set_session_id(id);
+    req.set_tenant("mig");
+    req.set_target_address((*w2)->grpc_address());
+    v1::MigrateSessionResponse resp;
+    grpc::Status st = stub->MigrateSession(&ctx, req, &resp);
+    if (!st.ok()) {
+      std::fprintf(stderr, "migration failed: %s\n", st.error_message().c_str());
+      return 1;
+    }
+    total.push_back(resp.total_us() / 1e3);
+    pause.push_back(resp.pause_us() / 1e3);
+    bytes.push_back(static_cast<double>(resp.bytes_moved()));
+  }
+  report.metrics["migration_total_ms"] = Median(total);
+  report.metrics["migration_pause_ms"] = Median(pause);
+  report.metrics["migration_bytes"] = Median(bytes);
+  report.metrics["migration_gb_per_s"] = Median(bytes) / (Median(total) / 1e3) / 1e9;
+  w1->reset();
+  w2->reset();
+
+  auto inproc = InProcessDecode(threads, n, prompt);
+  if (!inproc.ok()) {
+    std::fprintf(stderr, "in-process engine failed: %s\n", inproc.status().ToString().c_str());
+    return 1;
+  }
+  report.baseline["inprocess_decode_tokens_per_s"] = *inproc;
+  report.ratio["grpc_vs_inprocess_tokens"] = Median(grpc_rates) / *inproc;
+  report.notes["method"] = absl::StrCat(
+      "SmolLM2-135M Q4_1, ", threads, " threads, medians of ", absl::GetFlag(FLAGS_reps),
+      " reps. TTFT: ", history, "-token synthetic history then a 40-token turn; cached = APPEND on the live "
+      "session, cold = the same ", history + 40, " tokens as FULL_CONTEXT under a fresh tenant (no prefix hits); "
+      "both from the worker's usage.time_to_first_token_us. Streaming: ", n,
+      " greedy tokens, first-to-last token rate, gRPC client in this process vs the same engine in-process. "
+      "Migration: ", m, "-token session, worker-to-worker over loopback, from MigrateSessionResponse.");
+  return bench::Finish(report).ok() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace kvcache
+
+int main(int argc, char** argv) {
+  kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);
+  absl::ParseCommandLine(argc, argv);
+  return kvcache::Run();
+}
