@@ -10,10 +10,6 @@
 namespace kvcache::kv {
 namespace {
 
-// Offload/restore copy batches of about this many bytes, then checksum the batch
-// while it is still cache-warm.
-constexpr int64_t kCopyBatchBytes = 1 << 20;
-
 std::string Quote(const std::string& id) { return absl::StrCat("session '", id, "'"); }
 
 }  // namespace
@@ -262,7 +258,7 @@ absl::StatusOr<int64_t> KvCacheManager::OffloadLocked(Session& s, bool allow_dro
         absl::StrCat("offload of ", Quote(s.id), ": tier 1 has room for ", k, " of ", need,
                      " pages"));
   }
-  const int64_t per_batch = std::max<int64_t>(1, kCopyBatchBytes / storage_[0]->page_bytes());
+  const int64_t per_batch = std::max<int64_t>(1, storage_[0]->copy_batch_bytes() / storage_[0]->page_bytes());
   std::vector<PageId> src, dst;
   for (int64_t b = 0; b < k; b += per_batch) {
     src.clear();
@@ -319,7 +315,7 @@ absl::Status KvCacheManager::RestoreLocked(Session& s, std::vector<std::string>*
   std::vector<PageId> dst_all;
   dst_all.reserve(idx.size());
   for (size_t j = 0; j < idx.size(); ++j) dst_all.push_back(pool_[0].Allocate());
-  const int64_t per_batch = std::max<int64_t>(1, kCopyBatchBytes / storage_[0]->page_bytes());
+  const int64_t per_batch = std::max<int64_t>(1, storage_[0]->copy_batch_bytes() / storage_[0]->page_bytes());
   std::vector<PageId> src;
   absl::Status status;
   for (int64_t b = 0; b < n && status.ok(); b += per_batch) {

@@ -35,6 +35,10 @@ class TierStorage {
 
   virtual int64_t num_pages() const = 0;
   virtual int64_t page_bytes() const = 0;
+  // Bytes of pages the cache should hand to one CopyPages call when it moves a
+  // session between tiers: small enough that a CPU copy checksums cache-warm
+  // data, large enough that a device copy amortises its set-up.
+  virtual int64_t copy_batch_bytes() const { return int64_t{1} << 20; }
 
   // Copies src page src_ids[i] onto this storage's page dst_ids[i], for every i, as
   // one batch (contiguous runs are coalesced). `src` may be this storage.

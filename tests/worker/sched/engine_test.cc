@@ -131,7 +131,9 @@ class EngineTest : public ::testing::Test {
 
   void TearDown() override {
     engine_.reset();
-    if (kv_) EXPECT_TRUE(kv_->CheckInvariants().ok()) << kv_->CheckInvariants();
+    if (kv_) {
+      EXPECT_TRUE(kv_->CheckInvariants().ok()) << kv_->CheckInvariants();
+    }
   }
 
   static std::vector<int32_t> Prompt(int n, int salt = 0) {
