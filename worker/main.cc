@@ -11,6 +11,7 @@
 #include "common/server.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
+#include "worker/backend/backend_loader.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
 #include "worker/backend/cpu/omp_env.h"
@@ -23,7 +24,10 @@
 
 ABSL_FLAG(std::string, model, "", "GGUF model file (default: $KVCACHE_MODEL or the one scripts/setup.sh fetches)");
 ABSL_FLAG(std::string, worker_id, "", "Name of this worker in routing, logs and metrics (default: the gRPC address)");
-ABSL_FLAG(std::string, device, "cpu", "Backend: cpu (cuda arrives with the CUDA backend)");
+ABSL_FLAG(std::string, device, "cpu",
+          "Backend: cpu, or cuda[:N] (the CUDA plugin on GPU N; tier 0 in device memory, tier 1 pinned host)");
+ABSL_FLAG(std::string, cuda_plugin, "",
+          "libkvcache_cuda.so to load for --device=cuda (default: beside this binary, then $KVCACHE_BUILD_DIR/worker)");
 ABSL_FLAG(int64_t, tier0_bytes, int64_t{1} << 30, "KV budget in backend memory (tier 0), bytes");
 ABSL_FLAG(int64_t, tier1_bytes, int64_t{4} << 30, "KV budget in host RAM for offloaded pages (tier 1), bytes; 0 disables");
 ABSL_FLAG(int32_t, page_tokens, 16, "Tokens per KV page");
@@ -51,10 +55,7 @@ absl::StatusOr<kv::KvDtype> ParseDtype(const std::string& s) {
 }
 
 absl::Status CheckFlags() {
-  if (absl::GetFlag(FLAGS_device) != "cpu") {
-    return absl::InvalidArgumentError(absl::StrCat("--device='", absl::GetFlag(FLAGS_device),
-                                                   "': only cpu is available in this build"));
-  }
+  if (absl::Status st = backend::ParseDevice(absl::GetFlag(FLAGS_device)).status(); !st.ok()) return st;
   if (absl::GetFlag(FLAGS_tier0_bytes) <= 0) return absl::InvalidArgumentError("--tier0_bytes must be positive");
   if (absl::GetFlag(FLAGS_tier1_bytes) < 0) return absl::InvalidArgumentError("--tier1_bytes must not be negative");
   const int pt = absl::GetFlag(FLAGS_page_tokens);
@@ -92,6 +93,17 @@ int Run() {
   auto chat = tok::ChatTemplate::FromGguf((*model)->file());
   if (!chat.ok()) KV_LOG_WARN("no chat template ({}); chat input is refused", chat.status().ToString());
 
+  // The CUDA backend is a plugin opened only now, after the /metrics exposer
+  // started (cuBLAS in the process stops civetweb from starting threads).
+  const backend::DeviceSpec device = *backend::ParseDevice(absl::GetFlag(FLAGS_device));
+  std::unique_ptr<backend::CudaBackend> cuda;
+  if (device.kind == backend::DeviceSpec::Kind::kCuda) {
+    auto loaded = backend::LoadCudaBackend(device, absl::GetFlag(FLAGS_cuda_plugin));
+    if (!loaded.ok()) DieWith(kName, loaded.status(), 1);
+    cuda = std::move(*loaded);
+    KV_LOG_INFO("CUDA backend on {}", cuda->Describe());
+  }
+
   kv::KvCacheOptions ko;
   ko.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv),
                          static_cast<int>(hp.head_dim), *ParseDtype(absl::GetFlag(FLAGS_kv_dtype)),
@@ -100,6 +112,7 @@ int Run() {
   ko.tier0_bytes = absl::GetFlag(FLAGS_tier0_bytes);
   ko.tier1_bytes = absl::GetFlag(FLAGS_tier1_bytes);
   ko.max_session_tokens = absl::GetFlag(FLAGS_max_context);
+  if (cuda != nullptr) ko.storage_factory = cuda->MakeTierStorageFactory();
   auto kv = kv::KvCacheManager::Create(ko);
   if (!kv.ok()) {
     DieWith(kName, absl::Status(kv.status().code(), absl::StrCat(kv.status().message(),
@@ -109,7 +122,17 @@ int Run() {
   cpu::CpuRunnerOptions ro;
   ro.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   ro.threads = absl::GetFlag(FLAGS_threads);
-  auto runner = cpu::CpuLlamaRunner::Create(model->get(), kv->get(), ro);
+  absl::StatusOr<model::ModelRunnerPtr> runner;
+  if (cuda != nullptr) {
+    runner = cuda->CreateRunner(**model, (*kv)->tier_storage(0), ko.shape, {ro.max_batch_tokens});
+  } else {
+    auto cpu_runner = cpu::CpuLlamaRunner::Create(model->get(), kv->get(), ro);
+    if (cpu_runner.ok()) {
+      runner = model::ModelRunnerPtr(std::move(*cpu_runner));
+    } else {
+      runner = cpu_runner.status();
+    }
+  }
   if (!runner.ok()) DieWith(kName, runner.status(), 1);
 
   sched::EngineOptions eo;

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Runs the CUDA backend's GPU checks on a machine with an NVIDIA GPU and the CUDA
+# toolkit, in one go (well under 8 minutes on an H100/H200):
+#   1. build  - cmake + ninja of the GPU tests, gpu_bench and the plugin
+#               (-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}) in ${BUILD_DIR:-build-gpu};
+#               when the project's host dependencies (gRPC, abseil, GoogleTest...)
+#               are missing there, falls back to a prebuilt bundle made by
+#               tests/gpu/pack.sh on a development machine (--prebuilt FILE, or
+#               .gpu_carry/bundle.tar.xz when present)
+#   2. test   - every `gpu`-labelled test (ctest -L gpu, or the bundle's binaries)
+#   3. bench  - gpu_bench --json $OUT_DIR/gpu.json
+#   4. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
+#      ratios) and copies the logs there.
+# OUT_DIR is $OUT when set (device runs), else ${BUILD_DIR}/gpu-out.
+# Exit status: 0 all passed; 1 a test or the bench failed; 2 no GPU / cannot build.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu}"
+OUT_DIR="${OUT:-$BUILD_DIR/gpu-out}"
+CUDA_ARCH="${CUDA_ARCH:-90}"
+PREBUILT=""
+MODE=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --prebuilt) PREBUILT="$2"; MODE=prebuilt; shift 2 ;;
+    --build) MODE=build; shift ;;
+    *) echo "usage: $0 [--build | --prebuilt BUNDLE.tar.xz]" >&2; exit 2 ;;
+  esac
+done
+[[ -z "$PREBUILT" && -f "$ROOT/.gpu_carry/bundle.tar.xz" ]] && PREBUILT="$ROOT/.gpu_carry/bundle.tar.xz"
+mkdir -p "$OUT_DIR"
+START=$(date +%s)
+log() { echo "[gpu/run.sh +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT_DIR/run.log"; }
+
+# --- 0. A GPU? ------------------------------------------------------------------
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$OUT_DIR/nvidia-smi.txt" 2>&1; then
+  log "no NVIDIA GPU found (nvidia-smi missing or failing): these checks need one; nothing was run"
+  exit 2
+fi
+log "GPU: $(head -1 "$OUT_DIR/nvidia-smi.txt")"
+NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+[[ -x "$NVCC" ]] && log "nvcc: $("$NVCC" --version | tail -1)"
+
+# --- 1. Build ---------------------------------------------------------------------
+TARGETS=(cuda_kernels_test cuda_tier_storage_test cuda_runner_test gpu_bench kvcache_cuda)
+BIN_DIR=""
+if [[ "$MODE" != "prebuilt" ]]; then
+  if ! command -v cmake >/dev/null || [[ ! -x "$NVCC" ]]; then
+    log "cmake or nvcc missing"
+  elif cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" >"$OUT_DIR/cmake.log" 2>&1; then
+    log "configured; building ${TARGETS[*]}"
+    if ninja -C "$BUILD_DIR" -j"$(nproc)" "${TARGETS[@]}" >"$OUT_DIR/build.log" 2>&1; then
+      MODE=build
+      BIN_DIR="$BUILD_DIR/tests/worker/backend/cuda"
+    else
+      log "build failed (see build.log)"; tail -30 "$OUT_DIR/build.log"; exit 2
+    fi
+  else
+    log "cmake configure failed (host dependencies missing?): $(grep -m1 -iE 'could not find|error' "$OUT_DIR/cmake.log")"
+  fi
+fi
+if [[ -z "$BIN_DIR" ]]; then
+  if [[ -z "$PREBUILT" || ! -f "$PREBUILT" ]]; then
+    log "cannot build here and no prebuilt bundle (make one with tests/gpu/pack.sh)"; exit 2
+  fi
+  MODE=prebuilt
+  STAGE="$(mktemp -d /tmp/kvcache-gpu.XXXXXX)"
+  tar -xJf "$PREBUILT" -C "$STAGE" || { log "cannot unpack $PREBUILT"; exit 2; }
+  BIN_DIR="$STAGE/bin"
+  CUBLAS_DIRS="$(python3 - 2>/dev/null <<'PY'
+import glob, os, site
+dirs = set()
+for base in site.getsitepackages():
+    for lib in glob.glob(os.path.join(base, "nvidia", "*", "lib")):
+        dirs.add(lib)
+print(":".join(sorted(dirs)))
+PY
+)"
+  export LD_LIBRARY_PATH="$STAGE/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${CUBLAS_DIRS}:${LD_LIBRARY_PATH:-}"
+  log "prebuilt bundle $(cat "$STAGE/BUILD_INFO" 2>/dev/null)"
+  if ldd "$BIN_DIR/gpu_bench" | grep -q "not found"; then
+    log "missing libraries:"; ldd "$BIN_DIR/gpu_bench" | grep "not found" | tee -a "$OUT_DIR/run.log"; exit 2
+  fi
+  # Still prove the device's own toolkit compiles the kernels for this GPU.
+  if [[ -x "$NVCC" && -d "$STAGE/src" ]]; then
+    ok=1
+    for cu in "$ROOT"/worker/backend/cuda/*.cu; do
+      "$NVCC" -std=c++17 -arch=sm_"$CUDA_ARCH" -I"$ROOT" -I"$STAGE/src/include" -c "$cu" -o /dev/null \
+        >>"$OUT_DIR/build.log" 2>&1 || ok=0
+    done
+    log "device nvcc compile of worker/backend/cuda/*.cu: $([[ $ok == 1 ]] && echo ok || echo FAILED)"
+  fi
+fi
+log "mode=$MODE, binaries in $BIN_DIR"
+
+# --- 2. GPU tests -----------------------------------------------------------------
+FAILED=0
+TESTS_JSON=""
+for t in cuda_kernels_test cuda_tier_storage_test cuda_runner_test; do
+  t0=$(date +%s.%N)
+  timeout 300 "$BIN_DIR/$t" --gtest_output=json:"$OUT_DIR/$t.json" >"$OUT_DIR/$t.log" 2>&1
+  rc=$?
+  dt=$(python3 -c "print(round($(date +%s.%N) - $t0, 2))" 2>/dev/null || echo 0)
+  result=$([[ $rc == 0 ]] && echo passed || echo failed)
+  grep -q "SKIPPED" "$OUT_DIR/$t.log" && result="$result (with skips)"
+  [[ $rc != 0 ]] && FAILED=1
+  log "$t: $result in ${dt}s"
+  grep -E "max \||ops:|attention hd" "$OUT_DIR/$t.log" | sed 's/^/    /' | tee -a "$OUT_DIR/run.log"
+  TESTS_JSON+="${TESTS_JSON:+,}{\"name\":\"$t\",\"result\":\"$result\",\"rc\":$rc,\"seconds\":$dt}"
+done
+
+# --- 3. Benchmark -----------------------------------------------------------------
+timeout 240 "$BIN_DIR/gpu_bench" --json "$OUT_DIR/gpu.json" >"$OUT_DIR/gpu_bench.log" 2>&1
+BENCH_RC=$?
+[[ $BENCH_RC != 0 ]] && FAILED=1
+log "gpu_bench rc=$BENCH_RC"
+tee -a "$OUT_DIR/run.log" <"$OUT_DIR/gpu_bench.log"
+
+# --- 4. Summary -------------------------------------------------------------------
+RATIOS="{}"
+[[ -f "$OUT_DIR/gpu.json" ]] && RATIOS="$(python3 -c "import json;print(json.dumps(json.load(open('$OUT_DIR/gpu.json')).get('ratio',{})))" 2>/dev/null || echo '{}')"
+cat >"$OUT_DIR/summary.json" <<JSON
+{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
+JSON
+log "summary: $(cat "$OUT_DIR/summary.json")"
+exit $FAILED

@@ -1,0 +1,301 @@
+// GPU benchmarks, each against a baseline measured in the same run:
+//   attention_vs_hbm          decode attention, 64 sessions x 4096 tokens (SmolLM2's
+//                             KV shape), bytes of K/V read per second / the bandwidth
+//                             of a device-to-device cudaMemcpy (read + write bytes)
+//   offload_vs_pinned_memcpy  CudaTierStorage::CopyPages device -> pinned, 360 KiB
+//                             pages in shuffled order / one big pinned cudaMemcpyAsync
+//   restore_vs_pinned_memcpy  the same, pinned -> device
+//   decode tokens/s at batch 1, 16, 64 of SmolLM2 (the real model when present,
+//   else a synthetic Q4_1 model of SmolLM2's shapes with the tiny 323-token vocab)
+// Usage: gpu_bench [--json PATH]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "common/bench_json.h"
+#include "common/gguf/gguf_reader.h"
+#include "common/gguf/model_path.h"
+#include "common/gguf/tiny_llama.h"
+#include "worker/backend/cuda/attention.h"
+#include "worker/backend/cuda/cuda_backend.h"
+#include "worker/backend/cuda/cuda_tier_storage.h"
+#include "worker/backend/cuda/device_context.h"
+#include "worker/backend/cuda/kernel_math.h"
+#include "worker/kv/kv_cache_manager.h"
+
+extern "C" kvcache::backend::CudaBackendFactory* kvcache_cuda_backend_v1();
+
+namespace kvcache::cuda {
+namespace {
+
+#define BENCH_CHECK(expr)                                                       \
+  do {                                                                          \
+    auto _st = (expr);                                                          \
+    if (!IsOk(_st)) {                                                           \
+      std::fprintf(stderr, "%s:%d: %s failed\n", __FILE__, __LINE__, #expr);    \
+      std::exit(1);                                                             \
+    }                                                                           \
+  } while (0)
+bool IsOk(cudaError_t e) { return e == cudaSuccess; }
+bool IsOk(const absl::Status& s) {
+  if (!s.ok()) std::fprintf(stderr, "%s\n", s.ToString().c_str());
+  return s.ok();
+}
+
+// Median time in ms of `reps` runs of fn on `stream`, timed with events.
+template <typename Fn>
+double TimeMs(cudaStream_t stream, int reps, Fn fn) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  fn();  // warm-up
+  cudaStreamSynchronize(stream);
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a, stream);
+    fn();
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void HbmAndAttention(const DeviceContext& ctx, bench::BenchReport& r) {
+  cudaStream_t s = ctx.compute_stream();
+  const int64_t copy_bytes = int64_t{2} << 30;
+  DeviceBuffer src = std::move(DeviceBuffer::Allocate(copy_bytes, "bench")).value();
+  DeviceBuffer dst = std::move(DeviceBuffer::Allocate(copy_bytes, "bench")).value();
+  BENCH_CHECK(cudaMemsetAsync(src.get(), 1, copy_bytes, s));
+  const double copy_ms = TimeMs(s, 10, [&] { cudaMemcpyAsync(dst.get(), src.get(), copy_bytes, cudaMemcpyDeviceToDevice, s); });
+  const double hbm = 2.0 * copy_bytes / (copy_ms * 1e-3);
+  src.Reset();
+  dst.Reset();
+  r.baseline["hbm_d2d_copy_GBps"] = hbm / 1e9;
+
+  // 64 sessions x 4096 tokens, SmolLM2 pages (30 layers, 3 kv heads, hd 64, f16).
+  const int n_seq = 64, n_tok = 4096, layers = 30;
+  cpu::PageLayout L;
+  L.layers = layers;
+  L.kv_heads = 3;
+  L.head_dim = 64;
+  L.page_tokens = 16;
+  L.dtype = cpu::KvDtype::kF16;
+  const int pages_per_seq = n_tok / 16, n_pages = n_seq * pages_per_seq;
+  DeviceBuffer slab = std::move(DeviceBuffer::Allocate(int64_t{n_pages} * L.page_bytes(), "bench slab")).value();
+  BENCH_CHECK(cudaMemsetAsync(slab.get(), 0x3c, int64_t{n_pages} * L.page_bytes(), s));  // 1.0 in f16 pairs
+  std::vector<int32_t> table(n_pages), offsets(n_seq);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(1));
+  std::vector<AttentionItem> items(n_seq);
+  for (int i = 0; i < n_seq; ++i) {
+    offsets[i] = i * pages_per_seq;
+    items[i] = {i, n_tok - 1};
+  }
+  auto upload = [&](const void* p, int64_t bytes) {
+    DeviceBuffer b = std::move(DeviceBuffer::Allocate(bytes, "bench")).value();
+    BENCH_CHECK(cudaMemcpy(b.get(), p, bytes, cudaMemcpyHostToDevice));
+    return b;
+  };
+  DeviceBuffer d_table = upload(table.data(), table.size() * 4), d_off = upload(offsets.data(), offsets.size() * 4),
+               d_items = upload(items.data(), items.size() * sizeof(AttentionItem));
+  std::vector<float> q(n_seq * 9 * 64, 0.01f);
+  DeviceBuffer d_q = upload(q.data(), q.size() * 4);
+  const int splits = AttentionSplits(n_tok - 1, 0);
+  DeviceBuffer scratch = std::move(DeviceBuffer::Allocate(AttentionScratchFloats(n_seq, 9, 64, splits) * 4, "b")).value();
+  DeviceBuffer out = std::move(DeviceBuffer::Allocate(n_seq * 9 * 64 * 2, "b")).value();
+  AttentionArgs a;
+  a.layout = L;
+  a.kv_base = slab.get();
+  a.n_heads = 9;
+  a.page_tables = d_table.as<int32_t>();
+  a.seq_page_offset = d_off.as<int32_t>();
+  a.items = d_items.as<AttentionItem>();
+  a.n_items = n_seq;
+  a.max_splits = splits;
+  a.q = d_q.as<float>();
+  a.q_row_stride = 9 * 64;
+  a.scratch = scratch.as<float>();
+  a.out_f16 = out.as<uint16_t>();
+  // One decode step's attention: every layer once, as the runner launches it.
+  const double att_ms = TimeMs(s, 10, [&] {
+    for (int l = 0; l < layers; ++l) {
+      a.layer = l;
+      (void)PagedAttention(a, s);
+    }
+  });
+  BENCH_CHECK(cudaStreamSynchronize(s));
+  const double kv_bytes = double{layers} * n_seq * n_tok * L.row_bytes() * 2;
+  r.metrics["attention_64x4096_step_ms"] = att_ms;
+  r.metrics["attention_64x4096_GBps"] = kv_bytes / (att_ms * 1e-3) / 1e9;
+  r.ratio["attention_vs_hbm"] = kv_bytes / (att_ms * 1e-3) / hbm;
+  r.notes["attention"] = "64 sessions x 4096 tokens, 30 layers (one decode step), SmolLM2 KV shape 9/3 heads hd 64 "
+                         "f16, shuffled pages; bytes = K+V read; baseline = D2D cudaMemcpy read+write bytes";
+}
+
+void OffloadRestore(std::shared_ptr<DeviceContext> ctx, bench::BenchReport& r) {
+  const int64_t page = 30 * 2 * 16 * 3 * 64 * 2;  // 360 KiB
+  const int n = 2048;                              // 720 MiB
+  auto t0 = std::move(CudaTierStorage::Create(ctx, TierMemory::kDevice, n, page, "--tier0_bytes")).value();
+  auto t1 = std::move(CudaTierStorage::Create(ctx, TierMemory::kPinnedHost, n, page, "--tier1_bytes")).value();
+  cudaStream_t cs = ctx->copy_stream();
+  const int64_t bytes = int64_t{n} * page;
+  const double d2h_ms = TimeMs(cs, 5, [&] { cudaMemcpyAsync(t1->slab(), t0->slab(), bytes, cudaMemcpyDeviceToHost, cs); });
+  const double h2d_ms = TimeMs(cs, 5, [&] { cudaMemcpyAsync(t0->slab(), t1->slab(), bytes, cudaMemcpyHostToDevice, cs); });
+  std::vector<kv::PageId> src(n), dst(n);
+  std::iota(src.begin(), src.end(), 0);
+  std::iota(dst.begin(), dst.end(), 0);
+  std::shuffle(src.begin(), src.end(), std::mt19937(2));
+  std::shuffle(dst.begin(), dst.end(), std::mt19937(3));
+  const int batch = 256;  // pages per CopyPages call (90 MiB)
+  auto wall_ms = [](auto fn) {
+    fn();
+    std::vector<double> v;
+    for (int i = 0; i < 5; ++i) {
+      const auto a = std::chrono::steady_clock::now();
+      fn();
+      v.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+    }
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto copy = [&](kv::TierStorage& to, const kv::TierStorage& from) {
+    for (int b = 0; b < n; b += batch) {
+      BENCH_CHECK(to.CopyPages(from, absl::MakeConstSpan(src).subspan(b, batch), absl::MakeConstSpan(dst).subspan(b, batch)));
+    }
+  };
+  const double off_ms = wall_ms([&] { copy(*t1, *t0); });
+  const double res_ms = wall_ms([&] { copy(*t0, *t1); });
+  // With the manager's verification: offload hashes each pinned page, restore
+  // hashes the pinned source it was restored from.
+  const double off_sum_ms = wall_ms([&] {
+    copy(*t1, *t0);
+    for (int i = 0; i < n; ++i) (void)t1->Checksum(dst[i]);
+  });
+  const double res_sum_ms = wall_ms([&] {
+    copy(*t0, *t1);
+    for (int i = 0; i < n; ++i) (void)t0->Checksum(dst[i]);
+  });
+  const double gb = bytes / 1e9;
+  r.baseline["pinned_memcpy_d2h_GBps"] = gb / (d2h_ms * 1e-3);
+  r.baseline["pinned_memcpy_h2d_GBps"] = gb / (h2d_ms * 1e-3);
+  r.metrics["offload_copypages_GBps"] = gb / (off_ms * 1e-3);
+  r.metrics["restore_copypages_GBps"] = gb / (res_ms * 1e-3);
+  r.metrics["offload_with_checksums_GBps"] = gb / (off_sum_ms * 1e-3);
+  r.metrics["restore_with_checksums_GBps"] = gb / (res_sum_ms * 1e-3);
+  r.ratio["offload_vs_pinned_memcpy"] = d2h_ms / off_ms;
+  r.ratio["restore_vs_pinned_memcpy"] = h2d_ms / res_ms;
+  r.notes["offload"] = "2048 pages of 360 KiB (SmolLM2), shuffled ids (no coalescing), CopyPages batches of 256; "
+                       "baseline = one pinned cudaMemcpyAsync of the same bytes";
+}
+
+void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
+  std::unique_ptr<model::LlamaModel> m;
+  auto real = model::LlamaModel::Load(gguf::DefaultModelPath());
+  if (real.ok()) {
+    m = std::move(*real);
+    r.notes["decode_model"] = "SmolLM2-135M-Instruct Q4_1 (real file)";
+  } else {
+    gguf::TinyLlamaOptions o;
+    o.n_layer = 30;
+    o.n_embd = 576;
+    o.n_head = 9;
+    o.n_head_kv = 3;
+    o.n_ff = 1536;
+    o.n_ctx = 8192;
+    o.rope_freq_base = 100000.0;
+    o.weight_type = gguf::GgmlType::kQ4_1;
+    auto file = gguf::GgufFile::OpenFromBuffer(std::move(gguf::BuildTinyLlama(o)).value());
+    m = std::move(model::LlamaModel::FromFile(std::move(*file))).value();
+    r.notes["decode_model"] = "synthetic SmolLM2 shapes (30 layers, 576, 9/3 heads, ff 1536, Q4_1) but a " +
+                              std::to_string(m->hparams().n_vocab) +
+                              "-token vocabulary: the 49152x576 output projection (~21% of weight bytes) is absent";
+  }
+  const auto& hp = m->hparams();
+  kv::KvCacheOptions o;
+  o.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv), static_cast<int>(hp.head_dim),
+                        kv::KvDtype::kF16, 16, 0};
+  o.model_id = m->model_id();
+  o.tier0_bytes = 64 * 40 * o.shape.page_bytes();
+  o.storage_factory = backend.MakeTierStorageFactory();
+  auto kv = std::move(kv::KvCacheManager::Create(o)).value();
+  auto runner = std::move(backend.CreateRunner(*m, kv->tier_storage(0), o.shape, {512})).value();
+  const int context = 256, steps = 32;
+  for (int batch : {1, 16, 64}) {
+    std::vector<std::string> ids;
+    for (int i = 0; i < batch; ++i) {
+      ids.push_back("b" + std::to_string(batch) + "_" + std::to_string(i));
+      BENCH_CHECK(kv->CreateSession(ids.back(), "t"));
+    }
+    auto step = [&](int n_tokens) {
+      std::vector<kv::StepReservation> res;
+      std::vector<std::vector<int32_t>> toks;
+      std::vector<model::SequenceStep> seq;
+      for (const std::string& id : ids) {
+        res.push_back(std::move(kv->BeginStep(id, n_tokens)).value());
+        toks.emplace_back(n_tokens, 7);
+      }
+      for (size_t i = 0; i < ids.size(); ++i) seq.push_back({toks[i], res[i].first_pos, res[i].page_table, true});
+      std::vector<float> logits;
+      BENCH_CHECK(runner->Forward(seq, &logits));
+      for (size_t i = 0; i < ids.size(); ++i) BENCH_CHECK(kv->CommitStep(ids[i], toks[i]));
+    };
+    for (const std::string& id : ids) {  // prefill one session at a time
+      std::vector<std::string> one = {id};
+      std::swap(ids, one);
+      step(context);
+      std::swap(ids, one);
+    }
+    step(1);  // warm-up
+    const auto a = std::chrono::steady_clock::now();
+    for (int s = 0; s < steps; ++s) step(1);
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+    r.metrics["decode_tokens_per_s_batch" + std::to_string(batch)] = batch * steps / sec;
+    r.metrics["decode_step_ms_batch" + std::to_string(batch)] = sec / steps * 1e3;
+    for (const std::string& id : ids) BENCH_CHECK(kv->CloseSession(id));
+  }
+  r.notes["decode"] = "context 256 tokens per session, 32 timed steps, KV cache BeginStep/CommitStep included, "
+                      "logits copied to the host every step";
+}
+
+}  // namespace
+}  // namespace kvcache::cuda
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  using namespace kvcache;
+  auto ctx = cuda::DeviceContext::Create(0);
+  if (!ctx.ok()) {
+    std::fprintf(stderr, "gpu_bench: %s\n", ctx.status().ToString().c_str());
+    return 2;
+  }
+  bench::BenchReport r;
+  r.benchmark = "gpu";
+  r.notes["device"] = (*ctx)->Describe();
+  cuda::HbmAndAttention(**ctx, r);
+  cuda::OffloadRestore(*ctx, r);
+  auto backend = kvcache_cuda_backend_v1()->Create({0});
+  if (!backend.ok()) {
+    std::fprintf(stderr, "gpu_bench: %s\n", backend.status().ToString().c_str());
+    return 2;
+  }
+  cuda::Decode(**backend, r);
+  const absl::Status st = bench::Finish(r);
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

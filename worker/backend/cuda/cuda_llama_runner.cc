@@ -1,0 +1,347 @@
+#include "worker/backend/cuda/cuda_llama_runner.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/gguf/fp16.h"
+#include "common/gguf/ggml_types.h"
+#include "common/status_macros.h"
+#include "worker/backend/cuda/activation.h"
+#include "worker/backend/cuda/attention.h"
+#include "worker/backend/cuda/cuda_check.h"
+#include "worker/backend/cuda/device_context.h"
+#include "worker/backend/cuda/embedding.h"
+#include "worker/backend/cuda/kernel_math.h"
+#include "worker/backend/cuda/norm_rope.h"
+
+namespace kvcache::cuda {
+namespace {
+
+// Dequantises `views` (stacked by rows; equal cols) to one f16 device matrix.
+absl::StatusOr<DeviceBuffer> UploadF16(std::initializer_list<const model::WeightView*> views, absl::string_view what) {
+  int64_t rows = 0;
+  const int64_t cols = (*views.begin())->cols;
+  for (const model::WeightView* v : views) {
+    if (v->cols != cols || v->data == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": weights of different widths or missing"));
+    }
+    rows += v->rows;
+  }
+  std::vector<uint16_t> host(static_cast<size_t>(rows * cols));
+  std::vector<float> row(static_cast<size_t>(cols));
+  int64_t r_out = 0;
+  for (const model::WeightView* v : views) {
+    KVCACHE_ASSIGN_OR_RETURN(const int64_t row_bytes, gguf::RowBytes(v->type, v->cols));
+    for (int64_t r = 0; r < v->rows; ++r, ++r_out) {
+      KVCACHE_RETURN_IF_ERROR(
+          gguf::DequantizeRow(v->type, static_cast<const uint8_t*>(v->data) + r * row_bytes, row.data(), cols));
+      uint16_t* dst = host.data() + r_out * cols;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = gguf::Fp32ToFp16(row[c]);
+    }
+  }
+  KVCACHE_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(rows * cols * 2, absl::StrCat("weights ", what)));
+  KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpy(buf.get(), host.data(), host.size() * 2, cudaMemcpyHostToDevice),
+                               absl::StrCat("upload ", what));
+  return buf;
+}
+
+absl::StatusOr<DeviceBuffer> UploadF32(const std::vector<float>& v, absl::string_view what) {
+  KVCACHE_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(static_cast<int64_t>(v.size()) * 4, what));
+  KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpy(buf.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice),
+                               absl::StrCat("upload ", what));
+  return buf;
+}
+
+// Grows `buf` to at least `bytes` (contents are not kept).
+absl::Status Reserve(DeviceBuffer* buf, int64_t bytes, absl::string_view what) {
+  if (buf->bytes() >= bytes) return absl::OkStatus();
+  buf->Reset();
+  KVCACHE_ASSIGN_OR_RETURN(*buf, DeviceBuffer::Allocate(bytes + bytes / 4, what));
+  return absl::OkStatus();
+}
+absl::Status Reserve(PinnedBuffer* buf, int64_t bytes, absl::string_view what) {
+  if (buf->bytes() >= bytes) return absl::OkStatus();
+  buf->Reset();
+  KVCACHE_ASSIGN_OR_RETURN(*buf, PinnedBuffer::Allocate(bytes + bytes / 4, what));
+  return absl::OkStatus();
+}
+
+struct DeviceLayer {
+  DeviceBuffer attn_norm, ffn_norm;  // f32 [n_embd]
+  DeviceBuffer wqkv;                 // f16 [(n_head + 2 n_head_kv) hd][n_embd]
+  DeviceBuffer wo;                   // f16 [n_embd][n_head hd]
+  DeviceBuffer w_gate_up;            // f16 [2 n_ff][n_embd]
+  DeviceBuffer w_down;               // f16 [n_embd][n_ff]
+};
+
+class CudaLlamaRunner final : public model::ModelRunner {
+ public:
+  CudaLlamaRunner(const model::LlamaModel& model, CudaTierStorage& tier0, const kv::KvShape& shape,
+                  backend::CudaRunnerOptions options)
+      : model_(model), tier0_(tier0), ctx_(tier0.context()), options_(options) {
+    layout_.layers = shape.layers;
+    layout_.kv_heads = shape.kv_heads;
+    layout_.head_dim = shape.head_dim;
+    layout_.page_tokens = shape.page_tokens;
+    layout_.dtype = static_cast<cpu::KvDtype>(shape.dtype);
+  }
+
+  absl::Status Init();
+
+  const gguf::LlamaHparams& hparams() const override { return model_.hparams(); }
+  int max_batch_tokens() const override { return options_.max_batch_tokens; }
+  absl::Status Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) override;
+
+ private:
+  absl::Status RunStep(int t, int n_want, int max_splits, int64_t meta_ints, std::vector<float>* logits);
+
+  const model::LlamaModel& model_;
+  CudaTierStorage& tier0_;
+  const DeviceContext& ctx_;
+  const backend::CudaRunnerOptions options_;
+  cpu::PageLayout layout_;
+  int max_positions_ = 0;
+  int64_t qkv_rows_ = 0;
+
+  std::vector<DeviceLayer> layers_;
+  DeviceBuffer embd_, output_, output_norm_, rope_;
+  // Activations for max_batch_tokens rows.
+  DeviceBuffer x_, xn16_, qkv_, att16_, gate_up_, h16_;
+  // Grown on demand.
+  DeviceBuffer attn_scratch_, logits_dev_, meta_dev_;
+  PinnedBuffer logits_host_, meta_host_;
+
+  // Host-side step metadata, int32 offsets into meta (see Forward).
+  std::vector<int32_t> meta_;
+  int64_t off_tokens_ = 0, off_pos_ = 0, off_page_ = 0, off_slot_ = 0, off_items_ = 0, off_seq_ = 0,
+          off_tables_ = 0, off_rows_ = 0;
+};
+
+absl::Status CudaLlamaRunner::Init() {
+  const gguf::LlamaHparams& hp = model_.hparams();
+  KVCACHE_RETURN_IF_ERROR(ctx_.Activate());
+  KVCACHE_RETURN_IF_ERROR(AttentionSupports(layout_, static_cast<int>(hp.n_head)));
+  if (hp.rope_scaling.type != "none" && hp.rope_scaling.type != "linear" && hp.rope_scaling.factor != 1.0) {
+    return absl::UnimplementedError(absl::StrCat("rope scaling '", hp.rope_scaling.type, "'"));
+  }
+  const double freq_scale =
+      hp.rope_scaling.type == "linear" && hp.rope_scaling.factor > 0 ? 1.0 / hp.rope_scaling.factor : 1.0;
+  max_positions_ = static_cast<int>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096);
+  const int64_t d = hp.n_embd, hd = hp.head_dim, ff = hp.n_ff;
+  qkv_rows_ = (hp.n_head + 2 * hp.n_head_kv) * hd;
+
+  // Weights, dequantised to f16.
+  layers_.resize(model_.layers().size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const model::LlamaLayer& L = model_.layers()[l];
+    DeviceLayer& D = layers_[l];
+    const std::string n = absl::StrCat("layer ", l);
+    KVCACHE_ASSIGN_OR_RETURN(D.attn_norm, UploadF32(L.attn_norm, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.ffn_norm, UploadF32(L.ffn_norm, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.wqkv, UploadF16({&L.wq, &L.wk, &L.wv}, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.wo, UploadF16({&L.wo}, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.w_gate_up, UploadF16({&L.w_gate, &L.w_up}, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.w_down, UploadF16({&L.w_down}, n));
+  }
+  KVCACHE_ASSIGN_OR_RETURN(embd_, UploadF16({&model_.token_embd()}, "token_embd"));
+  if (model_.output().data != model_.token_embd().data) {
+    KVCACHE_ASSIGN_OR_RETURN(output_, UploadF16({&model_.output()}, "output"));
+  }
+  KVCACHE_ASSIGN_OR_RETURN(output_norm_, UploadF32(model_.output_norm(), "output_norm"));
+  std::vector<float> rope(static_cast<size_t>(max_positions_) * hd);
+  RopeCosSinTable(static_cast<int>(hd), hp.rope_freq_base, freq_scale, max_positions_, rope.data());
+  KVCACHE_ASSIGN_OR_RETURN(rope_, UploadF32(rope, "rope table"));
+
+  const int64_t t = options_.max_batch_tokens;
+  KVCACHE_ASSIGN_OR_RETURN(x_, DeviceBuffer::Allocate(t * d * 4, "activations"));
+  KVCACHE_ASSIGN_OR_RETURN(xn16_, DeviceBuffer::Allocate(t * d * 2, "activations"));
+  KVCACHE_ASSIGN_OR_RETURN(qkv_, DeviceBuffer::Allocate(t * qkv_rows_ * 4, "activations"));
+  KVCACHE_ASSIGN_OR_RETURN(att16_, DeviceBuffer::Allocate(t * hp.n_head * hd * 2, "activations"));
+  KVCACHE_ASSIGN_OR_RETURN(gate_up_, DeviceBuffer::Allocate(t * 2 * ff * 4, "activations"));
+  KVCACHE_ASSIGN_OR_RETURN(h16_, DeviceBuffer::Allocate(t * ff * 2, "activations"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) {
+  const gguf::LlamaHparams& hp = model_.hparams();
+  const int window = static_cast<int>(hp.sliding_window);
+  // Validate and count, as the CPU runner does.
+  int64_t t = 0, n_pages = 0;
+  int n_want = 0, max_splits = 0;
+  for (const model::SequenceStep& s : batch) {
+    const int64_t n = static_cast<int64_t>(s.tokens.size());
+    const int64_t end = s.first_pos + n;
+    if (n == 0 || s.first_pos < 0) return absl::InvalidArgumentError("empty sequence step or negative position");
+    if (end > max_positions_) {
+      return absl::InvalidArgumentError(absl::StrCat("position ", end - 1, " beyond the model context ", max_positions_));
+    }
+    if (static_cast<int64_t>(s.page_table.size()) * layout_.page_tokens < end) {
+      return absl::InvalidArgumentError("page table shorter than the sequence");
+    }
+    for (int32_t tok : s.tokens) {
+      if (tok < 0 || tok >= hp.n_vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("token id ", tok, " outside the vocabulary"));
+      }
+    }
+    t += n;
+    n_pages += static_cast<int64_t>(s.page_table.size());
+    n_want += s.want_logits ? 1 : 0;
+    max_splits = std::max(max_splits, AttentionSplits(static_cast<int>(end - 1), window));
+  }
+  if (t > options_.max_batch_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(t, " tokens in one step; the limit is ", options_.max_batch_tokens));
+  }
+  logits->clear();
+  if (t == 0) return absl::OkStatus();
+
+  // Step metadata, one int32 array uploaded with one copy:
+  //   tokens[t] positions[t] dst_page[t] dst_slot[t] items[t][2] seq_page_offset[n_seq]
+  //   page_tables[n_pages] logit_rows[n_want]
+  const int64_t n_seq = static_cast<int64_t>(batch.size());
+  off_tokens_ = 0;
+  off_pos_ = t;
+  off_page_ = 2 * t;
+  off_slot_ = 3 * t;
+  off_items_ = 4 * t;
+  off_seq_ = 6 * t;
+  off_tables_ = off_seq_ + n_seq;
+  off_rows_ = off_tables_ + n_pages;
+  const int64_t meta_ints = off_rows_ + n_want;
+  KVCACHE_RETURN_IF_ERROR(ctx_.Activate());
+  KVCACHE_RETURN_IF_ERROR(Reserve(&meta_host_, meta_ints * 4, "step metadata"));
+  int32_t* m = meta_host_.as<int32_t>();
+  int64_t row = 0, table_at = off_tables_, want = 0;
+  for (int64_t si = 0; si < n_seq; ++si) {
+    const model::SequenceStep& s = batch[si];
+    m[off_seq_ + si] = static_cast<int32_t>(table_at - off_tables_);
+    for (size_t i = 0; i < s.tokens.size(); ++i, ++row) {
+      const int32_t pos = static_cast<int32_t>(s.first_pos + static_cast<int64_t>(i));
+      const kv::PageId page = s.page_table[pos / layout_.page_tokens];
+      if (page < 0 || page >= tier0_.num_pages()) {
+        return absl::InvalidArgumentError(absl::StrCat("page id ", page, " for position ", pos, " is not a tier-0 page"));
+      }
+      m[off_tokens_ + row] = s.tokens[i];
+      m[off_pos_ + row] = pos;
+      m[off_page_ + row] = page;
+      m[off_slot_ + row] = pos % layout_.page_tokens;
+      m[off_items_ + 2 * row] = static_cast<int32_t>(si);
+      m[off_items_ + 2 * row + 1] = pos;
+    }
+    // Pages the window released (kNoPage) are never read: the kernels start at
+    // FirstVisibleKey. Copy the table as is.
+    std::memcpy(m + table_at, s.page_table.data(), s.page_table.size() * sizeof(int32_t));
+    table_at += static_cast<int64_t>(s.page_table.size());
+    if (s.want_logits) m[off_rows_ + want++] = static_cast<int32_t>(row - 1);
+  }
+  absl::Status st = RunStep(static_cast<int>(t), n_want, max_splits, meta_ints, logits);
+  if (!st.ok() && !absl::IsInvalidArgument(st)) {
+    logits->clear();
+    return absl::InternalError(absl::StrCat("CUDA step failed on ", ctx_.Describe(), ": ", st.message()));
+  }
+  return st;
+}
+
+absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t meta_ints,
+                                      std::vector<float>* logits) {
+  const gguf::LlamaHparams& hp = model_.hparams();
+  const int64_t d = hp.n_embd, hd = hp.head_dim, ff = hp.n_ff, vocab = hp.n_vocab;
+  const int nh = static_cast<int>(hp.n_head), nkv = static_cast<int>(hp.n_head_kv);
+  const float eps = static_cast<float>(hp.norm_rms_eps);
+  cudaStream_t stream = ctx_.compute_stream();
+  cublasHandle_t blas = ctx_.cublas();
+  tier0_.DropRestoreRecords();  // kernels are about to write pages
+
+  KVCACHE_RETURN_IF_ERROR(Reserve(&meta_dev_, meta_ints * 4, "step metadata"));
+  KVCACHE_RETURN_IF_ERROR(Reserve(&attn_scratch_,
+                                  AttentionScratchFloats(t, nh, static_cast<int>(hd), max_splits) * 4,
+                                  "attention scratch"));
+  KVCACHE_RETURN_IF_ERROR(Reserve(&logits_dev_, int64_t{std::max(n_want, 1)} * vocab * 4, "logits"));
+  KVCACHE_RETURN_IF_ERROR(Reserve(&logits_host_, int64_t{std::max(n_want, 1)} * vocab * 4, "logits"));
+  KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_dev_.get(), meta_host_.get(), meta_ints * 4,
+                                               cudaMemcpyHostToDevice, stream),
+                               "upload step metadata");
+  const int32_t* meta = meta_dev_.as<int32_t>();
+  float* x = x_.as<float>();
+  uint16_t* xn16 = xn16_.as<uint16_t>();
+  float* qkv = qkv_.as<float>();
+
+  KVCACHE_RETURN_IF_ERROR(EmbeddingLookup(embd_.as<uint16_t>(), meta + off_tokens_, t, d, x, stream));
+  WriteKvArgs w;
+  w.layout = layout_;
+  w.kv_base = tier0_.slab();
+  w.n_tokens = t;
+  w.k = qkv + nh * hd;
+  w.v = qkv + (nh + nkv) * hd;
+  w.row_stride = qkv_rows_;
+  w.dst_page = meta + off_page_;
+  w.dst_slot = meta + off_slot_;
+  AttentionArgs a;
+  a.layout = layout_;
+  a.kv_base = tier0_.slab();
+  a.n_heads = nh;
+  a.sliding_window = static_cast<int>(hp.sliding_window);
+  a.page_tables = meta + off_tables_;
+  a.seq_page_offset = meta + off_seq_;
+  a.items = reinterpret_cast<const AttentionItem*>(meta + off_items_);
+  a.n_items = t;
+  a.max_splits = max_splits;
+  a.q = qkv;
+  a.q_row_stride = qkv_rows_;
+  a.scratch = attn_scratch_.as<float>();
+  a.out_f16 = att16_.as<uint16_t>();
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const DeviceLayer& L = layers_[l];
+    KVCACHE_RETURN_IF_ERROR(RmsNormToF16(x, nullptr, L.attn_norm.as<float>(), t, d, eps, xn16, stream));
+    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, L.wqkv.as<uint16_t>(), qkv_rows_, d, xn16, t, qkv, qkv_rows_, 0.0f));
+    KVCACHE_RETURN_IF_ERROR(Rope(qkv, t, qkv_rows_, nh + nkv, static_cast<int>(hd), rope_.as<float>(),
+                                 meta + off_pos_, stream));
+    w.layer = a.layer = static_cast<int>(l);
+    KVCACHE_RETURN_IF_ERROR(WriteKv(w, stream));
+    KVCACHE_RETURN_IF_ERROR(PagedAttention(a, stream));
+    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, L.wo.as<uint16_t>(), d, nh * hd, att16_.as<uint16_t>(), t, x, d, 1.0f));
+    KVCACHE_RETURN_IF_ERROR(RmsNormToF16(x, nullptr, L.ffn_norm.as<float>(), t, d, eps, xn16, stream));
+    KVCACHE_RETURN_IF_ERROR(
+        GemmF16(blas, L.w_gate_up.as<uint16_t>(), 2 * ff, d, xn16, t, gate_up_.as<float>(), 2 * ff, 0.0f));
+    KVCACHE_RETURN_IF_ERROR(SwiGluToF16(gate_up_.as<float>(), t, ff, h16_.as<uint16_t>(), stream));
+    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, L.w_down.as<uint16_t>(), d, ff, h16_.as<uint16_t>(), t, x, d, 1.0f));
+  }
+  if (n_want > 0) {
+    KVCACHE_RETURN_IF_ERROR(
+        RmsNormToF16(x, meta + off_rows_, output_norm_.as<float>(), n_want, d, eps, xn16, stream));
+    const uint16_t* out_w = output_.get() != nullptr ? output_.as<uint16_t>() : embd_.as<uint16_t>();
+    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, out_w, vocab, d, xn16, n_want, logits_dev_.as<float>(), vocab, 0.0f));
+    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_.get(), logits_dev_.get(), int64_t{n_want} * vocab * 4,
+                                                 cudaMemcpyDeviceToHost, stream),
+                                 "copy logits to the host");
+  }
+  KVCACHE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "wait for the step");
+  logits->assign(logits_host_.as<float>(), logits_host_.as<float>() + int64_t{n_want} * vocab);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<model::ModelRunnerPtr> CreateCudaLlamaRunner(const model::LlamaModel& model, CudaTierStorage& tier0,
+                                                            const kv::KvShape& shape,
+                                                            const backend::CudaRunnerOptions& options) {
+  const gguf::LlamaHparams& hp = model.hparams();
+  if (options.max_batch_tokens < 1 || options.max_batch_tokens > 65535) {
+    return absl::InvalidArgumentError("max_batch_tokens must be in [1, 65535]");
+  }
+  if (shape.layers != hp.n_layer || shape.kv_heads != hp.n_head_kv || shape.head_dim != hp.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("KV shape ", shape.layers, "x", shape.kv_heads, "x", shape.head_dim,
+                                                   " does not match the model (", hp.n_layer, " layers, ",
+                                                   hp.n_head_kv, " kv heads, head_dim ", hp.head_dim, ")"));
+  }
+  if (tier0.memory() != TierMemory::kDevice || tier0.page_bytes() != shape.page_bytes()) {
+    return absl::FailedPreconditionError("CUDA runner needs tier 0 as a device slab of the shape's pages");
+  }
+  auto runner = std::make_unique<CudaLlamaRunner>(model, tier0, shape, options);
+  KVCACHE_RETURN_IF_ERROR(runner->Init());
+  return model::ModelRunnerPtr(std::move(runner));
+}
+
+}  // namespace kvcache::cuda

@@ -1,0 +1,35 @@
+// RMSNorm and RoPE kernels of the GPU forward pass.
+//
+// Host-only header: no CUDA include.
+//
+// Thread-safety: launchers are reentrant; ordering is the stream's.
+#ifndef KVCACHE_WORKER_BACKEND_CUDA_NORM_ROPE_H_
+#define KVCACHE_WORKER_BACKEND_CUDA_NORM_ROPE_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "worker/backend/cuda/stream.h"
+
+namespace kvcache::cuda {
+
+// y[r][i] = f16(x[rows[r]][i] * RmsScale(sum_j x[rows[r]][j]^2, n, eps) * weight[i]).
+//   x: [*][n] f32, weight: [n] f32, y: [n_rows][n] f16 bits (the next GEMM's input).
+//   rows: device [n_rows] row indices into x, or null for rows 0..n_rows-1.
+absl::Status RmsNormToF16(const float* x, const int32_t* rows, const float* weight, int n_rows, int64_t n,
+                          float eps, uint16_t* y, cudaStream_t stream);
+
+// Rotates heads [0, n_heads) of each row in place (llama NORM RoPE: adjacent pairs):
+//   x: row t at x + t * row_stride, [n_heads][head_dim] f32
+//   cos_sin: device [max_positions][head_dim / 2] float2 (cos, sin), see RopeCosSinTable
+//   positions: device [n_tokens]
+absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim,
+                  const float* cos_sin, const int32_t* positions, cudaStream_t stream);
+
+// Host table for Rope: [max_positions][head_dim / 2] (cos, sin) pairs, computed in
+// double (RopeTheta, kernel_math.h) then rounded to f32, as the CPU backend does.
+void RopeCosSinTable(int head_dim, double freq_base, double freq_scale, int max_positions, float* out);
+
+}  // namespace kvcache::cuda
+
+#endif  // KVCACHE_WORKER_BACKEND_CUDA_NORM_ROPE_H_
