@@ -100,6 +100,16 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   return grpc::SslServerCredentials(ssl);
 }
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakePeerCredentials(const ServerOptions& options) {
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_client_ca_file.empty()) {
+    KVCACHE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_client_ca_file));
+  }
+  KVCACHE_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFile(options.tls_cert_file));
+  KVCACHE_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFile(options.tls_key_file));
+  return grpc::SslCredentials(ssl);
+}
+
 ServerProcess::ServerProcess(const ServerOptions& options)
     : options_(options), registry_(std::make_shared<prometheus::Registry>()) {}
 

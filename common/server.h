@@ -123,6 +123,11 @@ class ServerProcess {
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerOptions& options);
 
+// Client credentials for calls to peers of the same fleet (worker to worker):
+// trusts tls_client_ca (the CA that signs the fleet) and presents tls_cert and
+// tls_key. REQUIRES: tls_cert_file set.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakePeerCredentials(const ServerOptions& options);
+
 }  // namespace kvcache
 
 #endif  // KVCACHE_COMMON_SERVER_H_

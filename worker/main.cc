@@ -39,6 +39,9 @@ ABSL_FLAG(int32_t, max_running, 64, "Requests in engine steps at once");
 ABSL_FLAG(int32_t, max_waiting, 1024, "Queued requests before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, default_max_tokens, 256, "max_tokens of a request that gives 0");
 ABSL_FLAG(int32_t, max_tokens_per_request, 4096, "Largest max_tokens a request may ask for");
+ABSL_FLAG(int32_t, tenant_max_sessions, 0, "Named sessions one tenant may hold (0: unlimited)");
+ABSL_FLAG(int64_t, tenant_max_pinned_pages, 0, "KV pages one tenant may keep pinned (0: unlimited)");
+ABSL_FLAG(int32_t, tenant_max_requests, 0, "Requests one tenant may have queued or running (0: unlimited)");
 ABSL_FLAG(absl::Duration, load_report_interval, absl::Seconds(1), "Watch load report period");
 ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30), "How long a drain waits for running streams");
 
@@ -68,6 +71,10 @@ absl::Status CheckFlags() {
   if (absl::GetFlag(FLAGS_max_running) < 1 || absl::GetFlag(FLAGS_max_waiting) < 0 ||
       absl::GetFlag(FLAGS_default_max_tokens) < 1 || absl::GetFlag(FLAGS_max_tokens_per_request) < 1) {
     return absl::InvalidArgumentError("--max_running, --default_max_tokens, --max_tokens_per_request must be positive");
+  }
+  if (absl::GetFlag(FLAGS_tenant_max_sessions) < 0 || absl::GetFlag(FLAGS_tenant_max_pinned_pages) < 0 ||
+      absl::GetFlag(FLAGS_tenant_max_requests) < 0) {
+    return absl::InvalidArgumentError("--tenant_max_* must not be negative (0: unlimited)");
   }
   if (absl::GetFlag(FLAGS_load_report_interval) <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--load_report_interval must be positive");
@@ -142,6 +149,9 @@ int Run() {
   eo.max_context = absl::GetFlag(FLAGS_max_context);
   eo.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   eo.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
+  eo.tenant_limits.max_sessions = absl::GetFlag(FLAGS_tenant_max_sessions);
+  eo.tenant_limits.max_pinned_pages = absl::GetFlag(FLAGS_tenant_max_pinned_pages);
+  eo.tenant_limits.max_requests = absl::GetFlag(FLAGS_tenant_max_requests);
   auto engine = sched::Engine::Create(eo, runner->get(), kv->get(), tokenizer->get());
   if (!engine.ok()) DieWith(kName, engine.status(), 1);
 
@@ -153,6 +163,13 @@ int Run() {
   so.worker_id = worker_id;
   so.model_id = (*model)->model_id();
   so.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
+  // Migration calls other workers: with TLS configured, as a client presenting
+  // this worker's certificate and trusting the CA that signs the workers.
+  if (!options->tls_cert_file.empty()) {
+    auto creds = MakePeerCredentials(*options);
+    if (!creds.ok()) DieWith(kName, creds.status());
+    so.peer_credentials = *creds;
+  }
   service::WorkerService* service_ptr = nullptr;
   service::WatchHubOptions ho;
   ho.worker_id = worker_id;

@@ -139,8 +139,29 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     return absl::ResourceExhaustedError(absl::StrCat("context of ", context, " tokens needs ", pages,
                                                      " KV pages; tier 0 holds ", kv_->tier_capacity_pages(0)));
   }
+  const TenantLimits& limits = options_.tenant_limits;
+  if (limits.max_requests > 0 && inflight_[request.tenant] >= limits.max_requests) {
+    return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' has ", limits.max_requests,
+                                                     " requests in flight (its limit)"));
+  }
+  if (!sid.empty() && !sessions_.contains(sid) && limits.max_sessions > 0) {
+    int held = 0;
+    for (const auto& [id, state] : sessions_) held += state.tenant == request.tenant;
+    for (const auto& r : waiting_) {
+      held += r->req.tenant == request.tenant && !r->req.session_id.empty() && !sessions_.contains(r->req.session_id);
+    }
+    if (held >= limits.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' holds ", held,
+                                                       " sessions (its limit is ", limits.max_sessions, ")"));
+    }
+  }
+  if (request.pin) {
+    const int64_t need = (context + max_tokens + page_tokens_ - 1) / page_tokens_;
+    KVCACHE_RETURN_IF_ERROR(CheckPinQuota(request.tenant, need));
+  }
   const uint64_t id = next_request_id_++;
   if (!sid.empty()) busy_.insert(sid);
+  ++inflight_[request.tenant];
   waiting_.push_back(std::make_unique<Request>(id, std::move(request), observer, tokenizer_, max_tokens));
   load_.waiting = static_cast<int>(waiting_.size());
   wake_.Signal();
@@ -246,6 +267,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
     absl::MutexLock lock(&mu_);
     if (!r.req.session_id.empty()) busy_.erase(r.req.session_id);
     cancelled_.erase(r.id);
+    if (--inflight_[r.req.tenant] <= 0) inflight_.erase(r.req.tenant);
     if (r.prepared && r.ephemeral) {
       sessions_.erase(r.sid);
     } else if (r.prepared) {
@@ -523,7 +545,31 @@ absl::Status Engine::ForkSession(const std::string& id, const std::string& new_i
   return st;
 }
 
+absl::Status Engine::CheckPinQuota(const std::string& tenant, int64_t extra_pages) const {
+  const int64_t limit = options_.tenant_limits.max_pinned_pages;
+  if (limit <= 0) return absl::OkStatus();
+  int64_t pinned = 0;
+  for (const auto& [id, state] : sessions_) {
+    if (state.tenant != tenant) continue;
+    auto info = kv_->GetSession(id);
+    if (info.ok() && info->user_pinned) pinned += info->tier0_pages + info->tier1_pages;
+  }
+  if (pinned + extra_pages > limit) {
+    return absl::ResourceExhaustedError(absl::StrCat("tenant '", tenant, "' would pin ", pinned + extra_pages,
+                                                     " pages; its limit is ", limit));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Engine::SetPinned(const std::string& id, const std::string& tenant, bool pinned) {
+  if (pinned) {
+    auto info = kv_->GetSession(id);
+    absl::MutexLock lock(&mu_);
+    KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));
+    if (info.ok() && !info->user_pinned) {
+      KVCACHE_RETURN_IF_ERROR(CheckPinQuota(tenant, info->tier0_pages + info->tier1_pages));
+    }
+  }
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
   absl::Status st = pinned ? kv_->PinSession(id) : kv_->UnpinSession(id);
   Release(id);

@@ -48,6 +48,14 @@
 
 namespace kvcache::sched {
 
+// Per-tenant quotas (0 = unlimited). Over a quota a request or call gets
+// RESOURCE_EXHAUSTED naming the tenant and the limit, before any token.
+struct TenantLimits {
+  int max_sessions = 0;          // named sessions held at once
+  int64_t max_pinned_pages = 0;  // tier-0 pages of pinned sessions
+  int max_requests = 0;          // requests queued or running at once
+};
+
 struct EngineOptions {
   int max_batch_tokens = 256;        // new tokens per step (decode + prefill chunks)
   int max_running = 64;              // requests in steps at once
@@ -55,6 +63,7 @@ struct EngineOptions {
   int64_t max_context = 8192;        // tokens per session (clamped to the model's)
   int default_max_tokens = 256;      // when a request gives 0
   int max_tokens_per_request = 4096;
+  TenantLimits tenant_limits;
 };
 
 enum class RequestMode { kFullContext, kAppend };
@@ -182,6 +191,10 @@ class Engine {
   bool Step();
   void Finish(Request& r, absl::Status status, std::optional<FinishReason> reason);
   absl::Status CheckOwner(const std::string& id, const std::string& tenant) const;
+  // RESOURCE_EXHAUSTED when pinning `extra_pages` more for `tenant` would pass
+  // its quota.
+  absl::Status CheckPinQuota(const std::string& tenant, int64_t extra_pages) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const EngineOptions options_;
   model::ModelRunner* const runner_;
@@ -199,6 +212,7 @@ class Engine {
   };
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);  // tenant -> requests
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   EngineLoad load_ ABSL_GUARDED_BY(mu_);

@@ -406,6 +406,42 @@ TEST_F(EngineTest, SessionsSurviveMemoryPressureWithIdenticalOutput) {
   EXPECT_EQ(stats.tier[1].session_private_pages, 0);
 }
 
+TEST_F(EngineTest, TenantLimitsAnswerResourceExhausted) {
+  EngineOptions o;
+  o.tenant_limits.max_sessions = 2;
+  o.tenant_limits.max_requests = 1;
+  o.tenant_limits.max_pinned_pages = 3;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  // Requests in flight: the second concurrent request of a tenant is refused;
+  // another tenant is not affected.
+  absl::Notification gate;
+  runner_->gate_ = &gate;
+  Collector a, b, c;
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5), 2, "t1"), &a).ok());
+  auto st = engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5), 2, "t1"), &b);
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.status().message().find("t1"), absl::string_view::npos);
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5), 2, "t2"), &c).ok());
+  gate.Notify();
+  a.Wait();
+  c.Wait();
+  runner_->gate_ = nullptr;
+  // Sessions: two named sessions, the third is refused.
+  for (const char* id : {"s1", "s2"}) {
+    Collector x;
+    ASSERT_TRUE(engine_->Submit(Req(id, RequestMode::kFullContext, Prompt(20), 2, "t1"), &x).ok());
+    x.Wait();
+  }
+  Collector y;
+  EXPECT_EQ(engine_->Submit(Req("s3", RequestMode::kFullContext, Prompt(20), 2, "t1"), &y).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // Pinned pages: s1 holds 2 pages (21 tokens), pinning s2 too would make 4 > 3.
+  ASSERT_TRUE(engine_->SetPinned("s1", "t1", true).ok());
+  EXPECT_EQ(engine_->SetPinned("s2", "t1", true).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(engine_->SetPinned("s1", "t1", false).ok());
+  EXPECT_TRUE(engine_->SetPinned("s2", "t1", true).ok());
+}
+
 TEST_F(EngineTest, ForkCopiesContext) {
   Collector a;
   auto p = Prompt(30);
