@@ -56,10 +56,11 @@ fetch_model() {
   log "model saved: $KVCACHE_MODEL"
 }
 
-# Python tools the tests use (validators of the deployment manifests).
-PIP_PACKAGES=(kubernetes-validate==1.37.0)
+# Python tools the tests use: validators of the deployment manifests, and gRPC
+# for the Python client example (its stubs are generated at test time).
+PIP_PACKAGES=(kubernetes-validate==1.37.0 grpcio==1.85.1 grpcio-tools==1.85.1)
 install_python_tools() {
-  if python3 -c "import kubernetes_validate" 2>/dev/null; then
+  if python3 -c "import kubernetes_validate, grpc, grpc_tools" 2>/dev/null; then
     return
   fi
   log "installing ${PIP_PACKAGES[*]} from PyPI"
