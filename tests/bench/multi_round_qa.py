@@ -3,8 +3,9 @@
 LMCache's multi-round QA.
 
 Workload: --users conversations of --rounds rounds each. Every conversation starts
-with the same system prompt (about --system_tokens tokens) and grows its own
-history: each round adds a user question of --question_tokens MIN,MAX tokens and
+with the same system prompt (about --system_tokens tokens), then the user's own
+notes (about --user_context_tokens tokens, as LMCache's benchmark gives each user a
+private document), and grows its own history: each round adds a user question of --question_tokens MIN,MAX tokens and
 the answer (--answer_tokens, greedy, generation past EOS). New users arrive at
 --qps (one every 1/qps seconds); a user sends its next round as soon as its
 previous answer ends plus --think_time. Requests are FULL_CONTEXT: the client
@@ -253,6 +254,10 @@ class Run:
         # Every user's questions are fixed up front: the same workload in every mode.
         self.questions = [[f"Question {r + 1}: " + words(rng, rng.randint(qmin, qmax)) + "?"
                            for r in range(args.rounds)] for _ in range(args.users)]
+        # Each user's private notes open its first question.
+        for qs in self.questions:
+            if args.user_context_tokens > 0 and qs:
+                qs[0] = "My notes: " + words(rng, args.user_context_tokens) + "\n" + qs[0]
         self.results = []
         self.lock = threading.Lock()
         self.started_users = 0
@@ -468,6 +473,8 @@ def main():
     p.add_argument("--qps", type=float, default=0.5, help="new users per second (0: all at once)")
     p.add_argument("--think_time", type=float, default=0.0, help="seconds between a user's rounds")
     p.add_argument("--system_tokens", type=int, default=1000, help="shared system prompt length (words ~ tokens)")
+    p.add_argument("--user_context_tokens", type=int, default=0,
+                   help="each user's private notes, sent with its first question (words ~ tokens)")
     p.add_argument("--question_tokens", type=lambda s: tuple(int(x) for x in s.split(",")), default=(50, 100),
                    help="MIN,MAX words per question")
     p.add_argument("--answer_tokens", type=int, default=32)
@@ -506,6 +513,7 @@ def main():
             shutil.rmtree(stubs_dir, ignore_errors=True)
     metrics, notes = summarize(run, grpc_target=not args.openai_url)
     notes["workload"] = (f"{args.users} users x {args.rounds} rounds, system ~{args.system_tokens} tokens, "
+                         f"user notes ~{args.user_context_tokens} tokens, "
                          f"questions {args.question_tokens[0]}-{args.question_tokens[1]} words, "
                          f"answers {args.answer_tokens} tokens, qps {args.qps}, think {args.think_time}s")
     notes["target"] = args.openai_url or f"{args.target} {args.address}"

@@ -14,7 +14,7 @@
 #
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
 # Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, USERS (8), ROUNDS (4),
-#   QPS (0.5), ANSWER_TOKENS (32), SYSTEM_TOKENS (1000), THREADS (2, in total),
+#   QPS (0.5), ANSWER_TOKENS (32), SYSTEM_TOKENS (400), USER_CONTEXT_TOKENS (1200), THREADS (2, in total),
 #   FRACTION (0.6), MODES ("affinity round_robin random llamacpp"), DURATION (240 s per mode).
 # Needs: grpcio and grpcio-tools; for llamacpp, `pip install 'llama-cpp-python[server]'`. Its
 # server runs with --interrupt_requests False: by default a new request cuts the
@@ -29,7 +29,8 @@ USERS=${USERS:-8}
 ROUNDS=${ROUNDS:-4}
 QPS=${QPS:-0.5}
 ANSWER_TOKENS=${ANSWER_TOKENS:-32}
-SYSTEM_TOKENS=${SYSTEM_TOKENS:-1000}
+SYSTEM_TOKENS=${SYSTEM_TOKENS:-400}
+USER_CONTEXT_TOKENS=${USER_CONTEXT_TOKENS:-1200}
 QUESTION_TOKENS=${QUESTION_TOKENS:-50,100}
 THREADS=${THREADS:-2}
 FRACTION=${FRACTION:-0.6}
@@ -49,9 +50,9 @@ done
 # answer, plus chat-template tokens), in tokens.
 qmin=${QUESTION_TOKENS%,*}
 qmax=${QUESTION_TOKENS#*,}
-ws_tokens=$((USERS * (SYSTEM_TOKENS + 20 + ROUNDS * ((qmin + qmax) / 2 + ANSWER_TOKENS + 24))))
+ws_tokens=$((USERS * (SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * ((qmin + qmax) / 2 + ANSWER_TOKENS + 24))))
 # At least two users' longest contexts per worker, so that every request fits.
-max_context=$((SYSTEM_TOKENS + 20 + ROUNDS * (qmax + ANSWER_TOKENS + 24)))
+max_context=$((SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * (qmax + ANSWER_TOKENS + 24)))
 tier0=$(python3 -c "print(int(max($FRACTION * $ws_tokens / 2, 2 * $max_context) * $KV_BYTES_PER_TOKEN))")
 tier1=$((tier0 * 2))
 worker_threads=$(( THREADS / 2 > 0 ? THREADS / 2 : 1 ))
@@ -91,6 +92,7 @@ start() {
 
 BENCH=(python3 tests/bench/multi_round_qa.py --users="$USERS" --rounds="$ROUNDS" --qps="$QPS"
        --answer_tokens="$ANSWER_TOKENS" --system_tokens="$SYSTEM_TOKENS" --question_tokens="$QUESTION_TOKENS"
+       --user_context_tokens="$USER_CONTEXT_TOKENS"
        --duration="$DURATION")
 failed=0
 reports=()

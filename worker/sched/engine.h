@@ -190,7 +190,8 @@ class Engine {
   // Runs one step over active_. Returns false when nothing could run.
   bool Step();
   void Finish(Request& r, absl::Status status, std::optional<FinishReason> reason);
-  absl::Status CheckOwner(const std::string& id, const std::string& tenant) const;
+  absl::Status CheckOwner(const std::string& id, const std::string& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when pinning `extra_pages` more for `tenant` would pass
   // its quota.
   absl::Status CheckPinQuota(const std::string& tenant, int64_t extra_pages) const

@@ -1,5 +1,6 @@
 #include "worker/service/watch_hub.h"
 
+#include <atomic>
 #include <string>
 
 #include "common/logging.h"
@@ -41,9 +42,11 @@ class WatchHub::Subscriber : public StreamWriter<v1::WatchEvent> {
   Subscriber(WatchHub* hub, uint64_t skip_until, size_t max_queued)
       : StreamWriter(max_queued), hub_(hub), skip_until_(skip_until) {}
 
-  // Queues one message, stamped with this stream's next sequence number.
-  void Send(v1::WatchEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hub_->mu_) {
-    event.set_sequence(++sequence_);
+  // Queues one message, stamped with this stream's next sequence number. The
+  // hub calls it only under its own mutex, which keeps numbers and queue order
+  // in step.
+  void Send(v1::WatchEvent event) {
+    event.set_sequence(sequence_.fetch_add(1) + 1);
     Push(std::move(event));
   }
   uint64_t skip_until() const { return skip_until_; }
@@ -54,7 +57,7 @@ class WatchHub::Subscriber : public StreamWriter<v1::WatchEvent> {
 
   WatchHub* const hub_;
   const uint64_t skip_until_;
-  uint64_t sequence_ = 0;  // guarded by the hub's mutex
+  std::atomic<uint64_t> sequence_{0};
 };
 
 WatchHub::WatchHub(WatchHubOptions options, kv::KvCacheManager* kv, sched::Engine* engine,
