@@ -182,6 +182,9 @@ RouterService::RouterService(RouterOptions options, WorkerPool* pool, Directory*
       while (!stop_.WaitForNotificationWithTimeout(options_.rebalance_interval)) Rebalance();
     });
   }
+  evacuator_ = std::thread([this] {
+    while (!stop_.WaitForNotificationWithTimeout(options_.evacuate_interval)) EvacuateDraining();
+  });
 }
 
 RouterService::~RouterService() { Shutdown(); }
@@ -189,6 +192,7 @@ RouterService::~RouterService() { Shutdown(); }
 void RouterService::Shutdown() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (rebalancer_.joinable()) rebalancer_.join();
+  if (evacuator_.joinable()) evacuator_.join();
   std::vector<std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
@@ -407,6 +411,23 @@ absl::StatusOr<v1::DrainResponse> RouterService::DrainWorker(const std::string& 
   if (!st.ok()) return FromGrpcStatus(st);
   for (int i = 0; i < resp.sessions_migrated(); ++i) metrics_->OnMigration("drain");
   return resp;
+}
+
+void RouterService::EvacuateDraining() {
+  for (const WorkerView& w : pool_->Workers()) {
+    // An admin drain moves its own sessions (worker Drain with targets).
+    if (!w.connected || !w.draining || w.admin_draining) continue;
+    for (const SessionLocation& s : directory_->SessionsOn(w.address)) {
+      auto r = Migrate(s.session_id, "", "drain");
+      if (r.ok()) {
+        KV_LOG_INFO("worker {} is draining: moved session '{}' to {}", w.address, s.session_id,
+                    r->session().worker_id());
+      } else {
+        KV_LOG_WARN("worker {} is draining: could not move session '{}': {}", w.address, s.session_id,
+                    r.status().ToString());
+      }
+    }
+  }
 }
 
 void RouterService::Rebalance() {

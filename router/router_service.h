@@ -48,6 +48,8 @@ struct RouterOptions {
   int max_attempts = 3;  // workers tried per request
   // How long an APPEND waits for its session to appear in the directory.
   absl::Duration session_lookup_wait = absl::Seconds(1);
+  // How often the router looks for draining workers to evacuate.
+  absl::Duration evacuate_interval = absl::Milliseconds(250);
   // Rebalancing: every `rebalance_interval` (0 disables), move idle sessions off
   // a worker whose free device pages fell under `rebalance_low_free` of capacity
   // to one with more than `rebalance_high_free`, at most `rebalance_batch` per
@@ -102,6 +104,8 @@ class RouterService final : public v1::KvCache::CallbackService {
   absl::StatusOr<Placement> Place(const std::string& session_id, const std::string& tenant, bool append,
                                   const std::vector<int32_t>& tokens, const std::vector<WorkerId>& exclude);
   void Rebalance();
+  // Moves the sessions of workers that report `draining` (SIGTERM) elsewhere.
+  void EvacuateDraining();
 
   const RouterOptions options_;
   WorkerPool* const pool_;
@@ -118,6 +122,7 @@ class RouterService final : public v1::KvCache::CallbackService {
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification stop_;
   std::thread rebalancer_;
+  std::thread evacuator_;
 };
 
 // KvCacheAdmin: authenticates as admin and forwards to the RouterService.

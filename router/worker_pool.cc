@@ -243,6 +243,7 @@ WorkerView WorkerPool::ViewLocked(const Worker& w) const {
   v.worker_id = w.worker_id.empty() ? w.address : w.worker_id;
   v.connected = w.connected;
   v.draining = w.admin_draining || w.load.draining();
+  v.admin_draining = w.admin_draining;
   v.healthy = w.connected && !w.suspect && !v.draining;
   v.load = w.load;
   v.model_id = w.model_id;

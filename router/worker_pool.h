@@ -42,7 +42,8 @@ struct WorkerView {
   std::string worker_id;  // the worker's own name (from its snapshot)
   bool connected = false;
   bool healthy = false;
-  bool draining = false;
+  bool draining = false;        // takes no new work (it announced a drain, or an admin started one)
+  bool admin_draining = false;  // the drain came through this router's admin API
   v1::WorkerLoad load;
   std::string model_id;
   v1::KvShape kv_shape;

@@ -196,10 +196,16 @@ int Run() {
               so.model_id, hp.n_layer, hp.n_head_kv, hp.head_dim, ko.shape.bytes_per_token(),
               (*kv)->tier_capacity_pages(0), (*kv)->tier_capacity_pages(1));
   absl::Status served = (*process)->Serve({&service}, [&] {
-    // SIGTERM or a finished drain: stop taking work, let running streams finish,
-    // end Watch streams so the server can stop.
+    // SIGTERM or a finished drain: stop taking work (readiness NOT_SERVING; the
+    // routers see `draining` on Watch and migrate this worker's sessions away),
+    // let running streams finish, wait for the sessions to leave, then end the
+    // Watch streams so the server can stop. All within --shutdown_deadline.
+    const absl::Time deadline = absl::Now() + options->shutdown_deadline;
     service.BeginDrain();
-    (*engine)->WaitIdle(options->shutdown_deadline);
+    (*engine)->WaitIdle(deadline - absl::Now());
+    if (!(*engine)->WaitNoSessions(deadline - absl::Now())) {
+      KV_LOG_WARN("shutting down with sessions still here (no router moved them in time)");
+    }
     hub.Stop();
   });
   (*process)->SetCollectHook(nullptr);

@@ -2,6 +2,7 @@
 // session affinity, prefix routing, a worker killed mid-stream, replicas that
 // agree, drain through the admin API, authentication and tenant isolation.
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <chrono>
 #include <cstdio>
@@ -251,6 +252,35 @@ TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
     EXPECT_EQ(r.final.worker_id(), staying);
     EXPECT_GT(r.final.usage().cached_tokens(), 20);
+  }
+}
+
+TEST_F(RouterTest, SigtermedWorkerHandsItsSessionsOver) {
+  // Kubernetes stops a pod with SIGTERM: the worker turns NOT_SERVING and
+  // announces the drain on Watch, the router migrates its sessions to the other
+  // worker, and the worker exits 0 once they are gone.
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  std::map<std::string, std::vector<std::string>> by_worker;
+  for (int s = 0; s < 6; ++s) {
+    const std::string id = "k-" + std::to_string(s);
+    Reply r = Generate(stub.get(), Text(id, std::string(60, 'f' + s), 2));
+    ASSERT_TRUE(r.status.ok());
+    by_worker[r.final.worker_id()].push_back(id);
+  }
+  const std::string leaving = by_worker["w0"].size() >= by_worker["w1"].size() ? "w0" : "w1";
+  auto& proc = workers_[leaving == "w0" ? 0 : 1]->process();
+  proc.Signal(SIGTERM);
+  auto status = proc.Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.ok()) << "worker did not exit after SIGTERM";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+  for (const std::string& id : by_worker[leaving]) {
+    Reply r = Generate(stub.get(), Text(id, " still there?", 2, v1::APPEND));
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.error_message();
+    EXPECT_NE(r.final.worker_id(), leaving);
+    EXPECT_GT(r.final.usage().cached_tokens(), 30) << id << " was recomputed, not moved";
   }
 }
 

@@ -476,6 +476,12 @@ bool Engine::WaitIdle(absl::Duration timeout) {
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
+bool Engine::WaitNoSessions(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.empty(); };
+  return mu_.AwaitWithTimeout(absl::Condition(&none), timeout);
+}
+
 EngineLoad Engine::Load() const {
   absl::MutexLock lock(&mu_);
   return load_;

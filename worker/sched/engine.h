@@ -176,6 +176,9 @@ class Engine {
   void Stop();
   // Waits until no request is queued or running, or `timeout` passes.
   bool WaitIdle(absl::Duration timeout);
+  // Waits until the engine holds no session (they were closed or migrated away),
+  // or `timeout` passes. Returns whether none is left.
+  bool WaitNoSessions(absl::Duration timeout);
 
   const EngineOptions& options() const { return options_; }
 
