@@ -81,6 +81,11 @@ void WatchHub::Stop() {
   if (pump_.joinable()) pump_.join();
 }
 
+size_t WatchHub::subscribers() const {
+  absl::MutexLock lock(&mu_);
+  return subscribers_.size();
+}
+
 void WatchHub::Nudge() {
   absl::MutexLock lock(&mu_);
   nudged_ = true;

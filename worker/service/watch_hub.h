@@ -46,6 +46,8 @@ class WatchHub {
 
   // The load report as sent on Watch (also used by the drain logic and tests).
   v1::WorkerLoad CurrentLoad() const;
+  // Open Watch streams (routers listening).
+  size_t subscribers() const;
   // Ends every stream (OK) and the pump.
   void Stop();
   // Wakes the pump now (after a change the routers should hear about quickly).
@@ -67,7 +69,7 @@ class WatchHub {
   sched::Engine* const engine_;
   const std::function<bool()> draining_;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::CondVar wake_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool nudged_ ABSL_GUARDED_BY(mu_) = false;
