@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "worker/backend/cuda/cuda_check.h"
+#include "worker/backend/cuda/page_copy.h"
 
 namespace kvcache::cuda {
 
@@ -36,6 +37,9 @@ absl::StatusOr<std::shared_ptr<DeviceContext>> DeviceContext::Create(int device)
                                "create event");
   KVCACHE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&ctx->cublas_), "cublasCreate");
   KVCACHE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(ctx->cublas_, ctx->compute_), "cublasSetStream");
+  // Load the page copy kernel now (lazy module loading would take device memory
+  // at the first offload instead).
+  KVCACHE_RETURN_IF_ERROR(LoadPageCopyKernel());
   return ctx;
 }
 
@@ -110,7 +114,8 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
 absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(int64_t bytes, absl::string_view what) {
   PinnedBuffer b;
   if (bytes <= 0) return b;
-  const cudaError_t err = cudaHostAlloc(&b.ptr_, static_cast<size_t>(bytes), cudaHostAllocPortable);
+  const cudaError_t err =
+      cudaHostAlloc(&b.ptr_, static_cast<size_t>(bytes), cudaHostAllocPortable | cudaHostAllocMapped);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return CudaStatus(err, absl::StrFormat("cudaHostAlloc of %d pinned bytes for %s", bytes, what));

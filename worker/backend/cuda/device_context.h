@@ -90,7 +90,7 @@ class DeviceBuffer {
   int64_t bytes_ = 0;
 };
 
-// Owns one cudaHostAlloc (pinned, portable) allocation.
+// Owns one cudaHostAlloc (pinned, portable, mapped into the device's address space) allocation.
 class PinnedBuffer {
  public:
   PinnedBuffer() = default;

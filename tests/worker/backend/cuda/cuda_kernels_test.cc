@@ -134,6 +134,19 @@ TEST(CudaKernelsTest, DecodeAttentionManySessionsOfDifferentLengths) {
   CheckAttention(32, 4, 4, cpu::KvDtype::kF16, 0, {{33, 1}, {513, 1}});
 }
 
+TEST(CudaKernelsTest, DecodeAttentionLargeBatchTakesLongerSplits) {
+  KVCACHE_REQUIRE_GPU();
+  // Enough (item, kv head) rows that PagedAttention merges 2 or 4 base splits into
+  // one block (on a 132-multiprocessor H200: 4 here for hd 64, 2 for hd 32), with
+  // one-split items among them.
+  std::vector<SeqSpec> specs;
+  for (int i = 0; i < 48; ++i) specs.push_back({1 + 160 * i, 1});
+  CheckAttention(64, 3, 9, cpu::KvDtype::kF16, 0, specs);
+  specs.clear();
+  for (int i = 0; i < 40; ++i) specs.push_back({7 + 150 * i, 1});
+  CheckAttention(32, 4, 4, cpu::KvDtype::kBF16, 0, specs);
+}
+
 TEST(CudaKernelsTest, PrefillAttentionCausalChunkReadingEarlierPages) {
   KVCACHE_REQUIRE_GPU();
   // A first chunk, a later chunk over earlier pages, and a decode in one batch.
