@@ -162,8 +162,9 @@ int Run() {
   for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
     const std::string tenant = absl::StrCat("t", rep);
     const std::vector<int32_t> h = History(history, rep);
-    Result built = Call(stub.get(), TokensRequest("conv", tenant, h, 1, v1::FULL_CONTEXT));
-    Result hot = Call(stub.get(), TokensRequest("conv", tenant, turn, 1, v1::APPEND));
+    const std::string conv = absl::StrCat("conv-", rep);
+    Result built = Call(stub.get(), TokensRequest(conv, tenant, h, 1, v1::FULL_CONTEXT));
+    Result hot = Call(stub.get(), TokensRequest(conv, tenant, turn, 1, v1::APPEND));
     std::vector<int32_t> full = h;
     full.insert(full.end(), turn.begin(), turn.end());
     Result fresh = Call(stub.get(), TokensRequest("", tenant + "-cold", full, 1, v1::FULL_CONTEXT));
