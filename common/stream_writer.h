@@ -25,25 +25,37 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
 
   // Queues a message; false once the stream is closed.
   bool Push(Msg msg) {
-    absl::MutexLock lock(&mu_);
-    if (closed_) return false;
-    if (max_queued_ > 0 && queue_.size() >= max_queued_) {
-      CloseLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reader fell behind; reconnect"));
-      return false;
+    grpc::Status finish;
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_) return false;
+      if (max_queued_ == 0 || queue_.size() < max_queued_) {
+        queue_.push_back(std::move(msg));
+        if (!writing_) {
+          writing_ = true;
+          this->StartWrite(&queue_.front());
+        }
+        return true;
+      }
+      if (!CloseLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reader fell behind; reconnect"), &finish)) {
+        return false;
+      }
     }
-    queue_.push_back(std::move(msg));
-    if (!writing_) {
-      writing_ = true;
-      this->StartWrite(&queue_.front());
-    }
-    return true;
+    this->Finish(finish);  // outside the lock: may delete this
+    return false;
   }
 
   // Finishes with `status` once the queue is written (at once when a write
   // failed). Later calls are ignored.
   void Close(const grpc::Status& status) {
-    absl::MutexLock lock(&mu_);
-    CloseLocked(status);
+    grpc::Status finish;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!CloseLocked(status, &finish)) return;
+    }
+    // Outside the lock: gRPC may call OnDone (which deletes this) on another
+    // thread as soon as Finish is called.
+    this->Finish(finish);
   }
 
   void OnWriteDone(bool ok) override {
@@ -83,15 +95,18 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
   virtual void OnFinished() {}
 
  private:
-  void CloseLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (closed_) return;
+  // True when the caller must call Finish(*finish) once it released mu_.
+  bool CloseLocked(const grpc::Status& status, grpc::Status* finish) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (closed_) return false;
     closed_ = true;
     status_ = status;
     if (!status.ok()) queue_.erase(queue_.begin() + (writing_ ? 1 : 0), queue_.end());
     if (!writing_ && !finish_sent_) {
       finish_sent_ = true;
-      this->Finish(status_);
+      *finish = status_;
+      return true;
     }
+    return false;
   }
 
   const size_t max_queued_;
