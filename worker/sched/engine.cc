@@ -605,6 +605,11 @@ absl::StatusOr<std::vector<int32_t>> Engine::Context(const std::string& id) cons
 
 absl::Status Engine::AdoptSession(const std::string& id, const std::string& tenant,
                                   std::vector<int32_t> context) {
+  for (int32_t t : context) {
+    if (!tokenizer_->IsValid(t)) {
+      return absl::InvalidArgumentError(absl::StrCat("session '", id, "': context token ", t, " outside the vocabulary"));
+    }
+  }
   KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> cached, kv_->GetTokens(id));
   if (cached.size() > context.size() || !std::equal(cached.begin(), cached.end(), context.begin())) {
     return absl::InvalidArgumentError(
