@@ -16,43 +16,23 @@
 #include "kvcache/v1/router.grpc.pb.h"
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "tests/testing/child_process.h"
+#include "tests/testing/generate_client.h"
 
 namespace kvcache {
 namespace {
 
 using ::testing::HasSubstr;
 
-struct Reply {
-  std::vector<int32_t> tokens;
-  v1::GenerateResponse::Final final;
-  grpc::Status status;
-};
+using testing::Reply;
 
 v1::GenerateRequest Text(const std::string& session, const std::string& text, int max_tokens,
                          v1::Mode mode = v1::FULL_CONTEXT) {
-  v1::GenerateRequest r;
-  r.set_session_id(session);
-  r.set_mode(mode);
-  r.mutable_input()->set_text(text);
-  r.mutable_sampling()->set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_ignore_eos(true);
-  return r;
+  return testing::TextRequest(session, text, max_tokens, mode);
 }
 
 template <typename Stub>
 Reply Generate(Stub* stub, const v1::GenerateRequest& req, const std::string& token = "") {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
-  auto reader = stub->Generate(&ctx, req);
-  Reply r;
-  v1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
-    if (msg.has_token()) r.tokens.push_back(msg.token().id());
-    if (msg.has_final()) r.final = msg.final();
-  }
-  r.status = reader->Finish();
-  return r;
+  return testing::Generate(stub, req, absl::Seconds(60), token);
 }
 
 class RouterTest : public ::testing::Test {
@@ -113,7 +93,9 @@ TEST_F(RouterTest, EveryTurnOfASessionLandsOnTheSameWorker) {
       ASSERT_TRUE(r.status.ok()) << r.status.error_message();
       if (turn == 0) home = r.final.worker_id();
       EXPECT_EQ(r.final.worker_id(), home) << id << " turn " << turn;
-      if (turn > 0) EXPECT_GT(r.final.usage().cached_tokens(), 30);
+      if (turn > 0) {
+        EXPECT_GT(r.final.usage().cached_tokens(), 30);
+      }
     }
     ++per_worker[home];
   }

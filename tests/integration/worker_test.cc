@@ -18,46 +18,22 @@
 #include "gtest/gtest.h"
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "tests/testing/child_process.h"
+#include "tests/testing/generate_client.h"
 
 namespace kvcache {
 namespace {
 
 using ::testing::HasSubstr;
 
-struct Turn {
-  std::vector<int32_t> tokens;
-  std::string text;
-  v1::GenerateResponse::Final final;
-  grpc::Status status;
-};
+using Turn = testing::Reply;
 
 Turn Generate(v1::Worker::Stub* stub, const v1::GenerateRequest& req, int deadline_s = 120) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
-  auto reader = stub->Generate(&ctx, req);
-  Turn t;
-  v1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
-    if (msg.has_token()) {
-      t.tokens.push_back(msg.token().id());
-      t.text += msg.token().text();
-    } else {
-      t.final = msg.final();
-    }
-  }
-  t.status = reader->Finish();
-  return t;
+  return testing::Generate(stub, req, absl::Seconds(deadline_s));
 }
 
 v1::GenerateRequest Text(const std::string& session, const std::string& text, int max_tokens,
                          v1::Mode mode = v1::FULL_CONTEXT) {
-  v1::GenerateRequest r;
-  r.set_session_id(session);
-  r.set_mode(mode);
-  r.mutable_input()->set_text(text);
-  r.mutable_sampling()->set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_ignore_eos(true);
-  return r;
+  return testing::TextRequest(session, text, max_tokens, mode);
 }
 
 v1::WorkerSnapshot Snapshot(v1::Worker::Stub* stub) {

@@ -1,0 +1,621 @@
+// Fault injection on real kvcache-router and kvcache-worker processes over
+// loopback gRPC: a worker frozen (SIGSTOP) past the router's health timeout and
+// thawed, a router restarted under live sessions, the target or the source of a
+// migration killed mid-stream, and a memory-pressure soak compared token for
+// token with a worker that has room for everything. A worker killed mid-stream
+// and APPEND to a lost worker are in router_test.cc.
+//
+// A migration is stopped mid-stream deterministically by a TCP proxy in front
+// of its target (HoldingProxy below): gRPC waits for the server's HTTP/2
+// settings before sending, so freezing the target with SIGSTOP before the
+// migration would stop it before its first byte, and freezing it later races.
+//
+// Each test says in a comment what a client sees and asserts exactly that.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/gguf/tiny_llama.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvcache/v1/router.grpc.pb.h"
+#include "kvcache/v1/worker.grpc.pb.h"
+#include "tests/testing/child_process.h"
+#include "tests/testing/generate_client.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The tiny model's KV: 2 layers x 2 KV heads x head_dim 16, f16 -> 256 bytes per
+// token, 4 KiB per 16-token page.
+constexpr int64_t kPageBytes = 16 * 256;
+
+
+using testing::Reply;
+
+v1::GenerateRequest Tokens(const std::string& session, const std::vector<int32_t>& ids, int max_tokens,
+                           v1::Mode mode = v1::FULL_CONTEXT) {
+  return testing::TokensRequest(session, ids, max_tokens, mode);
+}
+
+// `n` token ids of the byte range, different for each `seed`.
+std::vector<int32_t> Prompt(int seed, int n) {
+  std::vector<int32_t> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(10 + (seed * 37 + i * 11 + (i * i) % 7) % 240);
+  return ids;
+}
+
+template <typename Stub>
+Reply Generate(Stub* stub, const v1::GenerateRequest& req) {
+  return testing::Generate(stub, req, absl::Seconds(30));
+}
+
+// Probes `done` until it holds or `timeout` passes. Each probe is a blocking RPC
+// or a /proc read; the short pause between probes only bounds the probe rate.
+bool PollUntil(const std::function<bool()>& done, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return done();
+}
+
+// Session id -> cached tokens, as a worker lists them (every tenant).
+std::map<std::string, int> WorkerSessions(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::ListSessionsRequest req;
+  v1::ListSessionsResponse resp;
+  grpc::Status st = v1::Worker::NewStub(channel)->ListSessions(&ctx, req, &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  std::map<std::string, int> out;
+  for (const auto& s : resp.sessions()) out[s.session_id()] = s.tokens_cached();
+  return out;
+}
+
+// The router's view of a worker ("SERVING", "DOWN", ...), or "" when unknown.
+std::string RouterHealthOf(v1::KvCacheAdmin::Stub* admin, const std::string& worker_id) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ListWorkersRequest req;
+  v1::ListWorkersResponse resp;
+  if (!admin->ListWorkers(&ctx, req, &resp).ok()) return "";
+  for (const auto& w : resp.workers()) {
+    if (w.worker_id() == worker_id) return w.health();
+  }
+  return "";
+}
+
+int PortOf(const std::string& address) {
+  int port = 0;
+  EXPECT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) << address;
+  return port;
+}
+
+// A loopback TCP proxy in front of a worker that stops a migration stream
+// mid-way: once a connection has carried `hold_after` bytes towards the worker,
+// the proxy stops reading from that client (whose writes then block on flow
+// control) and notifies. When either end of a connection goes away, the proxy
+// resets the other end, as the kernel does when a process dies.
+class HoldingProxy {
+ public:
+  static absl::StatusOr<std::unique_ptr<HoldingProxy>> Start(int upstream_port, int64_t hold_after) {
+    std::unique_ptr<HoldingProxy> p(new HoldingProxy(upstream_port, hold_after));
+    p->listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (p->listen_fd_ < 0 || bind(p->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        listen(p->listen_fd_, 16) != 0 ||
+        getsockname(p->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+        pipe2(p->stop_pipe_, O_CLOEXEC) != 0) {
+      return absl::InternalError(absl::StrCat("proxy: ", strerror(errno)));
+    }
+    p->port_ = ntohs(addr.sin_port);
+    p->acceptor_ = std::thread([q = p.get()] { q->Accept(); });
+    return p;
+  }
+  ~HoldingProxy() {
+    if (stop_pipe_[1] >= 0) (void)!write(stop_pipe_[1], "x", 1);
+    if (acceptor_.joinable()) acceptor_.join();
+    for (auto& t : pumps_) t.join();
+    for (int fd : {listen_fd_, stop_pipe_[0], stop_pipe_[1]}) {
+      if (fd >= 0) close(fd);
+    }
+  }
+
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  // Whether some connection reached `hold_after` bytes within `timeout`.
+  bool WaitForHold(absl::Duration timeout) { return held_.WaitForNotificationWithTimeout(timeout); }
+
+ private:
+  HoldingProxy(int upstream_port, int64_t hold_after)
+      : upstream_port_(upstream_port), hold_after_(hold_after) {}
+
+  void Accept() {
+    while (true) {
+      pollfd p[2] = {{listen_fd_, POLLIN, 0}, {stop_pipe_[0], POLLIN, 0}};
+      if (poll(p, 2, -1) < 0 && errno == EINTR) continue;
+      if (p[1].revents != 0) return;
+      const int client = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (client < 0) continue;
+      const int upstream = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>(upstream_port_));
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (connect(upstream, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+        Reset(client);
+        Reset(upstream);
+        continue;
+      }
+      pumps_.emplace_back([this, client, upstream] { Pump(client, upstream); });
+    }
+  }
+
+  // Forwards both ways until either end closes, holding client -> upstream
+  // after `hold_after_` bytes.
+  void Pump(int client, int upstream) {
+    int64_t forwarded = 0;
+    bool holding = false;
+    char buf[64 << 10];
+    while (true) {
+      pollfd p[3] = {{client, static_cast<short>((holding ? 0 : POLLIN) | POLLRDHUP), 0},
+                     {upstream, POLLIN | POLLRDHUP, 0},
+                     {stop_pipe_[0], POLLIN, 0}};
+      if (poll(p, 3, -1) < 0) {
+        if (errno == EINTR) continue;
+        break;
+      }
+      if (p[2].revents != 0) break;
+      if (!holding && (p[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        const ssize_t n = read(client, buf, sizeof(buf));
+        if (n <= 0 || !WriteAll(upstream, buf, n)) break;
+        forwarded += n;
+        if (forwarded >= hold_after_) {
+          holding = true;
+          if (!notified_.exchange(true)) held_.Notify();
+        }
+      } else if (holding && (p[0].revents & (POLLHUP | POLLERR | POLLRDHUP)) != 0) {
+        break;  // the held client went away
+      }
+      if ((p[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        const ssize_t n = read(upstream, buf, sizeof(buf));
+        if (n <= 0 || !WriteAll(client, buf, n)) break;
+      }
+    }
+    Reset(client);
+    Reset(upstream);
+  }
+
+  static bool WriteAll(int fd, const char* data, ssize_t n) {
+    while (n > 0) {
+      const ssize_t w = write(fd, data, static_cast<size_t>(n));
+      if (w <= 0) return false;
+      data += w;
+      n -= w;
+    }
+    return true;
+  }
+
+  // Closes with a reset rather than an orderly shutdown.
+  static void Reset(int fd) {
+    linger l{1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+    close(fd);
+  }
+
+  const int upstream_port_;
+  const int64_t hold_after_;
+  int listen_fd_ = -1;
+  int stop_pipe_[2] = {-1, -1};
+  int port_ = 0;
+  std::thread acceptor_;
+  std::vector<std::thread> pumps_;  // touched by the acceptor only until it is joined
+  std::atomic<bool> notified_{false};
+  absl::Notification held_;
+};
+
+class FaultTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new std::string(::testing::TempDir() + "/kvcache_fault_test_tiny.gguf");
+    gguf::TinyLlamaOptions o;
+    o.n_ctx = 4096;
+    ASSERT_TRUE(gguf::WriteTinyLlama(o, *model_).ok());
+  }
+  static void TearDownTestSuite() {
+    std::remove(model_->c_str());
+    delete model_;
+  }
+
+  std::unique_ptr<testing::ServerUnderTest> StartWorker(const std::string& id,
+                                                        std::vector<std::string> extra = {}) {
+    // Small budgets (64 MiB per tier) keep start and exit fast; later flags win.
+    std::vector<std::string> args = {"--model=" + *model_,
+                                     "--worker_id=" + id,
+                                     "--threads=1",
+                                     "--load_report_interval=100ms",
+                                     "--tier0_bytes=" + std::to_string(64 << 20),
+                                     "--tier1_bytes=" + std::to_string(64 << 20)};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"), args);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  }
+
+  void StartWorkers(int n, std::vector<std::string> extra = {}) {
+    for (int i = 0; i < n; ++i) {
+      workers_.push_back(StartWorker("w" + std::to_string(i), extra));
+      ASSERT_NE(workers_.back(), nullptr);
+    }
+  }
+
+  // A router over `addresses` (default: every worker's), ready once all are healthy.
+  std::unique_ptr<testing::ServerUnderTest> StartRouter(std::vector<std::string> extra = {},
+                                                        std::vector<std::string> addresses = {}) {
+    if (addresses.empty()) {
+      for (const auto& w : workers_) addresses.push_back(w->grpc_address());
+    }
+    const std::string list = absl::StrJoin(addresses, ",");
+    std::vector<std::string> args = {"--workers=" + list, "--model=" + *model_, "--health_timeout=2s",
+                                     "--rebalance_interval=0s",
+                                     "--min_ready_workers=" + std::to_string(addresses.size())};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = testing::ServerUnderTest::Start(testing::BinaryPath("router/kvcache-router"), args);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? std::move(*r) : nullptr;
+  }
+
+  // How many live workers list `session`.
+  int PlacesHolding(const std::string& session, const std::set<int>& dead = {}) {
+    int n = 0;
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (dead.count(static_cast<int>(i)) != 0) continue;
+      n += static_cast<int>(WorkerSessions(workers_[i]->channel()).count(session));
+    }
+    return n;
+  }
+
+  static std::string* model_;
+  std::vector<std::unique_ptr<testing::ServerUnderTest>> workers_;
+};
+
+std::string* FaultTest::model_ = nullptr;
+
+// A worker frozen longer than --health_timeout, then thawed. Client view: while
+// it is frozen, new FULL_CONTEXT sessions succeed, all on the other worker;
+// once thawed the router lists it SERVING again (its Watch stream reconnected
+// with a snapshot) and APPEND turns of its old sessions succeed there with
+// their context served from cache (cached tokens > 0).
+TEST_F(FaultTest, FrozenWorkerIsAvoidedThenRejoinsWithItsSessions) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->channel());
+  std::map<std::string, std::string> home;  // session -> worker id
+  std::map<std::string, int> per_worker;
+  for (int s = 0; s < 8; ++s) {
+    const std::string id = "old-" + std::to_string(s);
+    Reply r = Generate(stub.get(), Tokens(id, Prompt(s, 60), 4));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    home[id] = r.final.worker_id();
+    ++per_worker[r.final.worker_id()];
+  }
+  ASSERT_EQ(per_worker.size(), 2u) << "eight sessions should spread over both workers";
+  const std::string frozen = "w0", alive = "w1";
+
+  workers_[0]->process().Signal(SIGSTOP);
+  ASSERT_TRUE(PollUntil([&] { return RouterHealthOf(admin.get(), frozen) != "SERVING"; }, absl::Seconds(20)))
+      << "the router never noticed the frozen worker";
+  for (int s = 0; s < 6; ++s) {
+    Reply r = Generate(stub.get(), Tokens("new-" + std::to_string(s), Prompt(100 + s, 50), 4));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.final.worker_id(), alive);
+  }
+
+  workers_[0]->process().Signal(SIGCONT);
+  ASSERT_TRUE(PollUntil([&] { return RouterHealthOf(admin.get(), frozen) == "SERVING"; }, absl::Seconds(20)))
+      << "the thawed worker did not rejoin";
+  for (const auto& [id, worker] : home) {
+    Reply r = Generate(stub.get(), Tokens(id, {42, 43, 44}, 3, v1::APPEND));
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.error_message();
+    EXPECT_EQ(r.final.worker_id(), worker) << id;
+    EXPECT_GE(r.final.usage().cached_tokens(), 60) << id << " was not served from its cache";
+  }
+  EXPECT_EQ(testing::HealthCheck(router->channel(), "readiness").value_or(""), "SERVING");
+}
+
+// The router restarts (killed, a new one started) while the workers keep their
+// sessions. Client view: APPEND to every existing session through the new
+// router succeeds on the worker that held it, with its context from cache, and
+// the new router predicted that reuse (its directory came from the snapshots).
+TEST_F(FaultTest, RestartedRouterRebuildsItsDirectoryFromSnapshots) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  std::map<std::string, std::string> home;
+  {
+    auto stub = v1::KvCache::NewStub(router->channel());
+    for (int s = 0; s < 6; ++s) {
+      const std::string id = "keep-" + std::to_string(s);
+      Reply r = Generate(stub.get(), Tokens(id, Prompt(s, 70), 4));
+      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+      home[id] = r.final.worker_id();
+    }
+  }
+  router->process().Signal(SIGKILL);
+  ASSERT_TRUE(router->process().Wait(absl::Seconds(10)).ok());
+  router.reset();
+
+  auto fresh = StartRouter();  // ready once both workers' snapshots arrived
+  ASSERT_NE(fresh, nullptr);
+  auto stub = v1::KvCache::NewStub(fresh->channel());
+  for (const auto& [id, worker] : home) {
+    grpc::ClientContext ctx;
+    v1::SessionRequest sr;
+    sr.set_session_id(id);
+    v1::SessionInfo info;
+    ASSERT_TRUE(stub->GetSession(&ctx, sr, &info).ok()) << id;
+    EXPECT_EQ(info.worker_id(), worker);
+    Reply r = Generate(stub.get(), Tokens(id, {50, 51}, 3, v1::APPEND));
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.error_message();
+    EXPECT_EQ(r.final.worker_id(), worker) << id;
+    EXPECT_GE(r.final.usage().cached_tokens(), 70) << id;
+    EXPECT_GE(r.final.predicted_cached_tokens(), 70) << id;
+  }
+}
+
+// Three workers; w2, the migration target, sits behind a HoldingProxy that
+// stops the stream after 256 KiB of the session's 750 KiB of KV (3,000 tokens),
+// so the test acts while the target is mid-import. The session is created
+// directly on w0 (the source); the router learns of it from w0's Watch stream.
+class MigrationFaultTest : public FaultTest {
+ protected:
+  void SetUp() override {
+    StartWorkers(3);
+    auto proxy = HoldingProxy::Start(PortOf(workers_[2]->grpc_address()), 256 << 10);
+    ASSERT_TRUE(proxy.ok()) << proxy.status();
+    proxy_ = std::move(*proxy);
+    router_ = StartRouter({"--forget_after=1s"},
+                          {workers_[0]->grpc_address(), workers_[1]->grpc_address(), proxy_->address()});
+    ASSERT_NE(router_, nullptr);
+    stub_ = v1::KvCache::NewStub(router_->channel());
+    first_ = Generate(v1::Worker::NewStub(workers_[0]->channel()).get(), Tokens("big", prompt_, 4));
+    ASSERT_TRUE(first_.status.ok()) << first_.status.error_message();
+    ASSERT_TRUE(PollUntil(
+        [&] {
+          grpc::ClientContext ctx;
+          v1::SessionRequest sr;
+          sr.set_session_id("big");
+          v1::SessionInfo info;
+          return stub_->GetSession(&ctx, sr, &info).ok();
+        },
+        absl::Seconds(20)))
+        << "the router never learnt of the session";
+    cached_ = WorkerSessions(workers_[0]->channel()).at("big");
+    ASSERT_GE(cached_, 3000);
+  }
+
+  void TearDown() override {
+    router_.reset();
+    proxy_.reset();
+  }
+
+  // Starts the admin MigrateSession of "big" to w2 on a thread and returns once
+  // the stream is held mid-way. `*status` is set when the call returns.
+  std::thread StartMigration(grpc::Status* status) {
+    std::thread t([this, status] {
+      auto admin = v1::KvCacheAdmin::NewStub(router_->channel());
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      v1::AdminMigrateRequest req;
+      req.set_session_id("big");
+      req.set_target_worker("w2");
+      v1::MigrateSessionResponse resp;
+      *status = admin->MigrateSession(&ctx, req, &resp);
+    });
+    EXPECT_TRUE(proxy_->WaitForHold(absl::Seconds(30))) << "the migration stream never reached the target";
+    return t;
+  }
+
+  const std::vector<int32_t> prompt_ = Prompt(7, 3000);
+  std::unique_ptr<HoldingProxy> proxy_;
+  std::unique_ptr<testing::ServerUnderTest> router_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+  Reply first_;
+  int cached_ = 0;
+};
+
+// The target dies mid-import. Client view: the MigrateSession admin call fails
+// with a message; the session is whole on the source (listed there with all
+// its tokens, and an APPEND through the router runs there with all of them
+// cached); no other worker lists it.
+TEST_F(MigrationFaultTest, TargetKilledMidMigrationLeavesTheSessionWholeOnTheSource) {
+  grpc::Status migrate_status;
+  std::thread migrate = StartMigration(&migrate_status);
+  workers_[2]->process().Signal(SIGKILL);
+  migrate.join();
+  ASSERT_TRUE(workers_[2]->process().Wait(absl::Seconds(10)).ok());
+  EXPECT_FALSE(migrate_status.ok());
+  EXPECT_FALSE(migrate_status.error_message().empty());
+
+  const auto on_source = WorkerSessions(workers_[0]->channel());
+  ASSERT_EQ(on_source.count("big"), 1u) << "the session left the source";
+  EXPECT_EQ(on_source.at("big"), cached_) << "the session is not whole";
+  EXPECT_EQ(WorkerSessions(workers_[1]->channel()).count("big"), 0u);
+  Reply more = Generate(stub_.get(), Tokens("big", {60, 61, 62}, 3, v1::APPEND));
+  ASSERT_TRUE(more.status.ok()) << more.status.error_message();
+  EXPECT_EQ(more.final.worker_id(), "w0");
+  EXPECT_GE(more.final.usage().cached_tokens(), cached_);
+}
+
+// The source dies mid-stream. Client view: the admin call fails, and the
+// session lives in at most one place: either the target committed it (then
+// APPEND works there) or it is gone everywhere: once the router forgets the
+// dead source (--forget_after) GetSession answers NOT_FOUND naming it, and a
+// FULL_CONTEXT request of the same conversation is recomputed with the same
+// reply. Nothing half-imported stays on the target: the same prompt sent to it
+// directly finds no cached token.
+TEST_F(MigrationFaultTest, SourceKilledMidMigrationLeavesTheSessionInOnePlaceOrNone) {
+  grpc::Status migrate_status;
+  std::thread migrate = StartMigration(&migrate_status);
+  workers_[0]->process().Signal(SIGKILL);
+  migrate.join();
+  ASSERT_TRUE(workers_[0]->process().Wait(absl::Seconds(10)).ok());
+  EXPECT_FALSE(migrate_status.ok());
+
+  const int places = PlacesHolding("big", /*dead=*/{0});
+  ASSERT_LE(places, 1) << "the session lives in two places";
+  if (places == 1) {
+    EXPECT_EQ(WorkerSessions(workers_[2]->channel()).count("big"), 1u);
+    Reply more = Generate(stub_.get(), Tokens("big", {60, 61}, 2, v1::APPEND));
+    ASSERT_TRUE(more.status.ok()) << more.status.error_message();
+    EXPECT_EQ(more.final.worker_id(), "w2");
+    return;
+  }
+  grpc::Status get;
+  ASSERT_TRUE(PollUntil(
+      [&] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+        v1::SessionRequest sr;
+        sr.set_session_id("big");
+        v1::SessionInfo info;
+        get = stub_->GetSession(&ctx, sr, &info);
+        return get.error_code() == grpc::NOT_FOUND;
+      },
+      absl::Seconds(20)))
+      << "the router still answers " << get.error_code() << ": " << get.error_message();
+  EXPECT_THAT(get.error_message(), HasSubstr("big"));
+  Reply probe = Generate(v1::Worker::NewStub(workers_[2]->channel()).get(), Tokens("", prompt_, 1));
+  ASSERT_TRUE(probe.status.ok()) << probe.status.error_message();
+  EXPECT_EQ(probe.final.usage().cached_tokens(), 0) << "pages of the aborted import were left behind";
+  Reply again = Generate(stub_.get(), Tokens("big", prompt_, 4));
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.final.usage().prompt_tokens(), 3000);
+  EXPECT_EQ(again.tokens, first_.tokens);
+  EXPECT_EQ(PlacesHolding("big", {0}), 1);
+}
+
+// One user's conversation: turn 0 FULL_CONTEXT, then APPEND turns, with every
+// third turn a FULL_CONTEXT resend of the whole conversation so far.
+struct Script {
+  static constexpr int kTurns = 6;
+  static constexpr size_t kReplyTokens = 6;
+  static bool FullContext(int turn) { return turn % 3 == 0; }
+  static std::vector<int32_t> Input(int user, int turn) {
+    return turn == 0 ? Prompt(user, 30 + user % 17) : Prompt(1000 + user * 10 + turn, 5 + turn);
+  }
+};
+
+// Runs `users` through the script on `stub` with `threads` client threads.
+// replies[user][turn] is each reply's tokens; any failed call is recorded in
+// `errors`.
+template <typename Stub>
+void RunScript(Stub* stub, int users, int threads, std::vector<std::vector<std::vector<int32_t>>>* replies,
+               std::vector<std::string>* errors) {
+  replies->assign(users, std::vector<std::vector<int32_t>>(Script::kTurns));
+  absl::Mutex mu;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int u = t; u < users; u += threads) {
+        const std::string id = "soak-" + std::to_string(u);
+        std::vector<int32_t> context;  // the whole conversation so far
+        for (int turn = 0; turn < Script::kTurns; ++turn) {
+          const std::vector<int32_t> in = Script::Input(u, turn);
+          context.insert(context.end(), in.begin(), in.end());
+          const bool full = Script::FullContext(turn);
+          Reply r = Generate(stub, Tokens(id, full ? context : in, Script::kReplyTokens,
+                                          full ? v1::FULL_CONTEXT : v1::APPEND));
+          if (!r.status.ok() || r.tokens.size() != Script::kReplyTokens) {
+            absl::MutexLock lock(&mu);
+            errors->push_back(absl::StrCat(id, " turn ", turn, ": ", r.status.error_code(), " ",
+                                           r.status.error_message(), " (", r.tokens.size(), " tokens)"));
+            break;
+          }
+          (*replies)[u][turn] = r.tokens;
+          context.insert(context.end(), r.tokens.begin(), r.tokens.end());
+        }
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+// 128 users of up to eight pages (about 120 tokens) on two workers whose tier 0
+// holds 24 pages (three sessions each: six in all, twenty times fewer than the
+// users), eight concurrent clients through the router. Client view: zero errors, every reply token for token
+// the same as on a worker with room for everything, and every session still
+// lives on exactly one worker at the end (none lost).
+TEST_F(FaultTest, MemoryPressureSoakMatchesARoomyWorker) {
+  constexpr int kUsers = 128;
+  // Reference: the same script, one user at a time, on a worker with the
+  // default (roomy) budgets.
+  std::vector<std::vector<std::vector<int32_t>>> want;
+  {
+    auto roomy = StartWorker("roomy");
+    ASSERT_NE(roomy, nullptr);
+    auto direct = v1::Worker::NewStub(roomy->channel());
+    std::vector<std::string> errors;
+    RunScript(direct.get(), kUsers, /*threads=*/1, &want, &errors);
+    ASSERT_TRUE(errors.empty()) << errors.front();
+  }
+  StartWorkers(2, {"--tier0_bytes=" + std::to_string(24 * kPageBytes)});
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  std::vector<std::vector<std::vector<int32_t>>> got;
+  std::vector<std::string> errors;
+  const absl::Time start = absl::Now();
+  RunScript(stub.get(), kUsers, /*threads=*/8, &got, &errors);
+  std::printf("soak: %d users x %d turns in %.1f s\n", kUsers, Script::kTurns,
+              absl::ToDoubleSeconds(absl::Now() - start));
+  EXPECT_TRUE(errors.empty()) << errors.size() << " errors, first: " << errors.front();
+  for (int u = 0; u < kUsers; ++u) {
+    for (int turn = 0; turn < Script::kTurns; ++turn) {
+      EXPECT_EQ(got[u][turn], want[u][turn]) << "user " << u << " turn " << turn;
+    }
+  }
+  // None lost: each session on exactly one worker.
+  const auto a = WorkerSessions(workers_[0]->channel());
+  const auto b = WorkerSessions(workers_[1]->channel());
+  for (int u = 0; u < kUsers; ++u) {
+    const std::string id = "soak-" + std::to_string(u);
+    EXPECT_EQ(a.count(id) + b.count(id), 1u) << id;
+  }
+  // The squeeze happened: pages went to host RAM and came back.
+  for (const auto& w : workers_) {
+    auto body = testing::HttpGet(w->metrics_port(), "/metrics");
+    ASSERT_TRUE(body.ok()) << body.status();
+    EXPECT_EQ(body->find("kvcache_offload_bytes_total 0\n"), std::string::npos) << "no offload happened";
+  }
+}
+
+}  // namespace
+}  // namespace kvcache
