@@ -14,6 +14,10 @@ list="$KVCACHE_BUILD_DIR/benchmarks.txt"
 failed=0
 while read -r bench; do
   [ -n "$bench" ] || continue
+  if [ "$bench" = gpu_bench ] && [ ! -e /dev/nvidiactl ]; then
+    log "gpu_bench needs an NVIDIA GPU: run tests/gpu/run.sh on a machine with one"
+    continue
+  fi
   bin=$(find "$KVCACHE_BUILD_DIR" -type f -name "$bench" -perm -u+x | head -n 1)
   if [ -z "$bin" ]; then
     log "benchmark $bench not built"
