@@ -14,7 +14,7 @@
 #
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
 # Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, USERS (8), ROUNDS (4),
-#   QPS (0.5), ANSWER_TOKENS (32), SYSTEM_TOKENS (400), USER_CONTEXT_TOKENS (1200), THREADS (2, in total),
+#   QPS (0.5), THINK_TIME (0 s between a user's rounds), ANSWER_TOKENS (32), SYSTEM_TOKENS (400), USER_CONTEXT_TOKENS (1200), THREADS (2, in total),
 #   FRACTION (0.6), MODES ("affinity round_robin random llamacpp"), DURATION (240 s per mode).
 # Needs: grpcio and grpcio-tools; for llamacpp, `pip install 'llama-cpp-python[server]'`. Its
 # server runs with --interrupt_requests False: by default a new request cuts the
@@ -28,6 +28,7 @@ OUT=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
 USERS=${USERS:-8}
 ROUNDS=${ROUNDS:-4}
 QPS=${QPS:-0.5}
+THINK_TIME=${THINK_TIME:-0}
 ANSWER_TOKENS=${ANSWER_TOKENS:-32}
 SYSTEM_TOKENS=${SYSTEM_TOKENS:-400}
 USER_CONTEXT_TOKENS=${USER_CONTEXT_TOKENS:-1200}
@@ -90,7 +91,7 @@ start() {
   exit 1
 }
 
-BENCH=(python3 tests/bench/multi_round_qa.py --users="$USERS" --rounds="$ROUNDS" --qps="$QPS"
+BENCH=(python3 tests/bench/multi_round_qa.py --users="$USERS" --rounds="$ROUNDS" --qps="$QPS" --think_time="$THINK_TIME"
        --answer_tokens="$ANSWER_TOKENS" --system_tokens="$SYSTEM_TOKENS" --question_tokens="$QUESTION_TOKENS"
        --user_context_tokens="$USER_CONTEXT_TOKENS"
        --duration="$DURATION")
