@@ -22,10 +22,18 @@ std::string Escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           out += absl::StrFormat("\\u%04x", c);
@@ -91,10 +99,10 @@ std::map<std::string, std::string> MachineInfo() {
 }
 
 std::string ToJson(const BenchReport& r) {
-  return absl::StrCat("{\n  \"benchmark\": \"", Escape(r.benchmark), "\",\n  \"metrics\": ",
-                      NumberMap(r.metrics), ",\n  \"baseline\": ", NumberMap(r.baseline),
-                      ",\n  \"ratio\": ", NumberMap(r.ratio), ",\n  \"notes\": ", StringMap(r.notes),
-                      ",\n  \"machine\": ", StringMap(MachineInfo()), "\n}\n");
+  return absl::StrCat(
+      "{\n  \"benchmark\": \"", Escape(r.benchmark), "\",\n  \"metrics\": ", NumberMap(r.metrics),
+      ",\n  \"baseline\": ", NumberMap(r.baseline), ",\n  \"ratio\": ", NumberMap(r.ratio),
+      ",\n  \"notes\": ", StringMap(r.notes), ",\n  \"machine\": ", StringMap(MachineInfo()), "\n}\n");
 }
 
 std::string JsonPath() { return absl::GetFlag(FLAGS_json); }

@@ -18,10 +18,10 @@
 namespace kvcache::bench {
 
 struct BenchReport {
-  std::string benchmark;                 // file stem: writes <benchmark>.json
-  std::map<std::string, double> metrics;   // raw figures, units in the key (e.g. _ms, _per_s)
-  std::map<std::string, double> baseline;  // what the ratios compare against
-  std::map<std::string, double> ratio;     // larger is better
+  std::string benchmark;                     // file stem: writes <benchmark>.json
+  std::map<std::string, double> metrics;     // raw figures, units in the key (e.g. _ms, _per_s)
+  std::map<std::string, double> baseline;    // what the ratios compare against
+  std::map<std::string, double> ratio;       // larger is better
   std::map<std::string, std::string> notes;  // free text (e.g. what the baseline is)
 };
 

@@ -21,8 +21,7 @@ void PutLe64(SHA256_CTX* ctx, uint64_t v) {
 }  // namespace
 
 std::string BlockHash::ToHex() const {
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
 bool BlockHash::FromHex(absl::string_view hex, BlockHash* out) {
@@ -35,8 +34,8 @@ bool BlockHash::FromHex(absl::string_view hex, BlockHash* out) {
   return true;
 }
 
-BlockHash ComputeBlockHash(const BlockHash& parent, absl::string_view model_id,
-                           absl::string_view tenant_salt, absl::Span<const int32_t> page_tokens) {
+BlockHash ComputeBlockHash(const BlockHash& parent, absl::string_view model_id, absl::string_view tenant_salt,
+                           absl::Span<const int32_t> page_tokens) {
   SHA256_CTX ctx;
   SHA256_Init(&ctx);
   SHA256_Update(&ctx, parent.bytes.data(), parent.bytes.size());
@@ -69,8 +68,7 @@ std::vector<BlockHash> ChainBlockHashes(absl::Span<const int32_t> tokens, int pa
   out.reserve(full);
   BlockHash parent = BlockHash::Zero();
   for (size_t i = 0; i < full; ++i) {
-    parent = ComputeBlockHash(parent, model_id, tenant_salt,
-                              tokens.subspan(i * page_tokens, page_tokens));
+    parent = ComputeBlockHash(parent, model_id, tenant_salt, tokens.subspan(i * page_tokens, page_tokens));
     out.push_back(parent);
   }
   return out;

@@ -49,8 +49,8 @@ struct BlockHash {
 };
 
 // Hash of one full page given its parent's hash.
-BlockHash ComputeBlockHash(const BlockHash& parent, absl::string_view model_id,
-                           absl::string_view tenant_salt, absl::Span<const int32_t> page_tokens);
+BlockHash ComputeBlockHash(const BlockHash& parent, absl::string_view model_id, absl::string_view tenant_salt,
+                           absl::Span<const int32_t> page_tokens);
 
 // Hashes of every *full* page of `tokens` (tokens.size() / page_tokens entries),
 // chained from the zero root.

@@ -30,8 +30,8 @@ absl::Status ValidateAddress(const std::string& flag, const std::string& address
   }
   auto pos = address.rfind(':');
   int port = 0;
-  if (pos == std::string::npos || pos == 0 || !absl::SimpleAtoi(address.substr(pos + 1), &port) ||
-      port < 0 || port > 65535) {
+  if (pos == std::string::npos || pos == 0 || !absl::SimpleAtoi(address.substr(pos + 1), &port) || port < 0 ||
+      port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, "='", address, "': want host:port with port in [0, 65535]"));
   }
@@ -44,8 +44,8 @@ void InitProcess(int argc, char** argv, const std::string& name, const std::stri
   absl::SetProgramUsageMessage(usage);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
-    std::fprintf(stderr, "%s: unexpected argument '%s' (flags are --name=value; see --help)\n",
-                 name.c_str(), rest[1]);
+    std::fprintf(stderr, "%s: unexpected argument '%s' (flags are --name=value; see --help)\n", name.c_str(),
+                 rest[1]);
     std::exit(2);
   }
   InitLogging(name);

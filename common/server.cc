@@ -6,9 +6,8 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cstring>
-
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -54,7 +53,8 @@ void OnSignal(int sig) {
 // What the exposer collects: the registry, after the scrape hook ran.
 class ServerProcess::ScrapeCollectable : public prometheus::Collectable {
  public:
-  explicit ScrapeCollectable(std::shared_ptr<prometheus::Registry> registry) : registry_(std::move(registry)) {}
+  explicit ScrapeCollectable(std::shared_ptr<prometheus::Registry> registry)
+      : registry_(std::move(registry)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     {
@@ -77,8 +77,7 @@ class ServerProcess::ScrapeCollectable : public prometheus::Collectable {
   std::function<void()> hook_ ABSL_GUARDED_BY(mu_);
 };
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const ServerOptions& options) {
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const ServerOptions& options) {
   if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
     if (!options.tls_client_ca_file.empty()) {
       return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
@@ -122,7 +121,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Init(const ServerO
   // before main (OpenBLAS's pool), so blocking them per thread is not enough: a
   // handler writes the signal number into a pipe that the signal thread reads.
   std::unique_ptr<ServerProcess> p(new ServerProcess(options));
-  if (pipe2(p->signal_pipe_, O_CLOEXEC) != 0) return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
+  if (pipe2(p->signal_pipe_, O_CLOEXEC) != 0)
+    return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
   g_signal_fd = p->signal_pipe_[1];
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
@@ -134,8 +134,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Init(const ServerO
     try {
       p->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics_address, 2);
     } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ",
-                                                 options.metrics_address, ": ", e.what()));
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve /metrics on ", options.metrics_address, ": ", e.what()));
     }
     p->scrape_ = std::make_shared<ScrapeCollectable>(p->registry_);
     p->exposer_->RegisterCollectable(p->scrape_);

@@ -120,8 +120,7 @@ class ServerProcess {
 };
 
 // Builds server credentials from the TLS fields of `options` (insecure when none).
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const ServerOptions& options);
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const ServerOptions& options);
 
 // Client credentials for calls to peers of the same fleet (worker to worker):
 // trusts tls_client_ca (the CA that signs the fleet) and presents tls_cert and

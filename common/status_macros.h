@@ -11,9 +11,9 @@
 #include "absl/status/statusor.h"
 
 // Returns early from the enclosing function when `expr` is not OK.
-#define KVCACHE_RETURN_IF_ERROR(expr)               \
-  do {                                              \
-    ::absl::Status _kvcache_status = (expr);        \
+#define KVCACHE_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::absl::Status _kvcache_status = (expr);           \
     if (!_kvcache_status.ok()) return _kvcache_status; \
   } while (0)
 

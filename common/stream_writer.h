@@ -37,7 +37,8 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
         }
         return true;
       }
-      if (!CloseLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reader fell behind; reconnect"), &finish)) {
+      if (!CloseLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reader fell behind; reconnect"),
+                       &finish)) {
         return false;
       }
     }

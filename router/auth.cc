@@ -27,7 +27,8 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std
     if (line.empty()) continue;
     std::vector<std::string> f = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     if (f.size() < 2 || f.size() > 3 || (f.size() == 3 && f[2] != "admin")) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens file line ", line_no, ": want TOKEN TENANT [admin]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens file line ", line_no, ": want TOKEN TENANT [admin]"));
     }
     if (a->tokens_.contains(f[0])) {
       return absl::InvalidArgumentError(absl::StrCat("tokens file line ", line_no, ": duplicate token"));

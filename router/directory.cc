@@ -143,9 +143,10 @@ std::optional<SessionLocation> Directory::FindSession(const std::string& session
 }
 
 std::optional<SessionLocation> Directory::AwaitSession(const std::string& session_id,
-                                                      absl::Duration timeout) const {
+                                                       absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  auto known = [this, &session_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(session_id); };
+  auto known = [this, &session_id]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(session_id); };
   if (!mu_.AwaitWithTimeout(absl::Condition(&known), timeout)) return std::nullopt;
   return sessions_.at(session_id);
 }

@@ -2,12 +2,11 @@
 // affinity (session, then prefix overlap against load) and proxies its stream.
 #include <fstream>
 #include <sstream>
-
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/synchronization/notification.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "common/gguf/model_path.h"
 #include "common/init.h"
 #include "common/logging.h"
@@ -22,18 +21,22 @@
 #include "router/worker_pool.h"
 
 ABSL_FLAG(std::string, workers, "", "Comma-separated worker addresses host:port (static membership)");
-ABSL_FLAG(std::string, worker_dns, "",
-          "Comma-separated DNS names name:port whose every address is a worker (Kubernetes headless Service)");
+ABSL_FLAG(
+    std::string, worker_dns, "",
+    "Comma-separated DNS names name:port whose every address is a worker (Kubernetes headless Service)");
 ABSL_FLAG(absl::Duration, dns_refresh, absl::Seconds(10), "How often --worker_dns is re-resolved");
-ABSL_FLAG(std::string, model, "", "GGUF file whose tokenizer the router uses for prefix hashes (same as the workers')");
+ABSL_FLAG(std::string, model, "",
+          "GGUF file whose tokenizer the router uses for prefix hashes (same as the workers')");
 ABSL_FLAG(std::string, placement, "affinity", "Placement policy: affinity, round_robin or random");
-ABSL_FLAG(std::string, auth_tokens_file, "", "Bearer tokens: lines 'TOKEN TENANT [admin]'; empty disables auth");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "Bearer tokens: lines 'TOKEN TENANT [admin]'; empty disables auth");
 ABSL_FLAG(absl::Duration, health_timeout, absl::Seconds(3), "A worker silent this long is unhealthy");
 ABSL_FLAG(absl::Duration, forget_after, absl::Seconds(30), "A worker unreachable this long is forgotten");
 ABSL_FLAG(absl::Duration, rebalance_interval, absl::Seconds(5), "Rebalancing period (0 disables)");
 ABSL_FLAG(int32_t, max_attempts, 3, "Workers tried per request");
 ABSL_FLAG(int32_t, min_ready_workers, 1, "Readiness is SERVING while at least this many workers are healthy");
-ABSL_FLAG(std::string, worker_tls_ca, "", "PEM CA that signs the workers' certificates (enables TLS to workers)");
+ABSL_FLAG(std::string, worker_tls_ca, "",
+          "PEM CA that signs the workers' certificates (enables TLS to workers)");
 ABSL_FLAG(std::string, worker_tls_cert, "", "PEM client certificate for mutual TLS to workers");
 ABSL_FLAG(std::string, worker_tls_key, "", "PEM key of --worker_tls_cert");
 
@@ -54,12 +57,14 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> WorkerCredentials() {
   const std::string ca = absl::GetFlag(FLAGS_worker_tls_ca), cert = absl::GetFlag(FLAGS_worker_tls_cert),
                     key = absl::GetFlag(FLAGS_worker_tls_key);
   if (ca.empty()) {
-    if (!cert.empty() || !key.empty()) return absl::InvalidArgumentError("--worker_tls_cert/key need --worker_tls_ca");
+    if (!cert.empty() || !key.empty())
+      return absl::InvalidArgumentError("--worker_tls_cert/key need --worker_tls_ca");
     return grpc::InsecureChannelCredentials();
   }
   grpc::SslCredentialsOptions o;
   KVCACHE_ASSIGN_OR_RETURN(o.pem_root_certs, ReadPem(ca));
-  if (cert.empty() != key.empty()) return absl::InvalidArgumentError("--worker_tls_cert and --worker_tls_key go together");
+  if (cert.empty() != key.empty())
+    return absl::InvalidArgumentError("--worker_tls_cert and --worker_tls_key go together");
   if (!cert.empty()) {
     KVCACHE_ASSIGN_OR_RETURN(o.pem_cert_chain, ReadPem(cert));
     KVCACHE_ASSIGN_OR_RETURN(o.pem_private_key, ReadPem(key));
@@ -74,8 +79,10 @@ int Run() {
   if (!mode.ok()) DieWith(kName, mode.status());
   const std::vector<std::string> workers =
       absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
-  const std::vector<std::string> dns = absl::StrSplit(absl::GetFlag(FLAGS_worker_dns), ',', absl::SkipEmpty());
-  if (absl::GetFlag(FLAGS_max_attempts) < 1) DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
+  const std::vector<std::string> dns =
+      absl::StrSplit(absl::GetFlag(FLAGS_worker_dns), ',', absl::SkipEmpty());
+  if (absl::GetFlag(FLAGS_max_attempts) < 1)
+    DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
   for (const auto& list : {workers, dns}) {
     for (const auto& a : list) {
       if (a.rfind(':') == std::string::npos) {
@@ -111,15 +118,16 @@ int Run() {
   router::WorkerPool pool(po, &directory);
   if (!workers.empty()) pool.SetAddresses(workers);
   for (const auto& name : dns) pool.AddDnsName(name);
-  if (workers.empty() && dns.empty()) KV_LOG_WARN("no --workers or --worker_dns: every request will be UNAVAILABLE");
+  if (workers.empty() && dns.empty())
+    KV_LOG_WARN("no --workers or --worker_dns: every request will be UNAVAILABLE");
 
   router::RouterMetrics metrics((*process)->metrics());
   router::RouterOptions ro;
   ro.mode = *mode;
   ro.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   ro.rebalance_interval = absl::GetFlag(FLAGS_rebalance_interval);
-  router::RouterService service(ro, &pool, &directory, tokenizer->get(), chat.ok() ? &*chat : nullptr, auth.get(),
-                                &metrics);
+  router::RouterService service(ro, &pool, &directory, tokenizer->get(), chat.ok() ? &*chat : nullptr,
+                                auth.get(), &metrics);
   router::AdminService admin(&service);
   (*process)->SetCollectHook([&] { metrics.SetWorkers(pool.Workers()); });
 

@@ -11,10 +11,14 @@ namespace kvcache::router {
 
 const char* PlacementReasonName(PlacementReason r) {
   switch (r) {
-    case PlacementReason::kAffinity: return "affinity";
-    case PlacementReason::kPrefix: return "prefix";
-    case PlacementReason::kLoad: return "load";
-    case PlacementReason::kRetry: return "retry";
+    case PlacementReason::kAffinity:
+      return "affinity";
+    case PlacementReason::kPrefix:
+      return "prefix";
+    case PlacementReason::kLoad:
+      return "load";
+    case PlacementReason::kRetry:
+      return "retry";
   }
   return "unknown";
 }
@@ -38,8 +42,7 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
   if (!affinity_worker.empty()) {
     for (const Candidate& cand : candidates) {
       if (cand.worker == affinity_worker) {
-        return Placement{cand.worker, PlacementReason::kAffinity,
-                         page_tokens * cand.match.total_pages(), 0};
+        return Placement{cand.worker, PlacementReason::kAffinity, page_tokens * cand.match.total_pages(), 0};
       }
     }
   }
@@ -60,7 +63,8 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
         page_tokens * (cand.match.device_pages + c.host_restore_weight * cand.match.host_pages);
     const int64_t needed = std::max(0, request_pages - cand.match.device_pages);
     const int64_t shortfall = std::max<int64_t>(0, needed - cand.load.pages_free_device());
-    const double pressure = cand.load.pages_total_device() > 0 ? c.eviction_weight * page_tokens * shortfall : 0;
+    const double pressure =
+        cand.load.pages_total_device() > 0 ? c.eviction_weight * page_tokens * shortfall : 0;
     const double score = reuse - c.load_weight * load - pressure;
     const uint64_t weight = RendezvousWeight(session_id, cand.worker);
     if (best == nullptr || score > best_score || (score == best_score && weight > best_weight)) {

@@ -29,8 +29,8 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                  .Name("kvcache_router_time_to_first_token_seconds")
                  .Help("Request receipt at the router to first token out")
                  .Register(r)
-                 .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                                                  0.25, 0.5, 1, 2.5, 5, 10, 30})),
+                 .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                                  0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30})),
       retries_(&prometheus::BuildCounter()
                     .Name("kvcache_router_retries_total")
                     .Help("Requests resent to another worker")

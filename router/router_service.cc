@@ -37,7 +37,8 @@ absl::StatusOr<PlacementMode> ParsePlacementMode(const std::string& s) {
   if (s == "affinity") return PlacementMode::kAffinity;
   if (s == "round_robin") return PlacementMode::kRoundRobin;
   if (s == "random") return PlacementMode::kRandom;
-  return absl::InvalidArgumentError(absl::StrCat("--placement='", s, "': want affinity, round_robin or random"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--placement='", s, "': want affinity, round_robin or random"));
 }
 
 // One client Generate: places it, proxies the worker's stream, and retries or
@@ -76,10 +77,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         placement->reason = PlacementReason::kRetry;
         router_->metrics_->OnRetry();
       }
-      router_->metrics_->OnDecision(router_->options_.mode == PlacementMode::kAffinity
-                                        ? PlacementReasonName(placement->reason)
-                                        : (router_->options_.mode == PlacementMode::kRoundRobin ? "round_robin"
-                                                                                                : "random"));
+      router_->metrics_->OnDecision(
+          router_->options_.mode == PlacementMode::kAffinity
+              ? PlacementReasonName(placement->reason)
+              : (router_->options_.mode == PlacementMode::kRoundRobin ? "round_robin" : "random"));
       tried.push_back(placement->worker);
 
       v1::GenerateRequest req = request_;
@@ -90,7 +91,9 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         req.mutable_input()->mutable_tokens()->mutable_ids()->Assign(input.begin(), input.end());
         req.set_mode(v1::FULL_CONTEXT);
         const int32_t max = request_.sampling().max_tokens();
-        if (max > 0) req.mutable_sampling()->set_max_tokens(std::max<int32_t>(1, max - static_cast<int32_t>(emitted_.size())));
+        if (max > 0)
+          req.mutable_sampling()->set_max_tokens(
+              std::max<int32_t>(1, max - static_cast<int32_t>(emitted_.size())));
       }
       const size_t before = emitted_.size();
       continued_from_ = before;
@@ -98,13 +101,14 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       if (last.ok()) return last;
       if (client_gone_.load()) return grpc::Status(grpc::CANCELLED, "client cancelled");
       const bool first_token_sent = !emitted_.empty();
-      const bool lost_midstream = emitted_.size() > before || (first_token_sent && last.error_code() == grpc::UNAVAILABLE);
+      const bool lost_midstream =
+          emitted_.size() > before || (first_token_sent && last.error_code() == grpc::UNAVAILABLE);
       if (last.error_code() == grpc::UNAVAILABLE) router_->pool_->MarkSuspect(placement->worker);
       if (append && (lost_midstream || last.error_code() == grpc::UNAVAILABLE)) {
-        return grpc::Status(grpc::UNAVAILABLE,
-                            absl::StrCat("session '", request_.session_id(), "' was lost with worker ",
-                                         placement->worker, " (", last.error_message(),
-                                         "); resend the whole conversation with FULL_CONTEXT"));
+        return grpc::Status(
+            grpc::UNAVAILABLE,
+            absl::StrCat("session '", request_.session_id(), "' was lost with worker ", placement->worker,
+                         " (", last.error_message(), "); resend the whole conversation with FULL_CONTEXT"));
       }
       if (!Retryable(last.error_code())) return last;
       KV_LOG_WARN("request on worker {} failed ({}); trying another worker", placement->worker,
@@ -138,7 +142,8 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         router_->metrics_->OnCachedTokens(placement.predicted_cached_tokens, f->usage().cached_tokens());
         // Report the client's view: after a continuation elsewhere, the worker's
         // prompt included the tokens the client had already received.
-        f->mutable_usage()->set_prompt_tokens(f->usage().prompt_tokens() - static_cast<int32_t>(continued_from_));
+        f->mutable_usage()->set_prompt_tokens(f->usage().prompt_tokens() -
+                                              static_cast<int32_t>(continued_from_));
         f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(emitted_.size()));
         f->mutable_usage()->set_total_time_us(absl::ToInt64Microseconds(absl::Now() - start_));
         Push(msg);
@@ -251,9 +256,9 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     return Placement{w.address, PlacementReason::kLoad, 0, 0};
   }
   // Affinity: prefix hashes with the model id and page size the workers report.
-  const int page_tokens = cands.front().kv_shape.page_tokens() > 0 ? cands.front().kv_shape.page_tokens() : 16;
-  const std::vector<BlockHash> chain =
-      ChainBlockHashes(tokens, page_tokens, cands.front().model_id, tenant);
+  const int page_tokens =
+      cands.front().kv_shape.page_tokens() > 0 ? cands.front().kv_shape.page_tokens() : 16;
+  const std::vector<BlockHash> chain = ChainBlockHashes(tokens, page_tokens, cands.front().model_id, tenant);
   const auto matches = directory_->MatchPrefix(chain);
   std::vector<Candidate> candidates;
   for (const WorkerView& w : cands) {
@@ -265,12 +270,13 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     candidates.push_back(std::move(c));
   }
   // Ties among equals go by rendezvous of the session id (or the prompt's start).
-  const std::string key = session_id.empty()
-                              ? absl::StrJoin(tokens.begin(), tokens.begin() + std::min<size_t>(tokens.size(), 64), ",")
-                              : session_id;
+  const std::string key =
+      session_id.empty()
+          ? absl::StrJoin(tokens.begin(), tokens.begin() + std::min<size_t>(tokens.size(), 64), ",")
+          : session_id;
   const int request_pages = static_cast<int>((tokens.size() + page_tokens - 1) / page_tokens);
-  return Choose(options_.placement, key, loc.has_value() ? loc->worker : WorkerId(), page_tokens, request_pages,
-                candidates, /*retry=*/false);
+  return Choose(options_.placement, key, loc.has_value() ? loc->worker : WorkerId(), page_tokens,
+                request_pages, candidates, /*retry=*/false);
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(grpc::CallbackServerContext* context,
@@ -288,29 +294,30 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(grpc::Ca
 }
 
 // Session calls go to the worker holding the session, on a background thread.
-#define KVCACHE_FORWARD_TO_SESSION(METHOD, REQ_TYPE, RESP_TYPE)                                              \
-  grpc::ServerUnaryReactor* RouterService::METHOD(grpc::CallbackServerContext* context, const REQ_TYPE* request, \
-                                                  RESP_TYPE* response) {                                       \
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();                                             \
-    auto principal = auth_->Authenticate(*context, false);                                                     \
-    if (!principal.ok()) {                                                                                     \
-      reactor->Finish(ToGrpcStatus(principal.status()));                                                       \
-      return reactor;                                                                                          \
-    }                                                                                                          \
-    REQ_TYPE req = *request;                                                                                   \
-    req.set_tenant(principal->tenant);                                                                         \
-    RunInBackground([this, reactor, context, req, response] {                                                  \
-      auto loc = directory_->AwaitSession(req.session_id(), options_.session_lookup_wait);                      \
-      auto channel = loc.has_value() ? pool_->Channel(loc->worker) : nullptr;                                  \
-      if (channel == nullptr) {                                                                                \
-        reactor->Finish(grpc::Status(grpc::NOT_FOUND, absl::StrCat("session '", req.session_id(), "' not found"))); \
-        return;                                                                                                \
-      }                                                                                                        \
-      grpc::ClientContext ctx;                                                                                 \
-      ctx.set_deadline(DeadlineFor(context, absl::Seconds(60)));                                               \
-      reactor->Finish(v1::Worker::NewStub(channel)->METHOD(&ctx, req, response));                              \
-    });                                                                                                        \
-    return reactor;                                                                                            \
+#define KVCACHE_FORWARD_TO_SESSION(METHOD, REQ_TYPE, RESP_TYPE)                                         \
+  grpc::ServerUnaryReactor* RouterService::METHOD(grpc::CallbackServerContext* context,                 \
+                                                  const REQ_TYPE* request, RESP_TYPE* response) {       \
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();                                      \
+    auto principal = auth_->Authenticate(*context, false);                                              \
+    if (!principal.ok()) {                                                                              \
+      reactor->Finish(ToGrpcStatus(principal.status()));                                                \
+      return reactor;                                                                                   \
+    }                                                                                                   \
+    REQ_TYPE req = *request;                                                                            \
+    req.set_tenant(principal->tenant);                                                                  \
+    RunInBackground([this, reactor, context, req, response] {                                           \
+      auto loc = directory_->AwaitSession(req.session_id(), options_.session_lookup_wait);              \
+      auto channel = loc.has_value() ? pool_->Channel(loc->worker) : nullptr;                           \
+      if (channel == nullptr) {                                                                         \
+        reactor->Finish(                                                                                \
+            grpc::Status(grpc::NOT_FOUND, absl::StrCat("session '", req.session_id(), "' not found"))); \
+        return;                                                                                         \
+      }                                                                                                 \
+      grpc::ClientContext ctx;                                                                          \
+      ctx.set_deadline(DeadlineFor(context, absl::Seconds(60)));                                        \
+      reactor->Finish(v1::Worker::NewStub(channel)->METHOD(&ctx, req, response));                       \
+    });                                                                                                 \
+    return reactor;                                                                                     \
   }
 
 KVCACHE_FORWARD_TO_SESSION(GetSession, v1::SessionRequest, v1::SessionInfo)
@@ -354,7 +361,8 @@ absl::StatusOr<v1::ListWorkersResponse> RouterService::ListWorkers() const {
     v1::WorkerInfo* info = out.add_workers();
     info->set_worker_id(w.worker_id);
     info->set_address(w.address);
-    info->set_health(!w.connected ? "DOWN" : (w.draining ? "DRAINING" : (w.healthy ? "SERVING" : "NOT_SERVING")));
+    info->set_health(!w.connected ? "DOWN"
+                                  : (w.draining ? "DRAINING" : (w.healthy ? "SERVING" : "NOT_SERVING")));
     *info->mutable_load() = w.load;
     info->set_sessions(static_cast<int32_t>(directory_->SessionsOn(w.address).size()));
     info->set_model_id(w.model_id);
@@ -363,14 +371,16 @@ absl::StatusOr<v1::ListWorkersResponse> RouterService::ListWorkers() const {
 }
 
 absl::StatusOr<v1::MigrateSessionResponse> RouterService::Migrate(const std::string& session_id,
-                                                                  const std::string& target, const char* reason) {
+                                                                  const std::string& target,
+                                                                  const char* reason) {
   auto loc = directory_->FindSession(session_id);
   if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", session_id, "' not found"));
   WorkerId dest;
   if (!target.empty()) {
     auto w = pool_->Find(target);
     if (!w.has_value()) return absl::NotFoundError(absl::StrCat("worker '", target, "' not found"));
-    if (!w->healthy) return absl::FailedPreconditionError(absl::StrCat("worker '", target, "' is not healthy"));
+    if (!w->healthy)
+      return absl::FailedPreconditionError(absl::StrCat("worker '", target, "' is not healthy"));
     dest = w->address;
   } else {
     auto p = Place("", loc->tenant, false, {}, {loc->worker});

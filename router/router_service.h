@@ -65,8 +65,9 @@ struct RouterOptions {
 class RouterService final : public v1::KvCache::CallbackService {
  public:
   // All pointers must outlive the service. `chat_template` may be null.
-  RouterService(RouterOptions options, WorkerPool* pool, Directory* directory, const tok::Tokenizer* tokenizer,
-                const tok::ChatTemplate* chat_template, const Authenticator* auth, RouterMetrics* metrics);
+  RouterService(RouterOptions options, WorkerPool* pool, Directory* directory,
+                const tok::Tokenizer* tokenizer, const tok::ChatTemplate* chat_template,
+                const Authenticator* auth, RouterMetrics* metrics);
   ~RouterService() override;  // Shutdown()
 
   // Ends the rebalancer and waits for proxy threads.
@@ -74,13 +75,16 @@ class RouterService final : public v1::KvCache::CallbackService {
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
                                                            const v1::GenerateRequest* request) override;
-  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context, const v1::SessionRequest* request,
-                                       v1::SessionInfo* response) override;
-  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context, const v1::SessionRequest* request,
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::SessionRequest* request, v1::SessionInfo* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const v1::SessionRequest* request,
                                          v1::CloseSessionResponse* response) override;
   grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context,
-                                        const v1::ForkSessionRequest* request, v1::SessionInfo* response) override;
-  grpc::ServerUnaryReactor* PinSession(grpc::CallbackServerContext* context, const v1::PinSessionRequest* request,
+                                        const v1::ForkSessionRequest* request,
+                                        v1::SessionInfo* response) override;
+  grpc::ServerUnaryReactor* PinSession(grpc::CallbackServerContext* context,
+                                       const v1::PinSessionRequest* request,
                                        v1::SessionInfo* response) override;
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
                                          const v1::ListSessionsRequest* request,
@@ -129,12 +133,14 @@ class RouterService final : public v1::KvCache::CallbackService {
 class AdminService final : public v1::KvCacheAdmin::CallbackService {
  public:
   explicit AdminService(RouterService* router) : router_(router) {}
-  grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context, const v1::ListWorkersRequest* request,
+  grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,
+                                        const v1::ListWorkersRequest* request,
                                         v1::ListWorkersResponse* response) override;
   grpc::ServerUnaryReactor* MigrateSession(grpc::CallbackServerContext* context,
                                            const v1::AdminMigrateRequest* request,
                                            v1::MigrateSessionResponse* response) override;
-  grpc::ServerUnaryReactor* DrainWorker(grpc::CallbackServerContext* context, const v1::DrainWorkerRequest* request,
+  grpc::ServerUnaryReactor* DrainWorker(grpc::CallbackServerContext* context,
+                                        const v1::DrainWorkerRequest* request,
                                         v1::DrainResponse* response) override;
 
  private:

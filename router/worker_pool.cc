@@ -4,7 +4,6 @@
 #include <sys/socket.h>
 
 #include "absl/container/flat_hash_set.h"
-
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 
@@ -40,7 +39,8 @@ WorkerPool::WorkerPool(WorkerPoolOptions options, Directory* directory)
         const absl::Time now = absl::Now();
         for (auto& [addr, w] : workers_) {
           if (w->connected && now - w->last_message > options_.health_timeout && w->stream != nullptr) {
-            KV_LOG_WARN("worker {} silent for {}; reconnecting", addr, absl::FormatDuration(now - w->last_message));
+            KV_LOG_WARN("worker {} silent for {}; reconnecting", addr,
+                        absl::FormatDuration(now - w->last_message));
             w->stream->TryCancel();
           }
           if (!w->connected && !w->forgotten && now - w->disconnected_since > options_.forget_after) {
@@ -196,7 +196,8 @@ void WorkerPool::Watch(Worker* w) {
     uint64_t expected = 1;
     while (reader->Read(&ev)) {
       if (ev.sequence() != expected) {
-        KV_LOG_WARN("worker {}: watch sequence {} after {}; resyncing", w->address, ev.sequence(), expected - 1);
+        KV_LOG_WARN("worker {}: watch sequence {} after {}; resyncing", w->address, ev.sequence(),
+                    expected - 1);
         break;
       }
       ++expected;
@@ -255,7 +256,8 @@ std::vector<WorkerView> WorkerPool::Workers() const {
   absl::MutexLock lock(&mu_);
   std::vector<WorkerView> out;
   for (const auto& [addr, w] : workers_) out.push_back(ViewLocked(*w));
-  std::sort(out.begin(), out.end(), [](const WorkerView& a, const WorkerView& b) { return a.address < b.address; });
+  std::sort(out.begin(), out.end(),
+            [](const WorkerView& a, const WorkerView& b) { return a.address < b.address; });
   return out;
 }
 

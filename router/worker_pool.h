@@ -29,8 +29,8 @@
 namespace kvcache::router {
 
 struct WorkerPoolOptions {
-  absl::Duration health_timeout = absl::Seconds(3);   // no Watch message for this long: unhealthy
-  absl::Duration forget_after = absl::Seconds(30);    // unreachable this long: forgotten
+  absl::Duration health_timeout = absl::Seconds(3);  // no Watch message for this long: unhealthy
+  absl::Duration forget_after = absl::Seconds(30);   // unreachable this long: forgotten
   absl::Duration reconnect_backoff = absl::Milliseconds(200);
   absl::Duration dns_refresh = absl::Seconds(10);
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // insecure when null

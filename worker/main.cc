@@ -22,14 +22,19 @@
 #include "worker/service/worker_metrics.h"
 #include "worker/service/worker_service.h"
 
-ABSL_FLAG(std::string, model, "", "GGUF model file (default: $KVCACHE_MODEL or the one scripts/setup.sh fetches)");
-ABSL_FLAG(std::string, worker_id, "", "Name of this worker in routing, logs and metrics (default: the gRPC address)");
-ABSL_FLAG(std::string, device, "cpu",
-          "Backend: cpu, or cuda[:N] (the CUDA plugin on GPU N; tier 0 in device memory, tier 1 pinned host)");
+ABSL_FLAG(std::string, model, "",
+          "GGUF model file (default: $KVCACHE_MODEL or the one scripts/setup.sh fetches)");
+ABSL_FLAG(std::string, worker_id, "",
+          "Name of this worker in routing, logs and metrics (default: the gRPC address)");
+ABSL_FLAG(
+    std::string, device, "cpu",
+    "Backend: cpu, or cuda[:N] (the CUDA plugin on GPU N; tier 0 in device memory, tier 1 pinned host)");
 ABSL_FLAG(std::string, cuda_plugin, "",
-          "libkvcache_cuda.so to load for --device=cuda (default: beside this binary, then $KVCACHE_BUILD_DIR/worker)");
+          "libkvcache_cuda.so to load for --device=cuda (default: beside this binary, then "
+          "$KVCACHE_BUILD_DIR/worker)");
 ABSL_FLAG(int64_t, tier0_bytes, int64_t{1} << 30, "KV budget in backend memory (tier 0), bytes");
-ABSL_FLAG(int64_t, tier1_bytes, int64_t{4} << 30, "KV budget in host RAM for offloaded pages (tier 1), bytes; 0 disables");
+ABSL_FLAG(int64_t, tier1_bytes, int64_t{4} << 30,
+          "KV budget in host RAM for offloaded pages (tier 1), bytes; 0 disables");
 ABSL_FLAG(int32_t, page_tokens, 16, "Tokens per KV page");
 ABSL_FLAG(std::string, kv_dtype, "f16", "KV element type: f16, bf16 or f32");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
@@ -59,18 +64,22 @@ absl::StatusOr<kv::KvDtype> ParseDtype(const std::string& s) {
 
 absl::Status CheckFlags() {
   if (absl::Status st = backend::ParseDevice(absl::GetFlag(FLAGS_device)).status(); !st.ok()) return st;
-  if (absl::GetFlag(FLAGS_tier0_bytes) <= 0) return absl::InvalidArgumentError("--tier0_bytes must be positive");
-  if (absl::GetFlag(FLAGS_tier1_bytes) < 0) return absl::InvalidArgumentError("--tier1_bytes must not be negative");
+  if (absl::GetFlag(FLAGS_tier0_bytes) <= 0)
+    return absl::InvalidArgumentError("--tier0_bytes must be positive");
+  if (absl::GetFlag(FLAGS_tier1_bytes) < 0)
+    return absl::InvalidArgumentError("--tier1_bytes must not be negative");
   const int pt = absl::GetFlag(FLAGS_page_tokens);
   if (pt < 1 || pt > 1024) return absl::InvalidArgumentError("--page_tokens must be in [1, 1024]");
   if (absl::GetFlag(FLAGS_threads) < 0) return absl::InvalidArgumentError("--threads must not be negative");
   if (absl::GetFlag(FLAGS_max_batch_tokens) < 1 || absl::GetFlag(FLAGS_max_batch_tokens) > 8192) {
     return absl::InvalidArgumentError("--max_batch_tokens must be in [1, 8192]");
   }
-  if (absl::GetFlag(FLAGS_max_context) < 2) return absl::InvalidArgumentError("--max_context must be at least 2");
+  if (absl::GetFlag(FLAGS_max_context) < 2)
+    return absl::InvalidArgumentError("--max_context must be at least 2");
   if (absl::GetFlag(FLAGS_max_running) < 1 || absl::GetFlag(FLAGS_max_waiting) < 0 ||
       absl::GetFlag(FLAGS_default_max_tokens) < 1 || absl::GetFlag(FLAGS_max_tokens_per_request) < 1) {
-    return absl::InvalidArgumentError("--max_running, --default_max_tokens, --max_tokens_per_request must be positive");
+    return absl::InvalidArgumentError(
+        "--max_running, --default_max_tokens, --max_tokens_per_request must be positive");
   }
   if (absl::GetFlag(FLAGS_tenant_max_sessions) < 0 || absl::GetFlag(FLAGS_tenant_max_pinned_pages) < 0 ||
       absl::GetFlag(FLAGS_tenant_max_requests) < 0) {
@@ -112,8 +121,8 @@ int Run() {
   }
 
   kv::KvCacheOptions ko;
-  ko.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv),
-                         static_cast<int>(hp.head_dim), *ParseDtype(absl::GetFlag(FLAGS_kv_dtype)),
+  ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),     static_cast<int>(hp.n_head_kv),
+                         static_cast<int>(hp.head_dim),    *ParseDtype(absl::GetFlag(FLAGS_kv_dtype)),
                          absl::GetFlag(FLAGS_page_tokens), static_cast<int>(hp.sliding_window)};
   ko.model_id = (*model)->model_id();
   ko.tier0_bytes = absl::GetFlag(FLAGS_tier0_bytes);
@@ -122,8 +131,9 @@ int Run() {
   if (cuda != nullptr) ko.storage_factory = cuda->MakeTierStorageFactory();
   auto kv = kv::KvCacheManager::Create(ko);
   if (!kv.ok()) {
-    DieWith(kName, absl::Status(kv.status().code(), absl::StrCat(kv.status().message(),
-                                                                 " (check --tier0_bytes / --tier1_bytes)")),
+    DieWith(kName,
+            absl::Status(kv.status().code(),
+                         absl::StrCat(kv.status().message(), " (check --tier0_bytes / --tier1_bytes)")),
             1);
   }
   cpu::CpuRunnerOptions ro;
@@ -175,9 +185,8 @@ int Run() {
   ho.worker_id = worker_id;
   ho.model_id = so.model_id;
   ho.load_interval = absl::GetFlag(FLAGS_load_report_interval);
-  service::WatchHub hub(ho, kv->get(), engine->get(), [&service_ptr] {
-    return service_ptr != nullptr && service_ptr->draining();
-  });
+  service::WatchHub hub(ho, kv->get(), engine->get(),
+                        [&service_ptr] { return service_ptr != nullptr && service_ptr->draining(); });
   ServerProcess* proc = process->get();
   service::WorkerService service(
       so, engine->get(), kv->get(), tokenizer->get(), chat.ok() ? &*chat : nullptr, &hub, &metrics,
@@ -190,11 +199,13 @@ int Run() {
 
   // Gauges that mirror the cache and the queue are refreshed on every scrape.
   const int64_t page_bytes = ko.shape.page_bytes();
-  (*process)->SetCollectHook([&] { metrics.Refresh((*kv)->GetStats(), page_bytes, (*engine)->Load(), service.draining()); });
+  (*process)->SetCollectHook(
+      [&] { metrics.Refresh((*kv)->GetStats(), page_bytes, (*engine)->Load(), service.draining()); });
 
-  KV_LOG_INFO("model {} ({} layers, {} KV heads, head_dim {}); KV {} per token, tier 0 {} pages, tier 1 {} pages",
-              so.model_id, hp.n_layer, hp.n_head_kv, hp.head_dim, ko.shape.bytes_per_token(),
-              (*kv)->tier_capacity_pages(0), (*kv)->tier_capacity_pages(1));
+  KV_LOG_INFO(
+      "model {} ({} layers, {} KV heads, head_dim {}); KV {} per token, tier 0 {} pages, tier 1 {} pages",
+      so.model_id, hp.n_layer, hp.n_head_kv, hp.head_dim, ko.shape.bytes_per_token(),
+      (*kv)->tier_capacity_pages(0), (*kv)->tier_capacity_pages(1));
   absl::Status served = (*process)->Serve({&service}, [&] {
     // SIGTERM or a finished drain: stop taking work (readiness NOT_SERVING; the
     // routers see `draining` on Watch and migrate this worker's sessions away),
@@ -220,6 +231,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);  // before any thread starts
-  kvcache::InitProcess(argc, argv, kvcache::kName, "kvcache-worker: KV-cache-centred LLM worker. See --help.");
+  kvcache::InitProcess(argc, argv, kvcache::kName,
+                       "kvcache-worker: KV-cache-centred LLM worker. See --help.");
   return kvcache::Run();
 }

@@ -46,8 +46,7 @@ KV_HD inline float Fp16ToFp32(uint16_t h) {
     ++e;
     mant <<= 1;
   } while ((mant & 0x400u) == 0);
-  return BitsToFloat(sign | (static_cast<uint32_t>(112 - e) << 23) |
-                     ((mant & 0x3ffu) << 13));
+  return BitsToFloat(sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13));
 }
 
 // Round to nearest, ties to even; overflow gives infinity; NaN stays NaN.
@@ -59,7 +58,7 @@ KV_HD inline uint16_t Fp32ToFp16(float f) {
   if (abs >= 0x47800000u) {  // >= 65536: inf (also rounds to inf above 65520)
     return static_cast<uint16_t>(sign | 0x7c00u);
   }
-  if (abs < 0x38800000u) {  // below the smallest normal f16 (2^-14)
+  if (abs < 0x38800000u) {               // below the smallest normal f16 (2^-14)
     if (abs < 0x33000000u) return sign;  // below half the smallest subnormal
     const uint32_t e = abs >> 23;
     const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
@@ -76,9 +75,7 @@ KV_HD inline uint16_t Fp32ToFp16(float f) {
   return static_cast<uint16_t>(sign | half);
 }
 
-KV_HD inline float Bf16ToFp32(uint16_t b) {
-  return BitsToFloat(static_cast<uint32_t>(b) << 16);
-}
+KV_HD inline float Bf16ToFp32(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
 
 // Round to nearest even, NaN kept quiet (same rule as ggml_compute_fp32_to_bf16).
 KV_HD inline uint16_t Fp32ToBf16(float f) {

@@ -20,21 +20,16 @@ struct TraitsEntry {
 // Sizes of every type ggml knows, so that files holding types we cannot decode
 // still open (the error comes when such a tensor is dequantised).
 constexpr TraitsEntry kTraits[] = {
-    {0, {"f32", 1, 4, true}},           {1, {"f16", 1, 2, true}},
-    {2, {"q4_0", 32, 18, true}},        {3, {"q4_1", 32, 20, true}},
-    {6, {"q5_0", 32, 22, true}},        {7, {"q5_1", 32, 24, true}},
-    {8, {"q8_0", 32, 34, true}},        {9, {"q8_1", 32, 36, false}},
-    {10, {"q2_K", 256, 84, false}},     {11, {"q3_K", 256, 110, false}},
-    {12, {"q4_K", 256, 144, true}},     {13, {"q5_K", 256, 176, true}},
-    {14, {"q6_K", 256, 210, true}},     {15, {"q8_K", 256, 292, false}},
-    {16, {"iq2_xxs", 256, 66, false}},  {17, {"iq2_xs", 256, 74, false}},
-    {18, {"iq3_xxs", 256, 98, false}},  {19, {"iq1_s", 256, 50, false}},
-    {20, {"iq4_nl", 32, 18, false}},    {21, {"iq3_s", 256, 110, false}},
-    {22, {"iq2_s", 256, 82, false}},    {23, {"iq4_xs", 256, 136, false}},
-    {24, {"i8", 1, 1, false}},          {25, {"i16", 1, 2, false}},
-    {26, {"i32", 1, 4, false}},         {27, {"i64", 1, 8, false}},
-    {28, {"f64", 1, 8, false}},         {29, {"iq1_m", 256, 56, false}},
-    {30, {"bf16", 1, 2, true}},         {34, {"tq1_0", 256, 54, false}},
+    {0, {"f32", 1, 4, true}},          {1, {"f16", 1, 2, true}},          {2, {"q4_0", 32, 18, true}},
+    {3, {"q4_1", 32, 20, true}},       {6, {"q5_0", 32, 22, true}},       {7, {"q5_1", 32, 24, true}},
+    {8, {"q8_0", 32, 34, true}},       {9, {"q8_1", 32, 36, false}},      {10, {"q2_K", 256, 84, false}},
+    {11, {"q3_K", 256, 110, false}},   {12, {"q4_K", 256, 144, true}},    {13, {"q5_K", 256, 176, true}},
+    {14, {"q6_K", 256, 210, true}},    {15, {"q8_K", 256, 292, false}},   {16, {"iq2_xxs", 256, 66, false}},
+    {17, {"iq2_xs", 256, 74, false}},  {18, {"iq3_xxs", 256, 98, false}}, {19, {"iq1_s", 256, 50, false}},
+    {20, {"iq4_nl", 32, 18, false}},   {21, {"iq3_s", 256, 110, false}},  {22, {"iq2_s", 256, 82, false}},
+    {23, {"iq4_xs", 256, 136, false}}, {24, {"i8", 1, 1, false}},         {25, {"i16", 1, 2, false}},
+    {26, {"i32", 1, 4, false}},        {27, {"i64", 1, 8, false}},        {28, {"f64", 1, 8, false}},
+    {29, {"iq1_m", 256, 56, false}},   {30, {"bf16", 1, 2, true}},        {34, {"tq1_0", 256, 54, false}},
     {35, {"tq2_0", 256, 66, false}},
 };
 
@@ -207,33 +202,40 @@ using BlockDecoder = void (*)(const uint8_t*, float*);
 
 BlockDecoder DecoderFor(GgmlType type) {
   switch (type) {
-    case GgmlType::kQ4_0: return DecodeQ4_0;
-    case GgmlType::kQ4_1: return DecodeQ4_1;
-    case GgmlType::kQ5_0: return DecodeQ5_0;
-    case GgmlType::kQ5_1: return DecodeQ5_1;
-    case GgmlType::kQ8_0: return DecodeQ8_0;
-    case GgmlType::kQ4_K: return DecodeQ4_K;
-    case GgmlType::kQ5_K: return DecodeQ5_K;
-    case GgmlType::kQ6_K: return DecodeQ6_K;
-    default: return nullptr;
+    case GgmlType::kQ4_0:
+      return DecodeQ4_0;
+    case GgmlType::kQ4_1:
+      return DecodeQ4_1;
+    case GgmlType::kQ5_0:
+      return DecodeQ5_0;
+    case GgmlType::kQ5_1:
+      return DecodeQ5_1;
+    case GgmlType::kQ8_0:
+      return DecodeQ8_0;
+    case GgmlType::kQ4_K:
+      return DecodeQ4_K;
+    case GgmlType::kQ5_K:
+      return DecodeQ5_K;
+    case GgmlType::kQ6_K:
+      return DecodeQ6_K;
+    default:
+      return nullptr;
   }
 }
 
 absl::Status CheckRow(GgmlType type, int64_t n) {
   const GgmlTypeTraits* t = GetTypeTraits(static_cast<uint32_t>(type));
   if (t == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown ggml type ", static_cast<uint32_t>(type)));
+    return absl::InvalidArgumentError(absl::StrCat("unknown ggml type ", static_cast<uint32_t>(type)));
   }
   if (!t->supported) {
-    return absl::UnimplementedError(
-        absl::StrCat("tensor type ", t->name, " is not supported (supported: f32, f16, "
-                     "bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)"));
+    return absl::UnimplementedError(absl::StrCat("tensor type ", t->name,
+                                                 " is not supported (supported: f32, f16, "
+                                                 "bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)"));
   }
   if (n < 0 || n % t->block_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "row of ", n, " elements is not a whole number of ", t->name, " blocks of ",
-        t->block_size));
+    return absl::InvalidArgumentError(absl::StrCat("row of ", n, " elements is not a whole number of ",
+                                                   t->name, " blocks of ", t->block_size));
   }
   return absl::OkStatus();
 }
@@ -343,8 +345,8 @@ int ClampRound(float v, int lo, int hi) {
 }
 
 // Q4_K / Q5_K: x ~= d*sc*q - dmin*m per 32-element sub-block, q in [0, levels].
-void QuantizeKMinScale(const float* x, int levels, float* d_out, float* dmin_out,
-                       uint8_t* sc, uint8_t* mn, uint8_t* q) {
+void QuantizeKMinScale(const float* x, int levels, float* d_out, float* dmin_out, uint8_t* sc, uint8_t* mn,
+                       uint8_t* q) {
   float sub_scale[8], sub_min[8];
   float max_scale = 0.0f, max_min = 0.0f;
   for (int s = 0; s < 8; ++s) {
@@ -368,8 +370,7 @@ void QuantizeKMinScale(const float* x, int levels, float* d_out, float* dmin_out
     const float ds = d * sc[s];
     const float ms = dmin * mn[s];
     for (int l = 0; l < 32; ++l) {
-      q[s * 32 + l] = static_cast<uint8_t>(
-          ds > 0 ? ClampRound((x[s * 32 + l] + ms) / ds, 0, levels) : 0);
+      q[s * 32 + l] = static_cast<uint8_t>(ds > 0 ? ClampRound((x[s * 32 + l] + ms) / ds, 0, levels) : 0);
     }
   }
 }
@@ -384,8 +385,7 @@ void QuantizeQ4_K(const float* x, uint8_t* p) {
   PackScaleMinK4(sc, mn, b.scales);
   for (int j = 0; j < 4; ++j) {
     for (int l = 0; l < 32; ++l) {
-      b.qs[j * 32 + l] =
-          static_cast<uint8_t>(q[j * 64 + l] | (q[j * 64 + 32 + l] << 4));
+      b.qs[j * 32 + l] = static_cast<uint8_t>(q[j * 64 + l] | (q[j * 64 + 32 + l] << 4));
     }
   }
   memcpy(p, &b, sizeof(b));
@@ -429,8 +429,7 @@ void QuantizeQ6_K(const float* x, uint8_t* p) {
     b.scales[s] = static_cast<int8_t>(sc);
     const float ds = d * static_cast<float>(sc);
     for (int l = 0; l < 16; ++l) {
-      q[s * 16 + l] = static_cast<uint8_t>(
-          (ds > 0 ? ClampRound(x[s * 16 + l] / ds, -32, 31) : 0) + 32);
+      q[s * 16 + l] = static_cast<uint8_t>((ds > 0 ? ClampRound(x[s * 16 + l] / ds, -32, 31) : 0) + 32);
     }
   }
   for (int half = 0; half < 2; ++half) {
@@ -440,8 +439,8 @@ void QuantizeQ6_K(const float* x, uint8_t* p) {
     for (int l = 0; l < 32; ++l) {
       ql[l] = static_cast<uint8_t>((qq[l] & 0xF) | ((qq[l + 64] & 0xF) << 4));
       ql[l + 32] = static_cast<uint8_t>((qq[l + 32] & 0xF) | ((qq[l + 96] & 0xF) << 4));
-      qh[l] = static_cast<uint8_t>((qq[l] >> 4) | ((qq[l + 32] >> 4) << 2) |
-                                   ((qq[l + 64] >> 4) << 4) | ((qq[l + 96] >> 4) << 6));
+      qh[l] = static_cast<uint8_t>((qq[l] >> 4) | ((qq[l + 32] >> 4) << 2) | ((qq[l + 64] >> 4) << 4) |
+                                   ((qq[l + 96] >> 4) << 6));
     }
   }
   memcpy(p, &b, sizeof(b));
@@ -456,9 +455,7 @@ const GgmlTypeTraits* GetTypeTraits(uint32_t raw) {
   return nullptr;
 }
 
-const GgmlTypeTraits& TypeTraits(GgmlType type) {
-  return *GetTypeTraits(static_cast<uint32_t>(type));
-}
+const GgmlTypeTraits& TypeTraits(GgmlType type) { return *GetTypeTraits(static_cast<uint32_t>(type)); }
 
 absl::string_view TypeName(GgmlType type) {
   const GgmlTypeTraits* t = GetTypeTraits(static_cast<uint32_t>(type));
@@ -468,13 +465,11 @@ absl::string_view TypeName(GgmlType type) {
 absl::StatusOr<int64_t> RowBytes(GgmlType type, int64_t n) {
   const GgmlTypeTraits* t = GetTypeTraits(static_cast<uint32_t>(type));
   if (t == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown ggml type ", static_cast<uint32_t>(type)));
+    return absl::InvalidArgumentError(absl::StrCat("unknown ggml type ", static_cast<uint32_t>(type)));
   }
   if (n < 0 || n % t->block_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "row of ", n, " elements is not a whole number of ", t->name, " blocks of ",
-        t->block_size));
+    return absl::InvalidArgumentError(absl::StrCat("row of ", n, " elements is not a whole number of ",
+                                                   t->name, " blocks of ", t->block_size));
   }
   const int64_t blocks = n / t->block_size;
   if (blocks > std::numeric_limits<int64_t>::max() / t->type_size) {
@@ -538,17 +533,32 @@ absl::Status QuantizeRow(GgmlType type, const float* src, void* dst, int64_t n) 
     case GgmlType::kBF16:
       for (int64_t i = 0; i < n; ++i) StoreU16(p + 2 * i, Fp32ToBf16(src[i]));
       return absl::OkStatus();
-    case GgmlType::kQ4_0: quantize = QuantizeQ4_0; break;
-    case GgmlType::kQ4_1: quantize = QuantizeQ4_1; break;
-    case GgmlType::kQ5_0: quantize = QuantizeQ5_0; break;
-    case GgmlType::kQ5_1: quantize = QuantizeQ5_1; break;
-    case GgmlType::kQ8_0: quantize = QuantizeQ8_0; break;
-    case GgmlType::kQ4_K: quantize = QuantizeQ4_K; break;
-    case GgmlType::kQ5_K: quantize = QuantizeQ5_K; break;
-    case GgmlType::kQ6_K: quantize = QuantizeQ6_K; break;
+    case GgmlType::kQ4_0:
+      quantize = QuantizeQ4_0;
+      break;
+    case GgmlType::kQ4_1:
+      quantize = QuantizeQ4_1;
+      break;
+    case GgmlType::kQ5_0:
+      quantize = QuantizeQ5_0;
+      break;
+    case GgmlType::kQ5_1:
+      quantize = QuantizeQ5_1;
+      break;
+    case GgmlType::kQ8_0:
+      quantize = QuantizeQ8_0;
+      break;
+    case GgmlType::kQ4_K:
+      quantize = QuantizeQ4_K;
+      break;
+    case GgmlType::kQ5_K:
+      quantize = QuantizeQ5_K;
+      break;
+    case GgmlType::kQ6_K:
+      quantize = QuantizeQ6_K;
+      break;
     default:
-      return absl::UnimplementedError(
-          absl::StrCat("no quantiser for tensor type ", TypeName(type)));
+      return absl::UnimplementedError(absl::StrCat("no quantiser for tensor type ", TypeName(type)));
   }
   const GgmlTypeTraits& t = TypeTraits(type);
   for (int64_t b = 0; b < n / t.block_size; ++b) {

@@ -46,9 +46,9 @@ enum class GgmlType : uint32_t {
 // Static facts about a type. `supported` is true for the types this library
 // can dequantise (DequantizeRow / VecDot succeed for them).
 struct GgmlTypeTraits {
-  const char* name;      // ggml's name, e.g. "q4_1"
-  int64_t block_size;    // elements per block (1 for plain types)
-  int64_t type_size;     // bytes per block
+  const char* name;    // ggml's name, e.g. "q4_1"
+  int64_t block_size;  // elements per block (1 for plain types)
+  int64_t type_size;   // bytes per block
   bool supported;
 };
 
@@ -66,8 +66,8 @@ constexpr int kQK = 32;
 constexpr int kQKK = 256;
 constexpr int kKScaleBytes = 12;
 
-struct BlockQ4_0 {  // x = (q - 8) * d
-  uint16_t d;       // f16
+struct BlockQ4_0 {      // x = (q - 8) * d
+  uint16_t d;           // f16
   uint8_t qs[kQK / 2];  // low nibbles: elements 0..15, high: 16..31
 };
 struct BlockQ4_1 {  // x = q * d + m

@@ -46,21 +46,25 @@ size_t ScalarSize(GgufValueType t) {
 bool IsKnownValueType(uint32_t t) { return t <= 12; }
 
 bool IsSignedInt(GgufValueType t) {
-  return t == GgufValueType::kInt8 || t == GgufValueType::kInt16 ||
-         t == GgufValueType::kInt32 || t == GgufValueType::kInt64;
+  return t == GgufValueType::kInt8 || t == GgufValueType::kInt16 || t == GgufValueType::kInt32 ||
+         t == GgufValueType::kInt64;
 }
 bool IsUnsignedInt(GgufValueType t) {
-  return t == GgufValueType::kUint8 || t == GgufValueType::kUint16 ||
-         t == GgufValueType::kUint32 || t == GgufValueType::kUint64;
+  return t == GgufValueType::kUint8 || t == GgufValueType::kUint16 || t == GgufValueType::kUint32 ||
+         t == GgufValueType::kUint64;
 }
 
 // Sign-extends the little-endian payload of an integer of type t.
 int64_t SignedFromBits(GgufValueType t, uint64_t bits) {
   switch (t) {
-    case GgufValueType::kInt8: return static_cast<int8_t>(bits);
-    case GgufValueType::kInt16: return static_cast<int16_t>(bits);
-    case GgufValueType::kInt32: return static_cast<int32_t>(bits);
-    default: return static_cast<int64_t>(bits);
+    case GgufValueType::kInt8:
+      return static_cast<int8_t>(bits);
+    case GgufValueType::kInt16:
+      return static_cast<int16_t>(bits);
+    case GgufValueType::kInt32:
+      return static_cast<int32_t>(bits);
+    default:
+      return static_cast<int64_t>(bits);
   }
 }
 
@@ -85,9 +89,9 @@ double FloatFromBits(GgufValueType t, uint64_t bits) {
 }  // namespace
 
 absl::string_view ValueTypeName(GgufValueType type) {
-  static constexpr const char* kNames[] = {"uint8",  "int8",  "uint16", "int16", "uint32",
-                                           "int32",  "float32", "bool", "string", "array",
-                                           "uint64", "int64", "float64"};
+  static constexpr const char* kNames[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
+                                           "int32",  "float32", "bool",   "string", "array",
+                                           "uint64", "int64",   "float64"};
   const uint32_t i = static_cast<uint32_t>(type);
   return i < 13 ? kNames[i] : "unknown";
 }
@@ -100,8 +104,7 @@ absl::StatusOr<uint64_t> GgufValue::AsUint64() const {
     const int64_t v = SignedFromBits(type_, bits_);
     if (v >= 0) return static_cast<uint64_t>(v);
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("expected a non-negative integer, got ", DebugString()));
+  return absl::InvalidArgumentError(absl::StrCat("expected a non-negative integer, got ", DebugString()));
 }
 
 absl::StatusOr<int64_t> GgufValue::AsInt64() const {
@@ -133,15 +136,13 @@ absl::StatusOr<absl::string_view> GgufValue::AsString() const {
 
 absl::StatusOr<std::vector<absl::string_view>> GgufValue::AsStringArray() const {
   if (is_array() && array_type_ == GgufValueType::kString) return strings_;
-  return absl::InvalidArgumentError(
-      absl::StrCat("expected an array of strings, got ", DebugString()));
+  return absl::InvalidArgumentError(absl::StrCat("expected an array of strings, got ", DebugString()));
 }
 
 absl::StatusOr<std::vector<int64_t>> GgufValue::AsIntArray() const {
-  if (!is_array() || !(IsSignedInt(array_type_) || IsUnsignedInt(array_type_) ||
-                       array_type_ == GgufValueType::kBool)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("expected an array of integers, got ", DebugString()));
+  if (!is_array() ||
+      !(IsSignedInt(array_type_) || IsUnsignedInt(array_type_) || array_type_ == GgufValueType::kBool)) {
+    return absl::InvalidArgumentError(absl::StrCat("expected an array of integers, got ", DebugString()));
   }
   const size_t es = ScalarSize(array_type_);
   std::vector<int64_t> out(array_size_);
@@ -150,16 +151,14 @@ absl::StatusOr<std::vector<int64_t>> GgufValue::AsIntArray() const {
     if (array_type_ == GgufValueType::kUint64 && bits > static_cast<uint64_t>(INT64_MAX)) {
       return absl::InvalidArgumentError("uint64 array element does not fit in int64");
     }
-    out[i] = IsSignedInt(array_type_) ? SignedFromBits(array_type_, bits)
-                                      : static_cast<int64_t>(bits);
+    out[i] = IsSignedInt(array_type_) ? SignedFromBits(array_type_, bits) : static_cast<int64_t>(bits);
   }
   return out;
 }
 
 absl::StatusOr<std::vector<double>> GgufValue::AsDoubleArray() const {
   if (!is_array() || ScalarSize(array_type_) == 0 || array_type_ == GgufValueType::kBool) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("expected an array of numbers, got ", DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat("expected an array of numbers, got ", DebugString()));
   }
   const size_t es = ScalarSize(array_type_);
   std::vector<double> out(array_size_);
@@ -213,8 +212,7 @@ class GgufParser {
     pos_ = 4;
     KVCACHE_RETURN_IF_ERROR(ReadU32(&f_->version_, "version"));
     if (f_->version_ != 2 && f_->version_ != 3) {
-      return Error(absl::StrCat("unsupported GGUF version ", f_->version_,
-                                " (supported: 2, 3)"));
+      return Error(absl::StrCat("unsupported GGUF version ", f_->version_, " (supported: 2, 3)"));
     }
     uint64_t n_tensors = 0, n_kv = 0;
     KVCACHE_RETURN_IF_ERROR(ReadU64(&n_tensors, "tensor count"));
@@ -235,8 +233,8 @@ class GgufParser {
     if (const GgufValue* a = f_->FindValue("general.alignment")) {
       auto v = a->AsUint64();
       if (!v.ok() || *v == 0 || *v > GgufLimits::kMaxAlignment || (*v & (*v - 1)) != 0) {
-        return Error(absl::StrCat("general.alignment must be a power of two <= ",
-                                  GgufLimits::kMaxAlignment, ", got ", a->DebugString()));
+        return Error(absl::StrCat("general.alignment must be a power of two <= ", GgufLimits::kMaxAlignment,
+                                  ", got ", a->DebugString()));
       }
       f_->alignment_ = static_cast<uint32_t>(*v);
     }
@@ -258,9 +256,9 @@ class GgufParser {
                                   " is not a multiple of the alignment ", align));
       }
       if (t.offset > data_size || static_cast<uint64_t>(t.size_bytes) > data_size - t.offset) {
-        return Error(absl::StrCat("tensor '", t.name, "' data [", t.offset, ", +",
-                                  t.size_bytes, ") lies past the end of the file (data section is ",
-                                  data_size, " bytes; file truncated?)"));
+        return Error(absl::StrCat("tensor '", t.name, "' data [", t.offset, ", +", t.size_bytes,
+                                  ") lies past the end of the file (data section is ", data_size,
+                                  " bytes; file truncated?)"));
       }
       t.data = f_->base_ + data + t.offset;
     }
@@ -296,8 +294,7 @@ class GgufParser {
     uint64_t len = 0;
     KVCACHE_RETURN_IF_ERROR(ReadU64(&len, what));
     if (len > GgufLimits::kMaxStringBytes) {
-      return Error(absl::StrCat(what, " has length ", len, " (limit ",
-                                GgufLimits::kMaxStringBytes, ")"));
+      return Error(absl::StrCat(what, " has length ", len, " (limit ", GgufLimits::kMaxStringBytes, ")"));
     }
     KVCACHE_RETURN_IF_ERROR(Need(len, what));
     *s = absl::string_view(reinterpret_cast<const char*>(f_->base_ + pos_), len);
@@ -325,8 +322,7 @@ class GgufParser {
       const size_t es = ScalarSize(v->array_type_);
       const uint64_t min_elem = es == 0 ? 8 : es;  // a string needs its 8-byte length
       if (n > GgufLimits::kMaxArrayElements || n > Remaining() / min_elem) {
-        return Error(absl::StrCat("key '", key, "' array of ", n,
-                                  " elements does not fit in the file"));
+        return Error(absl::StrCat("key '", key, "' array of ", n, " elements does not fit in the file"));
       }
       v->array_size_ = n;
       if (es != 0) {
@@ -343,8 +339,7 @@ class GgufParser {
       }
       v->strings_.resize(n);
       for (uint64_t i = 0; i < n; ++i) {
-        KVCACHE_RETURN_IF_ERROR(
-            ReadString(&v->strings_[i], absl::StrCat("element ", i, " of '", key, "'")));
+        KVCACHE_RETURN_IF_ERROR(ReadString(&v->strings_[i], absl::StrCat("element ", i, " of '", key, "'")));
       }
       return absl::OkStatus();
     }
@@ -381,16 +376,16 @@ class GgufParser {
     absl::string_view name;
     KVCACHE_RETURN_IF_ERROR(ReadString(&name, absl::StrCat("name of tensor ", i)));
     if (name.empty() || name.size() > GgufLimits::kMaxTensorName) {
-      return Error(absl::StrCat("tensor ", i, " name length ", name.size(),
-                                " is outside [1, ", GgufLimits::kMaxTensorName, "]"));
+      return Error(absl::StrCat("tensor ", i, " name length ", name.size(), " is outside [1, ",
+                                GgufLimits::kMaxTensorName, "]"));
     }
     GgufTensorInfo t;
     t.name = std::string(name);
     uint32_t n_dims = 0;
     KVCACHE_RETURN_IF_ERROR(ReadU32(&n_dims, "tensor dimension count"));
     if (n_dims == 0 || n_dims > GgufLimits::kMaxDims) {
-      return Error(absl::StrCat("tensor '", t.name, "' has ", n_dims,
-                                " dimensions (must be 1..", GgufLimits::kMaxDims, ")"));
+      return Error(absl::StrCat("tensor '", t.name, "' has ", n_dims, " dimensions (must be 1..",
+                                GgufLimits::kMaxDims, ")"));
     }
     t.n_dims = static_cast<int>(n_dims);
     int64_t elements = 1;
@@ -399,8 +394,7 @@ class GgufParser {
       KVCACHE_RETURN_IF_ERROR(ReadU64(&ne, "tensor dimension"));
       if (ne == 0 || ne > static_cast<uint64_t>(INT64_MAX) ||
           static_cast<int64_t>(ne) > INT64_MAX / elements) {
-        return Error(absl::StrCat("tensor '", t.name, "' dimension ", d, " = ", ne,
-                                  " is zero or overflows"));
+        return Error(absl::StrCat("tensor '", t.name, "' dimension ", d, " = ", ne, " is zero or overflows"));
       }
       t.ne[d] = static_cast<int64_t>(ne);
       elements *= t.ne[d];
@@ -467,8 +461,7 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   ::close(fd);
   auto parsed = Parse(std::move(file));
   if (!parsed.ok()) {
-    return absl::Status(parsed.status().code(),
-                        absl::StrCat(path, ": ", parsed.status().message()));
+    return absl::Status(parsed.status().code(), absl::StrCat(path, ": ", parsed.status().message()));
   }
   return parsed;
 }
@@ -517,8 +510,7 @@ absl::StatusOr<uint64_t> GgufFile::GetUint64(absl::string_view key) const {
 absl::StatusOr<uint32_t> GgufFile::GetUint32(absl::string_view key) const {
   KVCACHE_ASSIGN_OR_RETURN(uint64_t v, GetUint64(key));
   if (v > std::numeric_limits<uint32_t>::max()) {
-    return absl::InvalidArgumentError(absl::StrCat("metadata '", key, "' = ", v,
-                                                   " does not fit in 32 bits"));
+    return absl::InvalidArgumentError(absl::StrCat("metadata '", key, "' = ", v, " does not fit in 32 bits"));
   }
   return static_cast<uint32_t>(v);
 }
@@ -552,8 +544,8 @@ absl::StatusOr<const GgufTensorInfo*> GgufFile::GetTensor(absl::string_view name
 
 absl::Status GgufFile::DequantizeTensorRow(const GgufTensorInfo& t, int64_t row, float* dst) {
   if (row < 0 || row >= t.num_rows()) {
-    return absl::OutOfRangeError(absl::StrCat("row ", row, " of tensor '", t.name, "' with ",
-                                              t.num_rows(), " rows"));
+    return absl::OutOfRangeError(
+        absl::StrCat("row ", row, " of tensor '", t.name, "' with ", t.num_rows(), " rows"));
   }
   return DequantizeRow(t.type, t.data + row * t.row_bytes, dst, t.ne[0]);
 }

@@ -57,8 +57,8 @@ struct GgufLimits {
   static constexpr uint64_t kMaxKeyValues = 1 << 20;
   static constexpr uint64_t kMaxStringBytes = 1 << 28;
   static constexpr uint64_t kMaxArrayElements = 1 << 28;
-  static constexpr uint32_t kMaxDims = 4;         // GGML_MAX_DIMS
-  static constexpr size_t kMaxTensorName = 63;    // GGML_MAX_NAME - 1
+  static constexpr uint32_t kMaxDims = 4;       // GGML_MAX_DIMS
+  static constexpr size_t kMaxTensorName = 63;  // GGML_MAX_NAME - 1
   static constexpr uint32_t kMaxAlignment = 1 << 16;
 };
 
@@ -91,12 +91,12 @@ class GgufValue {
  private:
   friend class GgufParser;
   GgufValueType type_ = GgufValueType::kUint8;
-  uint64_t bits_ = 0;          // integer/bool payload, or the bits of a float/double
-  absl::string_view str_;      // kString
+  uint64_t bits_ = 0;      // integer/bool payload, or the bits of a float/double
+  absl::string_view str_;  // kString
   GgufValueType array_type_ = GgufValueType::kUint8;
   uint64_t array_size_ = 0;
-  const uint8_t* array_data_ = nullptr;        // numeric arrays: packed elements
-  std::vector<absl::string_view> strings_;     // string arrays
+  const uint8_t* array_data_ = nullptr;     // numeric arrays: packed elements
+  std::vector<absl::string_view> strings_;  // string arrays
 };
 
 struct GgufTensorInfo {
@@ -105,9 +105,9 @@ struct GgufTensorInfo {
   int n_dims = 0;
   // ggml order: ne[0] is the innermost (contiguous) dimension; unused dims are 1.
   std::array<int64_t, GgufLimits::kMaxDims> ne = {1, 1, 1, 1};
-  uint64_t offset = 0;      // from the start of the data section
-  int64_t row_bytes = 0;    // bytes of one ne[0]-element row
-  int64_t size_bytes = 0;   // row_bytes * ne[1] * ne[2] * ne[3]
+  uint64_t offset = 0;            // from the start of the data section
+  int64_t row_bytes = 0;          // bytes of one ne[0]-element row
+  int64_t size_bytes = 0;         // row_bytes * ne[1] * ne[2] * ne[3]
   const uint8_t* data = nullptr;  // into the mapping; alignment() aligned
 
   int64_t num_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
@@ -163,8 +163,8 @@ class GgufFile {
 
   const uint8_t* base_ = nullptr;
   size_t size_ = 0;
-  void* mapping_ = nullptr;   // non-null when mmap'ed
-  std::string buffer_;        // owns the bytes for OpenFromBuffer
+  void* mapping_ = nullptr;  // non-null when mmap'ed
+  std::string buffer_;       // owns the bytes for OpenFromBuffer
   uint32_t version_ = 0;
   uint32_t alignment_ = 32;
   uint64_t data_offset_ = 0;

@@ -88,8 +88,8 @@ void GgufWriter::AddFloat32Array(absl::string_view key, const std::vector<float>
   for (float x : v) Put(&kv_bytes_, x);
 }
 
-absl::Status GgufWriter::AddTensor(absl::string_view name, GgmlType type,
-                                   const std::vector<int64_t>& shape, std::string data) {
+absl::Status GgufWriter::AddTensor(absl::string_view name, GgmlType type, const std::vector<int64_t>& shape,
+                                   std::string data) {
   if (shape.empty() || shape.size() > GgufLimits::kMaxDims) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' needs 1..4 dims"));
   }
@@ -100,8 +100,8 @@ absl::Status GgufWriter::AddTensor(absl::string_view name, GgmlType type,
     rows *= shape[i];
   }
   if (static_cast<int64_t>(data.size()) != row * rows) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has ", data.size(),
-                                                   " bytes, shape needs ", row * rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "' has ", data.size(), " bytes, shape needs ", row * rows));
   }
   tensors_.push_back(Tensor{std::string(name), type, shape, std::move(data)});
   return absl::OkStatus();
@@ -116,13 +116,12 @@ absl::Status GgufWriter::AddTensorFromFloats(absl::string_view name, GgmlType ty
   KVCACHE_ASSIGN_OR_RETURN(int64_t row, RowBytes(type, shape[0]));
   const int64_t rows = static_cast<int64_t>(values.size()) / shape[0];
   if (rows * shape[0] != static_cast<int64_t>(values.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", values.size(),
-                                                   " values is not whole rows"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': ", values.size(), " values is not whole rows"));
   }
   std::string data(static_cast<size_t>(row * rows), '\0');
   for (int64_t r = 0; r < rows; ++r) {
-    KVCACHE_RETURN_IF_ERROR(
-        QuantizeRow(type, values.data() + r * shape[0], &data[r * row], shape[0]));
+    KVCACHE_RETURN_IF_ERROR(QuantizeRow(type, values.data() + r * shape[0], &data[r * row], shape[0]));
   }
   return AddTensor(name, type, shape, std::move(data));
 }

@@ -43,11 +43,10 @@ class GgufWriter {
 
   // A tensor from already encoded bytes. `shape` is in ggml order (ne[0]
   // first), 1..4 dims. INVALID_ARGUMENT when data.size() does not match.
-  absl::Status AddTensor(absl::string_view name, GgmlType type,
-                         const std::vector<int64_t>& shape, std::string data);
+  absl::Status AddTensor(absl::string_view name, GgmlType type, const std::vector<int64_t>& shape,
+                         std::string data);
   // A tensor quantised from floats (row-major, ne[0] contiguous) with QuantizeRow.
-  absl::Status AddTensorFromFloats(absl::string_view name, GgmlType type,
-                                   const std::vector<int64_t>& shape,
+  absl::Status AddTensorFromFloats(absl::string_view name, GgmlType type, const std::vector<int64_t>& shape,
                                    const std::vector<float>& values);
 
   // The whole file. INVALID_ARGUMENT on duplicate keys or tensor names.

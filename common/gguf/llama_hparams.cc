@@ -10,8 +10,7 @@ namespace {
 constexpr int64_t kMaxLayers = 4096;
 constexpr int64_t kMaxDim = 1 << 20;
 
-absl::StatusOr<int64_t> RequiredInt(const GgufFile& f, const std::string& key, int64_t lo,
-                                    int64_t hi) {
+absl::StatusOr<int64_t> RequiredInt(const GgufFile& f, const std::string& key, int64_t lo, int64_t hi) {
   const GgufValue* v = f.FindValue(key);
   if (v == nullptr) return absl::InvalidArgumentError(absl::StrCat("metadata '", key, "' is missing"));
   auto r = v->AsInt64();
@@ -22,8 +21,8 @@ absl::StatusOr<int64_t> RequiredInt(const GgufFile& f, const std::string& key, i
   return *r;
 }
 
-absl::StatusOr<int64_t> OptionalInt(const GgufFile& f, const std::string& key, int64_t dflt,
-                                    int64_t lo, int64_t hi) {
+absl::StatusOr<int64_t> OptionalInt(const GgufFile& f, const std::string& key, int64_t dflt, int64_t lo,
+                                    int64_t hi) {
   if (f.FindValue(key) == nullptr) return dflt;
   return RequiredInt(f, key, lo, hi);
 }
@@ -42,20 +41,19 @@ absl::StatusOr<double> OptionalDouble(const GgufFile& f, const std::string& key,
 }  // namespace
 
 std::string LlamaHparams::DebugString() const {
-  return absl::StrCat(
-      "arch=", architecture, " layers=", n_layer, " embd=", n_embd, " ff=", n_ff,
-      " heads=", n_head, " kv_heads=", n_head_kv, " head_dim=", head_dim, " rot=", n_rot,
-      " ctx=", n_ctx_train, " vocab=", n_vocab, " rope_base=", rope_freq_base,
-      " rope_scaling=", rope_scaling.type, "x", rope_scaling.factor, " eps=", norm_rms_eps,
-      " swa=", sliding_window, " tied=", tied_embeddings ? "yes" : "no");
+  return absl::StrCat("arch=", architecture, " layers=", n_layer, " embd=", n_embd, " ff=", n_ff,
+                      " heads=", n_head, " kv_heads=", n_head_kv, " head_dim=", head_dim, " rot=", n_rot,
+                      " ctx=", n_ctx_train, " vocab=", n_vocab, " rope_base=", rope_freq_base,
+                      " rope_scaling=", rope_scaling.type, "x", rope_scaling.factor, " eps=", norm_rms_eps,
+                      " swa=", sliding_window, " tied=", tied_embeddings ? "yes" : "no");
 }
 
 absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& f) {
   LlamaHparams h;
   KVCACHE_ASSIGN_OR_RETURN(absl::string_view arch, f.GetString("general.architecture"));
   if (arch != "llama") {
-    return absl::UnimplementedError(absl::StrCat(
-        "model architecture '", arch, "' is not supported (only 'llama')"));
+    return absl::UnimplementedError(
+        absl::StrCat("model architecture '", arch, "' is not supported (only 'llama')"));
   }
   h.architecture = std::string(arch);
   if (auto n = f.GetString("general.name"); n.ok()) h.name = std::string(*n);
@@ -65,47 +63,39 @@ absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& f) {
   KVCACHE_ASSIGN_OR_RETURN(h.n_embd, RequiredInt(f, p + "embedding_length", 1, kMaxDim));
   KVCACHE_ASSIGN_OR_RETURN(h.n_ff, RequiredInt(f, p + "feed_forward_length", 1, 16 * kMaxDim));
   KVCACHE_ASSIGN_OR_RETURN(h.n_head, RequiredInt(f, p + "attention.head_count", 1, 4096));
-  KVCACHE_ASSIGN_OR_RETURN(h.n_head_kv,
-                           OptionalInt(f, p + "attention.head_count_kv", h.n_head, 1, h.n_head));
+  KVCACHE_ASSIGN_OR_RETURN(h.n_head_kv, OptionalInt(f, p + "attention.head_count_kv", h.n_head, 1, h.n_head));
   if (h.n_head % h.n_head_kv != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("head_count ", h.n_head,
-                                                   " is not a multiple of head_count_kv ",
-                                                   h.n_head_kv));
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_count ", h.n_head, " is not a multiple of head_count_kv ", h.n_head_kv));
   }
   const bool has_key_length = f.FindValue(p + "attention.key_length") != nullptr;
   if (!has_key_length && h.n_embd % h.n_head != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("embedding_length ", h.n_embd,
-                                                   " is not a multiple of head_count ", h.n_head));
+    return absl::InvalidArgumentError(
+        absl::StrCat("embedding_length ", h.n_embd, " is not a multiple of head_count ", h.n_head));
   }
-  KVCACHE_ASSIGN_OR_RETURN(h.head_dim, OptionalInt(f, p + "attention.key_length",
-                                                   h.n_embd / h.n_head, 1, 65536));
-  KVCACHE_ASSIGN_OR_RETURN(h.head_dim_v,
-                           OptionalInt(f, p + "attention.value_length", h.head_dim, 1, 65536));
-  KVCACHE_ASSIGN_OR_RETURN(h.n_rot,
-                           OptionalInt(f, p + "rope.dimension_count", h.head_dim, 0, h.head_dim));
+  KVCACHE_ASSIGN_OR_RETURN(h.head_dim,
+                           OptionalInt(f, p + "attention.key_length", h.n_embd / h.n_head, 1, 65536));
+  KVCACHE_ASSIGN_OR_RETURN(h.head_dim_v, OptionalInt(f, p + "attention.value_length", h.head_dim, 1, 65536));
+  KVCACHE_ASSIGN_OR_RETURN(h.n_rot, OptionalInt(f, p + "rope.dimension_count", h.head_dim, 0, h.head_dim));
   if (h.n_rot % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("rope.dimension_count ", h.n_rot, " is odd"));
   }
-  KVCACHE_ASSIGN_OR_RETURN(h.n_ctx_train,
-                           RequiredInt(f, p + "context_length", 1, int64_t{1} << 32));
+  KVCACHE_ASSIGN_OR_RETURN(h.n_ctx_train, RequiredInt(f, p + "context_length", 1, int64_t{1} << 32));
   KVCACHE_ASSIGN_OR_RETURN(h.rope_freq_base, OptionalDouble(f, p + "rope.freq_base", 10000.0));
-  KVCACHE_ASSIGN_OR_RETURN(h.norm_rms_eps,
-                           OptionalDouble(f, p + "attention.layer_norm_rms_epsilon", 1e-5));
+  KVCACHE_ASSIGN_OR_RETURN(h.norm_rms_eps, OptionalDouble(f, p + "attention.layer_norm_rms_epsilon", 1e-5));
   if (auto t = f.GetString(p + "rope.scaling.type"); t.ok()) {
     h.rope_scaling.type = std::string(*t);
   }
-  KVCACHE_ASSIGN_OR_RETURN(h.rope_scaling.factor,
-                           OptionalDouble(f, p + "rope.scaling.factor", 1.0));
+  KVCACHE_ASSIGN_OR_RETURN(h.rope_scaling.factor, OptionalDouble(f, p + "rope.scaling.factor", 1.0));
   if (f.FindValue(p + "rope.scale_linear") != nullptr) {  // older files
-    KVCACHE_ASSIGN_OR_RETURN(h.rope_scaling.factor,
-                             OptionalDouble(f, p + "rope.scale_linear", 1.0));
+    KVCACHE_ASSIGN_OR_RETURN(h.rope_scaling.factor, OptionalDouble(f, p + "rope.scale_linear", 1.0));
     if (h.rope_scaling.type == "none") h.rope_scaling.type = "linear";
   }
   KVCACHE_ASSIGN_OR_RETURN(
       h.rope_scaling.original_context_length,
       OptionalInt(f, p + "rope.scaling.original_context_length", 0, 0, int64_t{1} << 32));
-  KVCACHE_ASSIGN_OR_RETURN(
-      h.sliding_window, OptionalInt(f, p + "attention.sliding_window", 0, 0, int64_t{1} << 32));
+  KVCACHE_ASSIGN_OR_RETURN(h.sliding_window,
+                           OptionalInt(f, p + "attention.sliding_window", 0, 0, int64_t{1} << 32));
 
   const GgufTensorInfo* embd = f.FindTensor("token_embd.weight");
   if (embd == nullptr) {
@@ -122,9 +112,8 @@ absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& f) {
     h.n_vocab = embd->ne[1];
   }
   if (embd->n_dims != 2 || embd->ne[0] != h.n_embd || embd->ne[1] != h.n_vocab) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "token_embd.weight has shape ", embd->ShapeString(), ", expected [", h.n_embd, ", ",
-        h.n_vocab, "]"));
+    return absl::InvalidArgumentError(absl::StrCat("token_embd.weight has shape ", embd->ShapeString(),
+                                                   ", expected [", h.n_embd, ", ", h.n_vocab, "]"));
   }
   h.tied_embeddings = f.FindTensor("output.weight") == nullptr;
   h.has_rope_freqs = f.FindTensor("rope_freqs.weight") != nullptr;

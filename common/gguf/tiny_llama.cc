@@ -44,31 +44,29 @@ std::string ByteToken(int b) {
 // Merges in rank order; "Ġ" is the byte token of ' '. Later entries build on
 // earlier ones.
 const char* const kMerges[][2] = {
-    {"Ġ", "t"},   {"h", "e"},    {"i", "n"},   {"e", "r"},   {"a", "n"},   {"o", "n"},
-    {"Ġt", "he"}, {"r", "e"},    {"Ġ", "a"},   {"Ġ", "s"},   {"o", "u"},   {"a", "t"},
-    {"e", "n"},   {"Ġ", "w"},    {"i", "s"},   {"Ġ", "c"},   {"i", "t"},   {"Ġ", "o"},
-    {"o", "r"},   {"e", "s"},    {"in", "g"},  {"Ġ", "b"},   {"Ġ", "f"},   {"Ġ", "p"},
-    {"l", "l"},   {"Ġ", "m"},    {"e", "d"},   {"Ġa", "n"},  {"Ġo", "f"},  {"Ġ", "h"},
-    {"a", "r"},   {"Ġ", "d"},    {"Ġan", "d"}, {"Ġ", "in"},  {"Ġt", "o"},  {"a", "l"},
-    {"Ġ", "l"},   {"i", "c"},    {"l", "e"},   {"Ġ", "Ġ"},   {"Ġ", "I"},   {"Ġ", "y"},
-    {"Ġy", "ou"}, {"s", "t"},    {"Ġ", "T"},   {"Ġ", "n"},   {"o", "m"},   {"Ġ", "e"},
-    {"Ġ", "is"},  {"Ġw", "h"},   {"Ġs", "t"},  {"c", "h"},   {"Ġb", "e"},  {"Ġ", "g"},
-    {"v", "e"},   {"Ġ", "re"},   {"Ġwh", "at"},{"Ġ", "H"},   {"Ġ", "S"},   {"Ġ", "A"},
-    {"ĠH", "e"},  {"ĠHe", "ll"}, {"ĠHell", "o"},{"Ċ", "Ċ"},
+    {"Ġ", "t"},    {"h", "e"},  {"i", "n"}, {"e", "r"},  {"a", "n"},   {"o", "n"},    {"Ġt", "he"},
+    {"r", "e"},    {"Ġ", "a"},  {"Ġ", "s"}, {"o", "u"},  {"a", "t"},   {"e", "n"},    {"Ġ", "w"},
+    {"i", "s"},    {"Ġ", "c"},  {"i", "t"}, {"Ġ", "o"},  {"o", "r"},   {"e", "s"},    {"in", "g"},
+    {"Ġ", "b"},    {"Ġ", "f"},  {"Ġ", "p"}, {"l", "l"},  {"Ġ", "m"},   {"e", "d"},    {"Ġa", "n"},
+    {"Ġo", "f"},   {"Ġ", "h"},  {"a", "r"}, {"Ġ", "d"},  {"Ġan", "d"}, {"Ġ", "in"},   {"Ġt", "o"},
+    {"a", "l"},    {"Ġ", "l"},  {"i", "c"}, {"l", "e"},  {"Ġ", "Ġ"},   {"Ġ", "I"},    {"Ġ", "y"},
+    {"Ġy", "ou"},  {"s", "t"},  {"Ġ", "T"}, {"Ġ", "n"},  {"o", "m"},   {"Ġ", "e"},    {"Ġ", "is"},
+    {"Ġw", "h"},   {"Ġs", "t"}, {"c", "h"}, {"Ġb", "e"}, {"Ġ", "g"},   {"v", "e"},    {"Ġ", "re"},
+    {"Ġwh", "at"}, {"Ġ", "H"},  {"Ġ", "S"}, {"Ġ", "A"},  {"ĠH", "e"},  {"ĠHe", "ll"}, {"ĠHell", "o"},
+    {"Ċ", "Ċ"},
 };
 
 }  // namespace
 
 absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
-  if (o.n_layer <= 0 || o.n_embd <= 0 || o.n_head <= 0 || o.n_head_kv <= 0 || o.n_ff <= 0 ||
-      o.n_ctx <= 0 || o.n_embd % o.n_head != 0 || o.n_head % o.n_head_kv != 0 ||
-      (o.n_embd / o.n_head) % 2 != 0) {
+  if (o.n_layer <= 0 || o.n_embd <= 0 || o.n_head <= 0 || o.n_head_kv <= 0 || o.n_ff <= 0 || o.n_ctx <= 0 ||
+      o.n_embd % o.n_head != 0 || o.n_head % o.n_head_kv != 0 || (o.n_embd / o.n_head) % 2 != 0) {
     return absl::InvalidArgumentError("tiny llama: inconsistent dimensions");
   }
   const int64_t block = TypeTraits(o.weight_type).block_size;
   if (o.n_embd % block != 0 || o.n_ff % block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("tiny llama: n_embd and n_ff must be multiples of ",
-                                                   block, " for ", TypeName(o.weight_type)));
+    return absl::InvalidArgumentError(absl::StrCat("tiny llama: n_embd and n_ff must be multiples of ", block,
+                                                   " for ", TypeName(o.weight_type)));
   }
   const int64_t head_dim = o.n_embd / o.n_head;
 

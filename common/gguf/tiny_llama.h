@@ -19,10 +19,10 @@ namespace gguf {
 
 struct TinyLlamaOptions {
   int64_t n_layer = 2;
-  int64_t n_embd = 64;     // multiple of the weight type's block size
+  int64_t n_embd = 64;  // multiple of the weight type's block size
   int64_t n_head = 4;
   int64_t n_head_kv = 2;
-  int64_t n_ff = 128;      // multiple of the weight type's block size
+  int64_t n_ff = 128;  // multiple of the weight type's block size
   int64_t n_ctx = 256;
   int64_t sliding_window = 0;  // written when > 0
   double rope_freq_base = 10000.0;

@@ -70,9 +70,9 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTemplateText(absl::string_view ji
   if (absl::StrContains(jinja, kImStart) && absl::StrContains(jinja, kImEnd)) {
     return ChatTemplate(Kind::kChatMl, ExtractDefaultSystem(jinja));
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "unrecognised chat template (only ChatML is supported): '", jinja.substr(0, 60),
-      jinja.size() > 60 ? "...'" : "'", "; send raw text instead of chat messages"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("unrecognised chat template (only ChatML is supported): '", jinja.substr(0, 60),
+                   jinja.size() > 60 ? "...'" : "'", "; send raw text instead of chat messages"));
 }
 
 ChatTemplate ChatTemplate::ChatMl() { return ChatTemplate(Kind::kChatMl, ""); }

@@ -53,8 +53,7 @@ std::string SanitizeUtf8(absl::string_view bytes, bool keep_tail, std::string* t
       AppendUtf8(kReplacementChar, &out);
       ++i;
       // Skip the continuation bytes of the same broken sequence.
-      while (i < bytes.size() && (static_cast<uint8_t>(bytes[i]) & 0xC0) == 0x80 &&
-             len < 0) {
+      while (i < bytes.size() && (static_cast<uint8_t>(bytes[i]) & 0xC0) == 0x80 && len < 0) {
         ++i;
       }
     }

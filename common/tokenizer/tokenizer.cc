@@ -113,8 +113,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const gguf::GgufF
     KVCACHE_ASSIGN_OR_RETURN(auto raw_types, types->AsIntArray());
     spec.token_types.reserve(raw_types.size());
     for (int64_t t : raw_types) {
-      spec.token_types.push_back(t >= 0 && t <= 6 ? static_cast<TokenType>(t)
-                                                  : TokenType::kUndefined);
+      spec.token_types.push_back(t >= 0 && t <= 6 ? static_cast<TokenType>(t) : TokenType::kUndefined);
     }
   }
   if (const gguf::GgufValue* merges = file.FindValue("tokenizer.ggml.merges")) {
@@ -163,18 +162,17 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
     return absl::UnimplementedError(
         absl::StrCat("tokenizer model '", spec.model, "' is not supported (only gpt2 BPE)"));
   }
-  if (spec.pre == "smollm" || spec.pre == "starcoder" || spec.pre == "refact" ||
-      spec.pre == "command-r" || spec.pre == "codeshell" || spec.pre == "exaone" ||
-      spec.pre == "minerva-7b") {
+  if (spec.pre == "smollm" || spec.pre == "starcoder" || spec.pre == "refact" || spec.pre == "command-r" ||
+      spec.pre == "codeshell" || spec.pre == "exaone" || spec.pre == "minerva-7b") {
     pre_ = PreKind::kSmollm;
-  } else if (spec.pre == "gpt-2" || spec.pre == "gpt2" || spec.pre == "mpt" ||
-             spec.pre == "olmo" || spec.pre == "jais") {
+  } else if (spec.pre == "gpt-2" || spec.pre == "gpt2" || spec.pre == "mpt" || spec.pre == "olmo" ||
+             spec.pre == "jais") {
     pre_ = PreKind::kGpt2;
   } else {
-    return absl::UnimplementedError(absl::StrCat(
-        "pre-tokenizer '", spec.pre,
-        "' is not supported (supported: smollm, starcoder, refact, command-r, codeshell, "
-        "exaone, minerva-7b, gpt-2, mpt, olmo, jais)"));
+    return absl::UnimplementedError(
+        absl::StrCat("pre-tokenizer '", spec.pre,
+                     "' is not supported (supported: smollm, starcoder, refact, command-r, codeshell, "
+                     "exaone, minerva-7b, gpt-2, mpt, olmo, jais)"));
   }
   if (spec.tokens.empty() || spec.tokens.size() > (1u << 24)) {
     return absl::InvalidArgumentError(
@@ -182,14 +180,13 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
   }
   if (!spec.token_types.empty() && spec.token_types.size() != spec.tokens.size()) {
     return absl::InvalidArgumentError(absl::StrCat("token_type has ", spec.token_types.size(),
-                                                   " entries for ", spec.tokens.size(),
-                                                   " tokens"));
+                                                   " entries for ", spec.tokens.size(), " tokens"));
   }
   const int32_t n = static_cast<int32_t>(spec.tokens.size());
   for (int32_t* id : {&spec.bos_id, &spec.eos_id, &spec.eot_id, &spec.unk_id, &spec.pad_id}) {
     if (*id < -1 || *id >= n) {
-      return absl::InvalidArgumentError(absl::StrCat("special token id ", *id,
-                                                     " is outside the vocabulary of ", n));
+      return absl::InvalidArgumentError(
+          absl::StrCat("special token id ", *id, " is outside the vocabulary of ", n));
     }
   }
   tokens_ = spec.tokens;
@@ -205,8 +202,7 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
     const std::string& m = spec.merges[r];
     const size_t sp = m.find(' ', 1);
     if (sp == std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("merge ", r, " '", m, "' is not 'left right'"));
+      return absl::InvalidArgumentError(absl::StrCat("merge ", r, " '", m, "' is not 'left right'"));
     }
     const std::string left = m.substr(0, sp), right = m.substr(sp + 1);
     const int32_t l = InternSymbol(left);
@@ -225,9 +221,8 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
   for (int32_t i = 0; i < n; ++i) {
     if (IsSpecialType(types_[i]) && !tokens_[i].empty()) special_ids_.push_back(i);
   }
-  std::stable_sort(special_ids_.begin(), special_ids_.end(), [&](int32_t a, int32_t b) {
-    return tokens_[a].size() > tokens_[b].size();
-  });
+  std::stable_sort(special_ids_.begin(), special_ids_.end(),
+                   [&](int32_t a, int32_t b) { return tokens_[a].size() > tokens_[b].size(); });
 
   eog_.assign(tokens_.size(), false);
   for (int32_t id : {spec.eos_id, spec.eot_id}) {
@@ -252,8 +247,7 @@ int32_t Tokenizer::FindToken(absl::string_view text) const {
 
 bool Tokenizer::IsEndOfGeneration(int32_t id) const { return IsValid(id) && eog_[id]; }
 
-std::vector<int32_t> Tokenizer::Encode(absl::string_view text,
-                                       const EncodeOptions& options) const {
+std::vector<int32_t> Tokenizer::Encode(absl::string_view text, const EncodeOptions& options) const {
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);
   if (options.add_special && spec_.add_bos && spec_.bos_id >= 0) out.push_back(spec_.bos_id);
@@ -337,8 +331,7 @@ void Tokenizer::EncodeWord(absl::string_view word, std::vector<int32_t>* out) co
   std::vector<Symbol> symbols(n);
   for (int32_t i = 0; i < n; ++i) {
     const uint8_t b = static_cast<uint8_t>(word[i]);
-    symbols[i] = {byte_symbol_[b] >= 0 ? byte_symbol_[b] : -(b + 2), i - 1,
-                  i + 1 < n ? i + 1 : -1};
+    symbols[i] = {byte_symbol_[b] >= 0 ? byte_symbol_[b] : -(b + 2), i - 1, i + 1 < n ? i + 1 : -1};
   }
   std::priority_queue<Bigram> queue;
   auto add_bigram = [&](int32_t left, int32_t right) {
@@ -357,8 +350,7 @@ void Tokenizer::EncodeWord(absl::string_view word, std::vector<int32_t>* out) co
     Symbol& r = symbols[bg.right];
     // Stale entry: one side was merged away or grew since it was queued.
     if (l.sym != bg.left_sym || r.sym != bg.right_sym || l.next != bg.right) continue;
-    const uint64_t key = (static_cast<uint64_t>(bg.left_sym) << 32) |
-                         static_cast<uint32_t>(bg.right_sym);
+    const uint64_t key = (static_cast<uint64_t>(bg.left_sym) << 32) | static_cast<uint32_t>(bg.right_sym);
     l.sym = merges_.find(key)->second.result;
     l.next = r.next;
     if (r.next >= 0) symbols[r.next].prev = bg.left;
@@ -390,8 +382,7 @@ void Tokenizer::EncodeWord(absl::string_view word, std::vector<int32_t>* out) co
 
 absl::StatusOr<std::string> Tokenizer::TokenToPiece(int32_t id, bool special) const {
   if (!IsValid(id)) {
-    return absl::OutOfRangeError(absl::StrCat("token id ", id, " is outside the vocabulary of ",
-                                              n_vocab()));
+    return absl::OutOfRangeError(absl::StrCat("token id ", id, " is outside the vocabulary of ", n_vocab()));
   }
   const TokenType t = types_[id];
   const std::string& text = tokens_[id];

@@ -40,14 +40,14 @@ enum class TokenType : int32_t {
 
 // Everything a tokenizer is built from; FromGguf fills it from metadata.
 struct VocabSpec {
-  std::string model = "gpt2";      // tokenizer.ggml.model
-  std::string pre = "smollm";      // tokenizer.ggml.pre
-  std::vector<std::string> tokens;          // id -> text (byte-level encoded)
-  std::vector<TokenType> token_types;       // empty: all kNormal
-  std::vector<std::string> merges;          // "left right", rank = index
+  std::string model = "gpt2";          // tokenizer.ggml.model
+  std::string pre = "smollm";          // tokenizer.ggml.pre
+  std::vector<std::string> tokens;     // id -> text (byte-level encoded)
+  std::vector<TokenType> token_types;  // empty: all kNormal
+  std::vector<std::string> merges;     // "left right", rank = index
   int32_t bos_id = -1;
   int32_t eos_id = -1;
-  int32_t eot_id = -1;   // end of turn; -1: none
+  int32_t eot_id = -1;  // end of turn; -1: none
   int32_t unk_id = -1;
   int32_t pad_id = -1;
   bool add_bos = false;  // tokenizer.ggml.add_bos_token

@@ -19,9 +19,9 @@ constexpr CpRange kRanges[] = {
 
 // Unicode White_Space (the set llama.cpp's `\s` uses).
 bool IsWhitespace(uint32_t cp) {
-  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 ||
-         cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
-         cp == 0x202F || cp == 0x205F || cp == 0x3000;
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+         cp == 0x3000;
 }
 
 uint8_t LookupFlags(uint32_t cp) {
@@ -86,8 +86,7 @@ uint32_t DecodeUtf8(absl::string_view s, size_t* pos) {
   }
   if ((c & 0xF8) == 0xF0 && cont(i + 1) && cont(i + 2) && cont(i + 3)) {
     *pos = i + 4;
-    return (static_cast<uint32_t>(c & 0x07) << 18) |
-           (static_cast<uint32_t>(b(i + 1) & 0x3F) << 12) |
+    return (static_cast<uint32_t>(c & 0x07) << 18) | (static_cast<uint32_t>(b(i + 1) & 0x3F) << 12) |
            (static_cast<uint32_t>(b(i + 2) & 0x3F) << 6) | (b(i + 3) & 0x3F);
   }
   *pos = i + 1;
@@ -135,9 +134,7 @@ uint8_t CodepointFlags(uint32_t cp) {
 
 uint32_t ByteToCodepoint(uint8_t b) { return Tables().to_cp[b]; }
 
-int CodepointToByte(uint32_t cp) {
-  return cp < Tables().from_cp.size() ? Tables().from_cp[cp] : -1;
-}
+int CodepointToByte(uint32_t cp) { return cp < Tables().from_cp.size() ? Tables().from_cp[cp] : -1; }
 
 }  // namespace tok
 }  // namespace kvcache

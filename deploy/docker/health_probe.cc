@@ -43,8 +43,8 @@ int Usage(const std::string& why) {
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> flags = {
-      {"addr", "127.0.0.1:7070"}, {"service", "liveness"}, {"timeout_ms", "2000"},
-      {"tls_ca", ""}, {"tls_cert", ""}, {"tls_key", ""}, {"tls_server_name", ""}};
+      {"addr", "127.0.0.1:7070"}, {"service", "liveness"}, {"timeout_ms", "2000"}, {"tls_ca", ""},
+      {"tls_cert", ""},           {"tls_key", ""},         {"tls_server_name", ""}};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     size_t eq = arg.find('=');
@@ -66,8 +66,8 @@ int main(int argc, char** argv) {
   if (!flags["tls_ca"].empty()) {
     grpc::SslCredentialsOptions ssl;
     if (!ReadFile(flags["tls_ca"], &ssl.pem_root_certs)) return Usage("cannot read " + flags["tls_ca"]);
-    if (!flags["tls_cert"].empty() &&
-        (!ReadFile(flags["tls_cert"], &ssl.pem_cert_chain) || !ReadFile(flags["tls_key"], &ssl.pem_private_key))) {
+    if (!flags["tls_cert"].empty() && (!ReadFile(flags["tls_cert"], &ssl.pem_cert_chain) ||
+                                       !ReadFile(flags["tls_key"], &ssl.pem_private_key))) {
       return Usage("cannot read --tls_cert/--tls_key");
     }
     creds = grpc::SslCredentials(ssl);

@@ -24,8 +24,8 @@ bool SessionLost(const absl::Status& status) {
 
 }  // namespace
 
-ChatResult RunChat(const ChatOptions& options, const GenerateFn& generate, std::istream& in, std::ostream& out,
-                   std::ostream& err) {
+ChatResult RunChat(const ChatOptions& options, const GenerateFn& generate, std::istream& in,
+                   std::ostream& out, std::ostream& err) {
   ChatResult result;
   // The conversation so far, as the server should see it on a FULL_CONTEXT turn.
   std::vector<v1::ChatMessage> history;

@@ -44,8 +44,8 @@ struct ChatResult {
 
 // Runs until `in` ends or a line reads "/quit" or "/exit"; blank lines are
 // skipped. Reply text goes to `out`; prompts, status lines and errors to `err`.
-ChatResult RunChat(const ChatOptions& options, const GenerateFn& generate, std::istream& in, std::ostream& out,
-                   std::ostream& err);
+ChatResult RunChat(const ChatOptions& options, const GenerateFn& generate, std::istream& in,
+                   std::ostream& out, std::ostream& err);
 
 }  // namespace kvcache::cli
 

@@ -85,8 +85,8 @@ void Client::Prepare(grpc::ClientContext* ctx) const {
 }
 
 absl::StatusOr<v1::GenerateResponse::Final> Client::Generate(
-    const v1::GenerateRequest& request, const std::function<void(const v1::GenerateResponse::Token&)>& on_token,
-    int* tokens_seen) {
+    const v1::GenerateRequest& request,
+    const std::function<void(const v1::GenerateResponse::Token&)>& on_token, int* tokens_seen) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   auto reader = router_ != nullptr ? router_->Generate(&ctx, request) : worker_->Generate(&ctx, request);
@@ -116,7 +116,8 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id
   v1::SessionRequest req;
   req.set_session_id(session_id);
   v1::SessionInfo resp;
-  grpc::Status st = router_ != nullptr ? router_->GetSession(&ctx, req, &resp) : worker_->GetSession(&ctx, req, &resp);
+  grpc::Status st =
+      router_ != nullptr ? router_->GetSession(&ctx, req, &resp) : worker_->GetSession(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
   return resp;
 }
@@ -155,7 +156,7 @@ absl::StatusOr<v1::ListWorkersResponse> Client::ListWorkers() {
 }
 
 absl::StatusOr<v1::MigrateSessionResponse> Client::MigrateSession(const std::string& session_id,
-                                                                 const std::string& to) {
+                                                                  const std::string& to) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::MigrateSessionResponse resp;
@@ -166,7 +167,9 @@ absl::StatusOr<v1::MigrateSessionResponse> Client::MigrateSession(const std::str
     req.set_target_worker(to);
     st = admin_->MigrateSession(&ctx, req, &resp);
   } else {
-    if (to.empty()) return absl::InvalidArgumentError("--to=HOST:PORT (the target worker) is required with --target=worker");
+    if (to.empty())
+      return absl::InvalidArgumentError(
+          "--to=HOST:PORT (the target worker) is required with --target=worker");
     v1::MigrateSessionRequest req;
     req.set_session_id(session_id);
     req.set_target_address(to);

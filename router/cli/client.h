@@ -31,11 +31,11 @@ absl::StatusOr<Target> ParseTarget(const std::string& name);
 struct ClientOptions {
   std::string address = "127.0.0.1:7000";  // host:port
   Target target = Target::kRouter;
-  std::string token;            // sent as `authorization: Bearer <token>` when set
-  std::string tls_ca_file;      // PEM roots; TLS is used when set
-  std::string tls_cert_file;    // client certificate (mutual TLS), with tls_key_file
+  std::string token;          // sent as `authorization: Bearer <token>` when set
+  std::string tls_ca_file;    // PEM roots; TLS is used when set
+  std::string tls_cert_file;  // client certificate (mutual TLS), with tls_key_file
   std::string tls_key_file;
-  std::string tls_server_name;  // overrides the name checked against the certificate
+  std::string tls_server_name;                        // overrides the name checked against the certificate
   absl::Duration timeout = absl::Seconds(60);         // deadline of each call
   absl::Duration connect_timeout = absl::Seconds(5);  // how long Connect waits
 };
@@ -67,7 +67,8 @@ class Client {
   absl::StatusOr<v1::ListWorkersResponse> ListWorkers();
   // Router: `to` is a worker id or address (empty lets the router choose).
   // Worker: the session moves from this worker to the worker at address `to`.
-  absl::StatusOr<v1::MigrateSessionResponse> MigrateSession(const std::string& session_id, const std::string& to);
+  absl::StatusOr<v1::MigrateSessionResponse> MigrateSession(const std::string& session_id,
+                                                            const std::string& to);
   // Router: drains the named worker. Worker: drains this worker (`worker` must be
   // empty or its address), offloading idle sessions. deadline_ms 0 = server default.
   absl::StatusOr<v1::DrainResponse> Drain(const std::string& worker, int32_t deadline_ms);

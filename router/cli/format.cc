@@ -65,7 +65,8 @@ std::string StatusLine(const v1::GenerateResponse::Final& final) {
   parts.push_back(absl::StrCat("ttft ", Ms(u.time_to_first_token_us())));
   const double rate = DecodeTokensPerSecond(u);
   if (rate > 0) parts.push_back(absl::StrFormat("%.1f tok/s", rate));
-  if (final.finish_reason() != v1::FINISH_REASON_STOP && final.finish_reason() != v1::FINISH_REASON_STOP_STRING) {
+  if (final.finish_reason() != v1::FINISH_REASON_STOP &&
+      final.finish_reason() != v1::FINISH_REASON_STOP_STRING) {
     parts.push_back(FinishReasonName(final.finish_reason()));
   }
   return absl::StrCat("[", absl::StrJoin(parts, " | "), "]");
@@ -91,7 +92,8 @@ std::string UsageSummary(const v1::GenerateResponse::Final& final) {
   return out;
 }
 
-std::string FormatTable(const std::vector<std::string>& header, const std::vector<std::vector<std::string>>& rows) {
+std::string FormatTable(const std::vector<std::string>& header,
+                        const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> width(header.size(), 0);
   auto widen = [&](const std::vector<std::string>& row) {
     for (size_t i = 0; i < row.size() && i < width.size(); ++i) width[i] = std::max(width[i], row[i].size());
@@ -117,13 +119,15 @@ std::string FormatTable(const std::vector<std::string>& header, const std::vecto
 std::string SessionsTable(const v1::ListSessionsResponse& sessions) {
   std::vector<const v1::SessionInfo*> sorted;
   for (const auto& s : sessions.sessions()) sorted.push_back(&s);
-  std::sort(sorted.begin(), sorted.end(),
-            [](const v1::SessionInfo* a, const v1::SessionInfo* b) { return a->session_id() < b->session_id(); });
+  std::sort(sorted.begin(), sorted.end(), [](const v1::SessionInfo* a, const v1::SessionInfo* b) {
+    return a->session_id() < b->session_id();
+  });
   std::vector<std::vector<std::string>> rows;
   for (const v1::SessionInfo* s : sorted) {
     rows.push_back({s->session_id(), s->tenant().empty() ? "-" : s->tenant(), s->worker_id(),
-                    SessionStateName(s->state()), absl::StrCat(s->tokens_cached()), absl::StrCat(s->pages_device()),
-                    absl::StrCat(s->pages_host()), absl::StrCat(s->pages_shared()), s->pinned() ? "yes" : "no",
+                    SessionStateName(s->state()), absl::StrCat(s->tokens_cached()),
+                    absl::StrCat(s->pages_device()), absl::StrCat(s->pages_host()),
+                    absl::StrCat(s->pages_shared()), s->pinned() ? "yes" : "no",
                     LastUsed(s->last_used_unix_ms())});
   }
   return FormatTable({"SESSION", "TENANT", "WORKER", "STATE", "TOKENS", "PAGES_DEV", "PAGES_HOST", "SHARED",
@@ -155,7 +159,8 @@ std::string WorkersTable(const v1::ListWorkersResponse& workers) {
                     absl::StrCat(l.queued_prefill_tokens()),
                     absl::StrCat(l.pages_free_device(), "/", l.pages_total_device()),
                     absl::StrCat(l.pages_free_host(), "/", l.pages_total_host()),
-                    absl::StrFormat("%.1f", l.decode_tokens_per_second()), w.model_id().empty() ? "-" : w.model_id()});
+                    absl::StrFormat("%.1f", l.decode_tokens_per_second()),
+                    w.model_id().empty() ? "-" : w.model_id()});
   }
   return FormatTable({"WORKER", "ADDRESS", "HEALTH", "SESSIONS", "RUNNING", "WAITING", "PREFILL_Q",
                       "DEV_FREE/TOTAL", "HOST_FREE/TOTAL", "DECODE_TOK/S", "MODEL"},

@@ -32,7 +32,8 @@ std::string FinishReasonName(v1::FinishReason reason);
 std::string SessionStateName(v1::SessionState state);
 
 // Columns padded to their widest cell, two spaces apart; no trailing spaces.
-std::string FormatTable(const std::vector<std::string>& header, const std::vector<std::vector<std::string>>& rows);
+std::string FormatTable(const std::vector<std::string>& header,
+                        const std::vector<std::vector<std::string>>& rows);
 
 // A table of sessions, one row each, sorted by session id.
 std::string SessionsTable(const v1::ListSessionsResponse& sessions);

@@ -19,8 +19,8 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/random/random.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
@@ -29,21 +29,29 @@
 #include "router/cli/format.h"
 
 // Connection.
-ABSL_FLAG(std::string, router, "127.0.0.1:7000", "Address (host:port) of the router, or of the worker with --target=worker");
-ABSL_FLAG(std::string, target, "router", "Service at --router: router (kvcache.v1.KvCache/KvCacheAdmin) or worker (kvcache.v1.Worker, direct)");
+ABSL_FLAG(std::string, router, "127.0.0.1:7000",
+          "Address (host:port) of the router, or of the worker with --target=worker");
+ABSL_FLAG(
+    std::string, target, "router",
+    "Service at --router: router (kvcache.v1.KvCache/KvCacheAdmin) or worker (kvcache.v1.Worker, direct)");
 ABSL_FLAG(std::string, token, "", "Bearer token, sent as `authorization: Bearer <token>` metadata");
 ABSL_FLAG(std::string, tls_ca, "", "PEM file of CA certificates; TLS is used when set");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM client key for mutual TLS (with --tls_cert)");
-ABSL_FLAG(std::string, tls_server_name, "", "Name to check the server certificate against (default: the host of --router)");
-ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "Deadline of each call (one chat turn, one generate, ...)");
-ABSL_FLAG(absl::Duration, connect_timeout, absl::Seconds(5), "How long to wait for the connection before giving up");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name to check the server certificate against (default: the host of --router)");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60),
+          "Deadline of each call (one chat turn, one generate, ...)");
+ABSL_FLAG(absl::Duration, connect_timeout, absl::Seconds(5),
+          "How long to wait for the connection before giving up");
 
 // Requests.
-ABSL_FLAG(std::string, session, "", "Session id (chat: default a random cli-XXXX id; generate: default ephemeral; sessions: show one)");
+ABSL_FLAG(std::string, session, "",
+          "Session id (chat: default a random cli-XXXX id; generate: default ephemeral; sessions: show one)");
 ABSL_FLAG(std::string, system, "", "System prompt (chat, generate --chat)");
 ABSL_FLAG(std::string, prompt, "", "generate: the input text (with --chat: the user message)");
-ABSL_FLAG(bool, chat, false, "generate: send --prompt as a chat user message (with --system) instead of raw text");
+ABSL_FLAG(bool, chat, false,
+          "generate: send --prompt as a chat user message (with --system) instead of raw text");
 ABSL_FLAG(std::string, mode, "full_context", "generate: full_context or append (continue --session)");
 ABSL_FLAG(int32_t, max_tokens, 0, "Tokens to generate at most (0: the server default, 256)");
 ABSL_FLAG(double, temperature, 0.0, "Sampling temperature (0: greedy)");
@@ -54,13 +62,17 @@ ABSL_FLAG(std::vector<std::string>, stop, {}, "Comma-separated stop strings");
 ABSL_FLAG(bool, ignore_eos, false, "Keep generating past the end-of-sequence token");
 ABSL_FLAG(bool, pin, false, "Pin the session's pages (never evicted)");
 ABSL_FLAG(bool, resume, false, "chat: continue the existing --session (first turn APPEND)");
-ABSL_FLAG(bool, keep_session, false, "chat: keep the session on the server at exit (default: close it unless --session was given)");
+ABSL_FLAG(bool, keep_session, false,
+          "chat: keep the session on the server at exit (default: close it unless --session was given)");
 
 // Sessions and admin.
 ABSL_FLAG(std::string, close, "", "sessions: close this session");
-ABSL_FLAG(std::string, to, "", "migrate: target worker id or address (router; empty lets it choose), or address (--target=worker)");
+ABSL_FLAG(
+    std::string, to, "",
+    "migrate: target worker id or address (router; empty lets it choose), or address (--target=worker)");
 ABSL_FLAG(std::string, worker, "", "drain: worker id or address");
-ABSL_FLAG(absl::Duration, drain_deadline, absl::ZeroDuration(), "drain: how long running streams may take (0: server default)");
+ABSL_FLAG(absl::Duration, drain_deadline, absl::ZeroDuration(),
+          "drain: how long running streams may take (0: server default)");
 
 // Benchmark.
 ABSL_FLAG(std::string, bench_script, KVCACHE_SOURCE_DIR "/tests/bench/multi_round_qa.py",
@@ -175,7 +187,8 @@ int RunGenerate(Client& client) {
   v1::GenerateRequest req;
   req.set_session_id(absl::GetFlag(FLAGS_session));
   req.set_mode(mode == "append" ? v1::APPEND : v1::FULL_CONTEXT);
-  if (req.mode() == v1::APPEND && req.session_id().empty()) return UsageError("--mode=append needs --session=ID");
+  if (req.mode() == v1::APPEND && req.session_id().empty())
+    return UsageError("--mode=append needs --session=ID");
   if (absl::GetFlag(FLAGS_chat)) {
     v1::ChatMessages* chat = req.mutable_input()->mutable_chat();
     if (!absl::GetFlag(FLAGS_system).empty()) {
@@ -191,9 +204,8 @@ int RunGenerate(Client& client) {
   }
   *req.mutable_sampling() = SamplingFromFlags();
   req.set_pin(absl::GetFlag(FLAGS_pin));
-  auto final = client.Generate(req, [](const v1::GenerateResponse::Token& t) {
-    std::cout << t.text() << std::flush;
-  });
+  auto final =
+      client.Generate(req, [](const v1::GenerateResponse::Token& t) { std::cout << t.text() << std::flush; });
   std::cout << "\n" << std::flush;
   if (!final.ok()) return CallFailed("Generate", final.status());
   std::cerr << UsageSummary(*final);
@@ -241,8 +253,10 @@ int RunMigrate(Client& client) {
 
 int RunDrain(Client& client) {
   const std::string worker = absl::GetFlag(FLAGS_worker);
-  if (worker.empty() && client.options().target == Target::kRouter) return UsageError("drain needs --worker=W");
-  const int32_t deadline_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_drain_deadline)));
+  if (worker.empty() && client.options().target == Target::kRouter)
+    return UsageError("drain needs --worker=W");
+  const int32_t deadline_ms =
+      static_cast<int32_t>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_drain_deadline)));
   auto r = client.Drain(worker, deadline_ms);
   if (!r.ok()) return CallFailed("Drain", r.status());
   std::cout << absl::StrFormat("drained %s: %d sessions migrated, %d offloaded, %d dropped\n",
@@ -282,7 +296,8 @@ std::string FirstUnknownFlag(int argc, char** argv) {
     absl::string_view name = arg.substr(arg[1] == '-' ? 2 : 1);
     name = name.substr(0, name.find('='));
     // absl's usage flags are handled by ParseCommandLine, not registered.
-    for (absl::string_view builtin : {"help", "helpfull", "helpshort", "helppackage", "version", "only_check_args"}) {
+    for (absl::string_view builtin :
+         {"help", "helpfull", "helpshort", "helppackage", "version", "only_check_args"}) {
       if (name == builtin) name = "";
     }
     if (name.empty()) continue;
@@ -296,7 +311,9 @@ std::string FirstUnknownFlag(int argc, char** argv) {
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   absl::FlagsUsageConfig usage_config;
-  usage_config.contains_help_flags = [](absl::string_view file) { return absl::StrContains(file, "router/cli/"); };
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "router/cli/");
+  };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   const std::string unknown = FirstUnknownFlag(argc, argv);
@@ -306,7 +323,8 @@ int Main(int argc, char** argv) {
   const std::string command = positional[1];
   std::vector<std::string> rest(positional.begin() + 2, positional.end());
 
-  static const char* const kCommands[] = {"chat", "generate", "sessions", "workers", "migrate", "drain", "bench"};
+  static const char* const kCommands[] = {"chat",    "generate", "sessions", "workers",
+                                          "migrate", "drain",    "bench"};
   bool known = false;
   for (const char* c : kCommands) known = known || command == c;
   if (!known) return UsageError(absl::StrCat("unknown subcommand '", command, "'"));

@@ -105,10 +105,12 @@ class Demo {
     const double ttft_ms = u.time_to_first_token_us() / 1000.0;
     const double decode_s = (u.total_time_us() - u.time_to_first_token_us()) / 1e6;
     const double tps = decode_s > 0 ? (u.generated_tokens() - 1) / decode_s : 0;
-    std::printf("    %-14s worker %-4s cached %4d / %4d prompt tokens (%3.0f%%)  restored %4d  ttft %7.1f ms  %5.1f tok/s\n",
-                label.c_str(), r.final.worker_id().c_str(), u.cached_tokens(), u.prompt_tokens(),
-                u.prompt_tokens() > 0 ? 100.0 * u.cached_tokens() / u.prompt_tokens() : 0.0, u.restored_tokens(),
-                ttft_ms, tps);
+    std::printf(
+        "    %-14s worker %-4s cached %4d / %4d prompt tokens (%3.0f%%)  restored %4d  ttft %7.1f ms  %5.1f "
+        "tok/s\n",
+        label.c_str(), r.final.worker_id().c_str(), u.cached_tokens(), u.prompt_tokens(),
+        u.prompt_tokens() > 0 ? 100.0 * u.cached_tokens() / u.prompt_tokens() : 0.0, u.restored_tokens(),
+        ttft_ms, tps);
     std::fflush(stdout);
   }
 
@@ -129,7 +131,8 @@ class Demo {
       const auto& l = w.load();
       std::printf("    %-4s %-9s sessions %2d  device pages free %4lld / %4lld  host pages used %4lld\n",
                   w.worker_id().c_str(), w.health().c_str(), w.sessions(),
-                  static_cast<long long>(l.pages_free_device()), static_cast<long long>(l.pages_total_device()),
+                  static_cast<long long>(l.pages_free_device()),
+                  static_cast<long long>(l.pages_total_device()),
                   static_cast<long long>(l.pages_total_host() - l.pages_free_host()));
     }
   }
@@ -159,7 +162,8 @@ class Demo {
 int Run() {
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials());
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
-    std::fprintf(stderr, "kvcache-demo: cannot reach the router at %s\n", absl::GetFlag(FLAGS_router).c_str());
+    std::fprintf(stderr, "kvcache-demo: cannot reach the router at %s\n",
+                 absl::GetFlag(FLAGS_router).c_str());
     return 2;
   }
   Demo demo(channel);
@@ -246,7 +250,8 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("kvcache-demo --router=HOST:PORT: the scripted multi-user chat of scripts/run.sh");
+  absl::SetProgramUsageMessage(
+      "kvcache-demo --router=HOST:PORT: the scripted multi-user chat of scripts/run.sh");
   absl::ParseCommandLine(argc, argv);
   return kvcache::Run();
 }

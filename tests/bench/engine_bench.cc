@@ -98,8 +98,12 @@ struct Setup {
 
 kv::KvShape ShapeOf(const model::LlamaModel& m) {
   const auto& hp = m.hparams();
-  return kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv),
-                     static_cast<int>(hp.head_dim), kv::KvDtype::kF16, 16, 0};
+  return kv::KvShape{static_cast<int>(hp.n_layer),
+                     static_cast<int>(hp.n_head_kv),
+                     static_cast<int>(hp.head_dim),
+                     kv::KvDtype::kF16,
+                     16,
+                     0};
 }
 
 absl::StatusOr<std::unique_ptr<kv::KvCacheManager>> MakeKv(const model::LlamaModel& m, int64_t tokens) {
@@ -385,7 +389,8 @@ int Main() {
     const std::vector<int32_t> table(res->page_table.begin(), res->page_table.end());
     for (int p = 0; p < ctx / L.page_tokens; ++p) {
       for (int l = 0; l < L.layers; ++l) {
-        if (auto st = cpu::WriteKv(L, base, table, l, p * L.page_tokens, L.page_tokens, rows.data(), rows.data());
+        if (auto st =
+                cpu::WriteKv(L, base, table, l, p * L.page_tokens, L.page_tokens, rows.data(), rows.data());
             !st.ok()) {
           return fail(st);
         }
@@ -439,11 +444,18 @@ int Main() {
     report.notes["llamacpp"] = why.empty() ? "skipped (--nollamacpp or --sections)" : why;
   }
   report.notes["method"] = absl::StrCat(
-      "best of ", reps, " reps; decode: ", kDecodeTokens, " greedy tokens after a 16-token prompt, timed first "
-      "token to last; prefill: ", kPrefillTokens, "-token prompt / time to first token; batched: N sessions x 64 "
-      "tokens submitted together, tokens emitted while all N decode / that window; cache_vs_recompute: engine "
-      "total time for prompt + 256 tokens vs the sum over the 256 tokens of a full prefill of the context so far "
-      "on the same runner, measured at ", samples, " evenly spaced context lengths (best of 2) and linearly "
+      "best of ", reps, " reps; decode: ", kDecodeTokens,
+      " greedy tokens after a 16-token prompt, timed first "
+      "token to last; prefill: ",
+      kPrefillTokens,
+      "-token prompt / time to first token; batched: N sessions x 64 "
+      "tokens submitted together, tokens emitted while all N decode / that window; cache_vs_recompute: "
+      "engine "
+      "total time for prompt + 256 tokens vs the sum over the 256 tokens of a full prefill of the context so "
+      "far "
+      "on the same runner, measured at ",
+      samples,
+      " evenly spaced context lengths (best of 2) and linearly "
       "interpolated; attention: one decode token over a 4096-token session, all layers, random f16 K/V");
   return bench::Finish(report).ok() ? 0 : 1;
 }

@@ -148,9 +148,10 @@ int Run() {
     std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
     return 1;
   }
-  auto router = testing::ServerUnderTest::Start(
-      testing::BinaryPath("router/kvcache-router"),
-      {"--workers=" + (*worker)->grpc_address(), "--model=" + gguf::DefaultModelPath(), "--rebalance_interval=0s"});
+  auto router =
+      testing::ServerUnderTest::Start(testing::BinaryPath("router/kvcache-router"),
+                                      {"--workers=" + (*worker)->grpc_address(),
+                                       "--model=" + gguf::DefaultModelPath(), "--rebalance_interval=0s"});
   if (!router.ok()) {
     std::fprintf(stderr, "router: %s\n", router.status().ToString().c_str());
     return 1;
@@ -200,8 +201,10 @@ int Run() {
   report.notes["method"] = absl::StrCat(
       "one SmolLM2 worker and one router on loopback; ", n,
       " single-token requests of 24-token prompts per path alternating direct/router (TTFT p50), 3 x ",
-      absl::GetFlag(FLAGS_decode_tokens), "-token streams per path (median tokens/s); decisions: "
-      "SHA-256 chain of a 512-token prompt + directory match (10,000 sessions, 8 workers) + scoring, in-process, 2 s");
+      absl::GetFlag(FLAGS_decode_tokens),
+      "-token streams per path (median tokens/s); decisions: "
+      "SHA-256 chain of a 512-token prompt + directory match (10,000 sessions, 8 workers) + scoring, "
+      "in-process, 2 s");
   return bench::Finish(report).ok() ? 0 : 1;
 }
 

@@ -109,8 +109,12 @@ absl::StatusOr<double> InProcessDecode(int threads, int n_tokens, const std::vec
   if (!model.ok()) return model.status();
   const auto& hp = (*model)->hparams();
   kv::KvCacheOptions ko;
-  ko.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv), static_cast<int>(hp.head_dim),
-                         kv::KvDtype::kF16, 16, 0};
+  ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),
+                         static_cast<int>(hp.n_head_kv),
+                         static_cast<int>(hp.head_dim),
+                         kv::KvDtype::kF16,
+                         16,
+                         0};
   ko.model_id = (*model)->model_id();
   ko.tier0_bytes = int64_t{1} << 30;
   auto kv = kv::KvCacheManager::Create(ko);
@@ -234,11 +238,16 @@ int Run() {
   report.ratio["grpc_vs_inprocess_tokens"] = Median(grpc_rates) / *inproc;
   report.notes["method"] = absl::StrCat(
       "SmolLM2-135M Q4_1, ", threads, " threads, medians of ", absl::GetFlag(FLAGS_reps),
-      " reps. TTFT: ", history, "-token synthetic history then a 40-token turn; cached = APPEND on the live "
-      "session, cold = the same ", history + 40, " tokens as FULL_CONTEXT under a fresh tenant (no prefix hits); "
-      "both from the worker's usage.time_to_first_token_us. Streaming: ", n,
+      " reps. TTFT: ", history,
+      "-token synthetic history then a 40-token turn; cached = APPEND on the live "
+      "session, cold = the same ",
+      history + 40,
+      " tokens as FULL_CONTEXT under a fresh tenant (no prefix hits); "
+      "both from the worker's usage.time_to_first_token_us. Streaming: ",
+      n,
       " greedy tokens, first-to-last token rate, gRPC client in this process vs the same engine in-process. "
-      "Migration: ", m, "-token session, worker-to-worker over loopback, from MigrateSessionResponse.");
+      "Migration: ",
+      m, "-token session, worker-to-worker over loopback, from MigrateSessionResponse.");
   return bench::Finish(report).ok() ? 0 : 1;
 }
 

@@ -22,8 +22,11 @@ TEST(MetricsWithCublasTest, ExposerKeepsServingAfterCublasLoads) {
   options.name = "metrics-cublas-test";
   auto process = ServerProcess::Init(options);
   ASSERT_TRUE(process.ok()) << process.status();
-  auto& gauge = prometheus::BuildGauge().Name("cublas_loaded").Help("1 once cuBLAS is loaded")
-                    .Register((*process)->metrics()).Add({});
+  auto& gauge = prometheus::BuildGauge()
+                    .Name("cublas_loaded")
+                    .Help("1 once cuBLAS is loaded")
+                    .Register((*process)->metrics())
+                    .Add({});
 
   const std::string dir = KVCACHE_CUDA_LIB_DIR;
   void* lt = dlopen((dir + "/libcublasLt.so").c_str(), RTLD_NOW | RTLD_GLOBAL);

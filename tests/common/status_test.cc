@@ -22,8 +22,7 @@ TEST(StatusTest, KeyCodesMapToTheirGrpcNames) {
   EXPECT_EQ(ToGrpcStatus(absl::NotFoundError("s")).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(ToGrpcStatus(absl::ResourceExhaustedError("s")).error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(ToGrpcStatus(absl::InvalidArgumentError("s")).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(ToGrpcStatus(absl::InvalidArgumentError("s")).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(ToGrpcStatus(absl::UnavailableError("s")).error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 

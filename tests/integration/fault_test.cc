@@ -51,7 +51,6 @@ using ::testing::HasSubstr;
 // token, 4 KiB per 16-token page.
 constexpr int64_t kPageBytes = 16 * 256;
 
-
 using testing::Reply;
 
 v1::GenerateRequest Tokens(const std::string& session, const std::vector<int32_t>& ids, int max_tokens,

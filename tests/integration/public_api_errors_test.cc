@@ -26,7 +26,6 @@ constexpr char kUser[] = "user-secret";
 constexpr char kAdmin[] = "ops-secret";
 constexpr int kDefaultMaxTokens = 5;
 
-
 // How a case authenticates.
 enum class Auth { kUser, kAdmin, kNone, kUnknown };
 
@@ -50,7 +49,10 @@ void Authorize(grpc::ClientContext* ctx, Auth auth) {
 using testing::Reply;
 
 Reply Generate(v1::KvCache::Stub* stub, const v1::GenerateRequest& req, Auth auth = Auth::kUser) {
-  const char* token = auth == Auth::kUser ? kUser : auth == Auth::kAdmin ? kAdmin : auth == Auth::kUnknown ? "not-a-token" : "";
+  const char* token = auth == Auth::kUser      ? kUser
+                      : auth == Auth::kAdmin   ? kAdmin
+                      : auth == Auth::kUnknown ? "not-a-token"
+                                               : "";
   return testing::Generate(stub, req, absl::Seconds(30), token);
 }
 

@@ -50,9 +50,9 @@ class RouterTest : public ::testing::Test {
 
   void StartWorkers(int n) {
     for (int i = 0; i < n; ++i) {
-      auto w = testing::ServerUnderTest::Start(
-          testing::BinaryPath("worker/kvcache-worker"),
-          {"--model=" + *model_, "--worker_id=w" + std::to_string(i), "--threads=1", "--load_report_interval=100ms"});
+      auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"),
+                                               {"--model=" + *model_, "--worker_id=w" + std::to_string(i),
+                                                "--threads=1", "--load_report_interval=100ms"});
       ASSERT_TRUE(w.ok()) << w.status();
       workers_.push_back(std::move(*w));
     }
@@ -111,7 +111,8 @@ TEST_F(RouterTest, NewSessionWithACachedPrefixGoesToItsWorker) {
   Reply first = Generate(stub.get(), Text("a", system + " question one", 2));
   ASSERT_TRUE(first.status.ok());
   for (int i = 0; i < 4; ++i) {
-    Reply r = Generate(stub.get(), Text("b" + std::to_string(i), system + " question " + std::to_string(i + 2), 2));
+    Reply r =
+        Generate(stub.get(), Text("b" + std::to_string(i), system + " question " + std::to_string(i + 2), 2));
     ASSERT_TRUE(r.status.ok());
     EXPECT_EQ(r.final.worker_id(), first.final.worker_id());
     EXPECT_GT(r.final.usage().cached_tokens(), 200);

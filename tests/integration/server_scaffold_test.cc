@@ -55,9 +55,12 @@ TEST_P(ServerScaffoldTest, ServesHealthReflectionMetricsAndStopsOnSigterm) {
 }
 
 TEST_P(ServerScaffoldTest, BadFlagsExitNonZero) {
-  for (const std::vector<std::string>& args :
-       {std::vector<std::string>{"--no_such_flag=1"}, {"--listen=nonsense"}, {"--listen=127.0.0.1:70000"},
-        {"--shutdown_deadline=-1s"}, {"--log_level=loud"}, {"positional"}}) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--no_such_flag=1"},
+                                               {"--listen=nonsense"},
+                                               {"--listen=127.0.0.1:70000"},
+                                               {"--shutdown_deadline=-1s"},
+                                               {"--log_level=loud"},
+                                               {"positional"}}) {
     std::vector<std::string> argv = {testing::BinaryPath(GetParam().path)};
     argv.insert(argv.end(), args.begin(), args.end());
     auto child = testing::ChildProcess::Start(argv);
@@ -69,11 +72,11 @@ TEST_P(ServerScaffoldTest, BadFlagsExitNonZero) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Binaries, ServerScaffoldTest,
-                         ::testing::Values(Binary{"worker/kvcache-worker", "kvcache.v1.Worker", "--threads=1"},
-                                           Binary{"router/kvcache-router", "kvcache.v1.KvCache",
-                                                  "--min_ready_workers=0"}),
-                         [](const auto& info) { return info.index == 0 ? "worker" : "router"; });
+INSTANTIATE_TEST_SUITE_P(
+    Binaries, ServerScaffoldTest,
+    ::testing::Values(Binary{"worker/kvcache-worker", "kvcache.v1.Worker", "--threads=1"},
+                      Binary{"router/kvcache-router", "kvcache.v1.KvCache", "--min_ready_workers=0"}),
+    [](const auto& info) { return info.index == 0 ? "worker" : "router"; });
 
 }  // namespace
 }  // namespace kvcache

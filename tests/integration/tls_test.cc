@@ -72,7 +72,6 @@ absl::StatusOr<TlsServer> StartTlsServer(
   return s;
 }
 
-
 using testing::Reply;
 
 template <typename Stub>

@@ -113,28 +113,56 @@ TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {
     edit(r);
     cases.push_back({std::move(name), r, code});
   };
-  add("empty input", [](auto& r) { r.clear_input(); }, grpc::INVALID_ARGUMENT);
-  add("empty text", [](auto& r) { r.mutable_input()->set_text(""); }, grpc::INVALID_ARGUMENT);
-  add("token outside vocab", [](auto& r) { r.mutable_input()->mutable_tokens()->add_ids(1 << 30); },
+  add(
+      "empty input", [](auto& r) { r.clear_input(); }, grpc::INVALID_ARGUMENT);
+  add(
+      "empty text", [](auto& r) { r.mutable_input()->set_text(""); }, grpc::INVALID_ARGUMENT);
+  add(
+      "token outside vocab", [](auto& r) { r.mutable_input()->mutable_tokens()->add_ids(1 << 30); },
       grpc::INVALID_ARGUMENT);
-  add("negative token", [](auto& r) { r.mutable_input()->mutable_tokens()->add_ids(-5); }, grpc::INVALID_ARGUMENT);
-  add("context too long", [](auto& r) { r.mutable_input()->set_text(std::string(3000, 'x')); },
+  add(
+      "negative token", [](auto& r) { r.mutable_input()->mutable_tokens()->add_ids(-5); },
       grpc::INVALID_ARGUMENT);
-  add("max_tokens huge", [](auto& r) { r.mutable_sampling()->set_max_tokens(1000000); }, grpc::INVALID_ARGUMENT);
-  add("max_tokens negative", [](auto& r) { r.mutable_sampling()->set_max_tokens(-1); }, grpc::INVALID_ARGUMENT);
-  add("temperature", [](auto& r) { r.mutable_sampling()->set_temperature(7); }, grpc::INVALID_ARGUMENT);
-  add("top_p", [](auto& r) { r.mutable_sampling()->set_top_p(1.5f); }, grpc::INVALID_ARGUMENT);
-  add("bad session id", [](auto& r) { r.set_session_id("no spaces allowed"); }, grpc::INVALID_ARGUMENT);
-  add("append without id", [](auto& r) { r.set_mode(v1::APPEND); }, grpc::INVALID_ARGUMENT);
-  add("append unknown", [](auto& r) { r.set_mode(v1::APPEND); r.set_session_id("ghost"); }, grpc::NOT_FOUND);
-  add("bad chat role", [](auto& r) {
-    auto* m = r.mutable_input()->mutable_chat()->add_messages();
-    m->set_role("wizard");
-    m->set_content("hi");
-  }, grpc::INVALID_ARGUMENT);
-  add("too many stops", [](auto& r) { for (int i = 0; i < 20; ++i) r.mutable_sampling()->add_stop("x"); },
+  add(
+      "context too long", [](auto& r) { r.mutable_input()->set_text(std::string(3000, 'x')); },
       grpc::INVALID_ARGUMENT);
-  add("over message limit", [](auto& r) { r.mutable_input()->set_text(std::string(9 << 20, 'a')); },
+  add(
+      "max_tokens huge", [](auto& r) { r.mutable_sampling()->set_max_tokens(1000000); },
+      grpc::INVALID_ARGUMENT);
+  add(
+      "max_tokens negative", [](auto& r) { r.mutable_sampling()->set_max_tokens(-1); },
+      grpc::INVALID_ARGUMENT);
+  add(
+      "temperature", [](auto& r) { r.mutable_sampling()->set_temperature(7); }, grpc::INVALID_ARGUMENT);
+  add(
+      "top_p", [](auto& r) { r.mutable_sampling()->set_top_p(1.5f); }, grpc::INVALID_ARGUMENT);
+  add(
+      "bad session id", [](auto& r) { r.set_session_id("no spaces allowed"); }, grpc::INVALID_ARGUMENT);
+  add(
+      "append without id", [](auto& r) { r.set_mode(v1::APPEND); }, grpc::INVALID_ARGUMENT);
+  add(
+      "append unknown",
+      [](auto& r) {
+        r.set_mode(v1::APPEND);
+        r.set_session_id("ghost");
+      },
+      grpc::NOT_FOUND);
+  add(
+      "bad chat role",
+      [](auto& r) {
+        auto* m = r.mutable_input()->mutable_chat()->add_messages();
+        m->set_role("wizard");
+        m->set_content("hi");
+      },
+      grpc::INVALID_ARGUMENT);
+  add(
+      "too many stops",
+      [](auto& r) {
+        for (int i = 0; i < 20; ++i) r.mutable_sampling()->add_stop("x");
+      },
+      grpc::INVALID_ARGUMENT);
+  add(
+      "over message limit", [](auto& r) { r.mutable_input()->set_text(std::string(9 << 20, 'a')); },
       grpc::RESOURCE_EXHAUSTED);
   for (const Case& c : cases) {
     Turn t = Generate(stub.get(), c.req);
@@ -275,11 +303,15 @@ TEST_F(WorkerTest, SessionCallsAndWatchEvents) {
   pr.set_pinned(true);
   ASSERT_TRUE(call(&v1::Worker::Stub::PinSession, pr, &info).ok());
   EXPECT_TRUE(info.pinned());
-  EXPECT_EQ(call(&v1::Worker::Stub::OffloadSession, [] {
-              v1::SessionRequest r;
-              r.set_session_id("chat-2");
-              return r;
-            }(), &info).error_code(),
+  EXPECT_EQ(call(
+                &v1::Worker::Stub::OffloadSession,
+                [] {
+                  v1::SessionRequest r;
+                  r.set_session_id("chat-2");
+                  return r;
+                }(),
+                &info)
+                .error_code(),
             grpc::FAILED_PRECONDITION);
 
   v1::ListSessionsRequest lr;
@@ -406,16 +438,18 @@ TEST_F(WorkerTest, MetricsPassPromtool) {
   ASSERT_TRUE(Generate(stub.get(), Text("", "metrics please", 4)).status.ok());
   auto body = testing::HttpGet(w->metrics_port(), "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
-  for (const char* name : {"kvcache_kv_pages", "kvcache_kv_usage_ratio", "kvcache_prefix_query_tokens_total",
-                           "kvcache_sessions", "kvcache_requests_total", "kvcache_time_to_first_token_seconds",
-                           "kvcache_inter_token_latency_seconds", "kvcache_step_duration_seconds",
-                           "kvcache_batch_size", "kvcache_requests_running"}) {
+  for (const char* name :
+       {"kvcache_kv_pages", "kvcache_kv_usage_ratio", "kvcache_prefix_query_tokens_total", "kvcache_sessions",
+        "kvcache_requests_total", "kvcache_time_to_first_token_seconds",
+        "kvcache_inter_token_latency_seconds", "kvcache_step_duration_seconds", "kvcache_batch_size",
+        "kvcache_requests_running"}) {
     EXPECT_THAT(*body, HasSubstr(std::string("# TYPE ") + name)) << name;
   }
   // promtool reads the exposition from stdin.
   const std::string path = ::testing::TempDir() + "/kvcache_metrics.txt";
   std::ofstream(path) << *body;
-  auto promtool = testing::ChildProcess::Start({"/bin/sh", "-c", "promtool check metrics < " + path + " 2>&1"});
+  auto promtool =
+      testing::ChildProcess::Start({"/bin/sh", "-c", "promtool check metrics < " + path + " 2>&1"});
   ASSERT_TRUE(promtool.ok());
   auto out = (*promtool)->WaitForLine("", absl::Seconds(30));
   auto exit = (*promtool)->Wait(absl::Seconds(30));
@@ -454,8 +488,8 @@ TEST_F(WorkerTest, SmolLm2MultiTurnReusesTheConversation) {
   EXPECT_GE(u2.cached_tokens(), u1.prompt_tokens() + u1.generated_tokens() - 1);
   EXPECT_LT(u2.prompt_tokens() - u2.cached_tokens(), u1.prompt_tokens());
   std::printf("turn 1: prompt %d, cached %d, ttft %.1f ms | turn 2: prompt %d, cached %d, ttft %.1f ms\n",
-              u1.prompt_tokens(), u1.cached_tokens(), u1.time_to_first_token_us() / 1000.0, u2.prompt_tokens(),
-              u2.cached_tokens(), u2.time_to_first_token_us() / 1000.0);
+              u1.prompt_tokens(), u1.cached_tokens(), u1.time_to_first_token_us() / 1000.0,
+              u2.prompt_tokens(), u2.cached_tokens(), u2.time_to_first_token_us() / 1000.0);
   EXPECT_LT(u2.time_to_first_token_us(), u1.time_to_first_token_us());
 }
 

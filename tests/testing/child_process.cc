@@ -113,7 +113,8 @@ absl::StatusOr<int> ChildProcess::Wait(absl::Duration timeout) {
       wait_status_ = status;
       return status;
     }
-    if (absl::Now() >= deadline) return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " still running"));
+    if (absl::Now() >= deadline)
+      return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " still running"));
     absl::SleepFor(absl::Milliseconds(5));
   }
 }
@@ -128,8 +129,9 @@ int ChildProcess::Stop(absl::Duration grace) {
   return Wait(absl::Seconds(30)).value_or(-1);
 }
 
-absl::StatusOr<std::unique_ptr<ServerUnderTest>> ServerUnderTest::Start(
-    const std::string& binary, std::vector<std::string> extra_args, absl::Duration ready_timeout) {
+absl::StatusOr<std::unique_ptr<ServerUnderTest>> ServerUnderTest::Start(const std::string& binary,
+                                                                        std::vector<std::string> extra_args,
+                                                                        absl::Duration ready_timeout) {
   std::vector<std::string> argv = {binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0"};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   auto process = ChildProcess::Start(argv);

@@ -85,8 +85,8 @@ absl::StatusOr<std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& ch
 
 // Polls HealthCheck until it reports SERVING or `timeout` passes. Each probe waits
 // for the channel to connect, so no sleeps are involved.
-absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel,
-                            const std::string& service, absl::Duration timeout);
+absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                            absl::Duration timeout);
 
 // Service names listed by server reflection (v1alpha).
 absl::StatusOr<std::vector<std::string>> ReflectionListServices(

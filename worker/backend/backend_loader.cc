@@ -7,10 +7,10 @@
 #include <cstdlib>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
 
 namespace kvcache::backend {
 namespace {
@@ -28,9 +28,7 @@ bool FileExists(const std::string& path) { return access(path.c_str(), F_OK) == 
 
 }  // namespace
 
-std::string DeviceSpec::ToString() const {
-  return kind == Kind::kCpu ? "cpu" : absl::StrCat("cuda:", index);
-}
+std::string DeviceSpec::ToString() const { return kind == Kind::kCpu ? "cpu" : absl::StrCat("cuda:", index); }
 
 absl::StatusOr<DeviceSpec> ParseDevice(const std::string& text) {
   DeviceSpec spec;
@@ -65,7 +63,8 @@ std::vector<std::string> CudaPluginCandidates(const std::string& flag_path) {
 absl::StatusOr<std::unique_ptr<CudaBackend>> LoadCudaBackend(const DeviceSpec& device,
                                                              const std::string& flag_path) {
   if (device.kind != DeviceSpec::Kind::kCuda) {
-    return absl::InvalidArgumentError(absl::StrCat("LoadCudaBackend: device ", device.ToString(), " is not CUDA"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoadCudaBackend: device ", device.ToString(), " is not CUDA"));
   }
   const std::vector<std::string> candidates = CudaPluginCandidates(flag_path);
   std::string path;
@@ -76,10 +75,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> LoadCudaBackend(const DeviceSpec& d
     }
   }
   if (path.empty()) {
-    return absl::NotFoundError(absl::StrCat(
-        "--device=", device.ToString(), ": CUDA backend plugin ", kCudaPluginFileName, " not found (looked at ",
-        candidates.empty() ? std::string("nothing") : absl::StrJoin(candidates, ", "),
-        "); build kvcache with the CUDA toolkit installed (nvcc) or pass --cuda_plugin=PATH"));
+    return absl::NotFoundError(
+        absl::StrCat("--device=", device.ToString(), ": CUDA backend plugin ", kCudaPluginFileName,
+                     " not found (looked at ",
+                     candidates.empty() ? std::string("nothing") : absl::StrJoin(candidates, ", "),
+                     "); build kvcache with the CUDA toolkit installed (nvcc) or pass --cuda_plugin=PATH"));
   }
   // RTLD_LOCAL: the plugin's symbols (its own copies of project libraries) stay
   // private. Never dlclose'd: CUDA and cuBLAS do not support being unloaded.
@@ -91,8 +91,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> LoadCudaBackend(const DeviceSpec& d
   }
   auto entry = reinterpret_cast<CudaBackendEntryFn>(dlsym(handle, kCudaBackendEntryPoint));
   if (entry == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA backend plugin ", path, " has no ", kCudaBackendEntryPoint, " (not a kvcache plugin?)"));
+    return absl::FailedPreconditionError(absl::StrCat("CUDA backend plugin ", path, " has no ",
+                                                      kCudaBackendEntryPoint, " (not a kvcache plugin?)"));
   }
   CudaBackendFactory* factory = entry();
   if (factory == nullptr || factory->abi_version() != kCudaBackendAbiVersion) {

@@ -75,9 +75,7 @@ class CpuTierStorage final : public TierStorage {
     return XXH3_64bits_dispatch(PageData(id), static_cast<size_t>(page_bytes_));
   }
 
-  uint8_t* PageData(PageId id) override {
-    return InRange(id) ? slab_ + int64_t{id} * page_bytes_ : nullptr;
-  }
+  uint8_t* PageData(PageId id) override { return InRange(id) ? slab_ + int64_t{id} * page_bytes_ : nullptr; }
   const uint8_t* PageData(PageId id) const override {
     return InRange(id) ? slab_ + int64_t{id} * page_bytes_ : nullptr;
   }
@@ -111,8 +109,8 @@ absl::StatusOr<TierStoragePtr> CreateCpuTierStorage(int64_t n_pages, int64_t pag
   const int64_t bytes = n_pages * page_bytes;
   uint8_t* slab = nullptr;
   if (bytes > 0) {
-    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+    void* p =
+        mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
     }

@@ -20,8 +20,8 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(KvCacheOp
   const int64_t n0 = options.tier0_bytes / page_bytes;
   const int64_t n1 = std::max<int64_t>(0, options.tier1_bytes / page_bytes);
   if (n0 < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("tier-0 budget ", options.tier0_bytes,
-                                                   " bytes is under one page (", page_bytes, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier-0 budget ", options.tier0_bytes, " bytes is under one page (", page_bytes, ")"));
   }
   if (n0 > INT32_MAX || n1 > INT32_MAX) return absl::InvalidArgumentError("too many pages");
   if (options.max_session_tokens < 1 || options.event_capacity < 1) {
@@ -29,9 +29,7 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(KvCacheOp
   }
   if (options.model_id.empty()) return absl::InvalidArgumentError("model_id is empty");
   if (!options.storage_factory) {
-    options.storage_factory = [](int, int64_t n, int64_t bytes) {
-      return CreateCpuTierStorage(n, bytes);
-    };
+    options.storage_factory = [](int, int64_t n, int64_t bytes) { return CreateCpuTierStorage(n, bytes); };
   }
   KVCACHE_ASSIGN_OR_RETURN(TierStoragePtr t0, options.storage_factory(0, n0, page_bytes));
   KVCACHE_ASSIGN_OR_RETURN(TierStoragePtr t1, options.storage_factory(1, n1, page_bytes));
@@ -78,8 +76,7 @@ absl::StatusOr<const KvCacheManager::Session*> KvCacheManager::Find(const std::s
   return absl::NotFoundError(Quote(id) + " not found");
 }
 
-void KvCacheManager::Emit(KvEventType type, const Session* s, int64_t pages,
-                          std::vector<BlockHash> hashes) {
+void KvCacheManager::Emit(KvEventType type, const Session* s, int64_t pages, std::vector<BlockHash> hashes) {
   KvEvent e;
   e.type = type;
   if (s != nullptr) {
@@ -139,9 +136,8 @@ void KvCacheManager::PublishFullPages(Session& s) {
   std::vector<BlockHash> stored;
   for (int64_t i = static_cast<int64_t>(s.hashes.size()); i < full; ++i) {
     const BlockHash parent = i == 0 ? BlockHash::Zero() : s.hashes[i - 1];
-    const BlockHash h =
-        ComputeBlockHash(parent, options_.model_id, s.tenant,
-                         absl::MakeConstSpan(s.tokens).subspan(i * P(), P()));
+    const BlockHash h = ComputeBlockHash(parent, options_.model_id, s.tenant,
+                                         absl::MakeConstSpan(s.tokens).subspan(i * P(), P()));
     s.hashes.push_back(h);
     const PageLoc loc = s.pages[i];
     if (loc.tier != 0 || pool_[0].cached(loc.id) || prefix_index_.contains(h)) continue;
@@ -152,13 +148,11 @@ void KvCacheManager::PublishFullPages(Session& s) {
   }
   if (!stored.empty()) {
     counters_.prefix_pages_stored += static_cast<int64_t>(stored.size());
-    Emit(KvEventType::kPrefixStored, nullptr, static_cast<int64_t>(stored.size()),
-         std::move(stored));
+    Emit(KvEventType::kPrefixStored, nullptr, static_cast<int64_t>(stored.size()), std::move(stored));
   }
 }
 
-absl::StatusOr<PageChecksum> KvCacheManager::PageChecksumLocked(const Session& s,
-                                                                int64_t index) const {
+absl::StatusOr<PageChecksum> KvCacheManager::PageChecksumLocked(const Session& s, int64_t index) const {
   const PageLoc loc = s.pages[index];
   if (loc.tier == 1) return tier1_checksum_[loc.id];
   if (loc.tier == 0) return storage_[0]->Checksum(loc.id);
@@ -217,9 +211,9 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
   }
   KVCACHE_RETURN_IF_ERROR(status);
   if (pool_[0].num_free() < n) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "need ", n, " free tier-0 pages, only ", pool_[0].num_free(),
-        " could be made free (the rest are pinned or in a step)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("need ", n, " free tier-0 pages, only ", pool_[0].num_free(),
+                     " could be made free (the rest are pinned or in a step)"));
   }
   return absl::OkStatus();
 }
@@ -255,8 +249,7 @@ absl::StatusOr<int64_t> KvCacheManager::OffloadLocked(Session& s, bool allow_dro
   const int64_t k = std::min(need, pool_[1].num_free());
   if (k < need && !allow_drop) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("offload of ", Quote(s.id), ": tier 1 has room for ", k, " of ", need,
-                     " pages"));
+        absl::StrCat("offload of ", Quote(s.id), ": tier 1 has room for ", k, " of ", need, " pages"));
   }
   const int64_t per_batch = std::max<int64_t>(1, storage_[0]->copy_batch_bytes() / storage_[0]->page_bytes());
   std::vector<PageId> src, dst;
@@ -305,8 +298,7 @@ absl::Status KvCacheManager::RestoreLocked(Session& s, std::vector<std::string>*
   absl::Status room = MakeRoom(n, &s, preempted);
   s.restoring = false;
   if (!room.ok()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("restore of ", Quote(s.id), ": ", room.message()));
+    return absl::ResourceExhaustedError(absl::StrCat("restore of ", Quote(s.id), ": ", room.message()));
   }
   std::vector<int64_t> idx;
   for (int64_t i = s.first_live; i < static_cast<int64_t>(s.pages.size()); ++i) {
@@ -322,17 +314,16 @@ absl::Status KvCacheManager::RestoreLocked(Session& s, std::vector<std::string>*
     const int64_t e = std::min(n, b + per_batch);
     src.clear();
     for (int64_t j = b; j < e; ++j) src.push_back(s.pages[idx[j]].id);
-    status = storage_[0]->CopyPages(
-        *storage_[1], src, absl::MakeConstSpan(dst_all).subspan(b, e - b));
+    status = storage_[0]->CopyPages(*storage_[1], src, absl::MakeConstSpan(dst_all).subspan(b, e - b));
     for (int64_t j = b; j < e && status.ok(); ++j) {
       absl::StatusOr<PageChecksum> sum = storage_[0]->Checksum(dst_all[j]);
       if (!sum.ok()) {
         status = sum.status();
       } else if (*sum != tier1_checksum_[src[j - b]]) {
         ++counters_.checksum_failures;
-        status = absl::DataLossError(absl::StrCat(
-            "restore of ", Quote(s.id), ": checksum mismatch on page ", idx[j],
-            " (tier-1 page ", src[j - b], "); the session's cache was dropped"));
+        status = absl::DataLossError(absl::StrCat("restore of ", Quote(s.id), ": checksum mismatch on page ",
+                                                  idx[j], " (tier-1 page ", src[j - b],
+                                                  "); the session's cache was dropped"));
       }
     }
   }
@@ -369,8 +360,7 @@ absl::Status KvCacheManager::RestoreLocked(Session& s, std::vector<std::string>*
   }
   if (!stored.empty()) {
     counters_.prefix_pages_stored += static_cast<int64_t>(stored.size());
-    Emit(KvEventType::kPrefixStored, nullptr, static_cast<int64_t>(stored.size()),
-         std::move(stored));
+    Emit(KvEventType::kPrefixStored, nullptr, static_cast<int64_t>(stored.size()), std::move(stored));
   }
   return absl::OkStatus();
 }
@@ -451,8 +441,7 @@ absl::StatusOr<int64_t> KvCacheManager::AttachPrefix(const std::string& id,
   return hit;
 }
 
-int64_t KvCacheManager::LookupPrefix(const std::string& tenant,
-                                     absl::Span<const int32_t> tokens) const {
+int64_t KvCacheManager::LookupPrefix(const std::string& tenant, absl::Span<const int32_t> tokens) const {
   absl::MutexLock l(&mu_);
   BlockHash parent = BlockHash::Zero();
   int64_t hit = 0;
@@ -472,9 +461,8 @@ absl::StatusOr<StepReservation> KvCacheManager::BeginStep(const std::string& id,
   }
   const int64_t len = static_cast<int64_t>(s->tokens.size());
   if (n < 0 || len + n > options_.max_session_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(Quote(id), ": cannot reserve ", n,
-                                                   " tokens on ", len, " (limit ",
-                                                   options_.max_session_tokens, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(Quote(id), ": cannot reserve ", n, " tokens on ", len,
+                                                   " (limit ", options_.max_session_tokens, ")"));
   }
   s->in_step = true;  // protects the session from the policy below
   StepReservation r;
@@ -485,12 +473,11 @@ absl::StatusOr<StepReservation> KvCacheManager::BeginStep(const std::string& id,
   }
   const int64_t add = PagesFor(len + n) - static_cast<int64_t>(s->pages.size());
   const PageLoc tail = len % P() != 0 ? s->pages[len / P()] : PageLoc{};
-  const bool cow = n > 0 && tail.tier == 0 &&
-                   (pool_[0].ref(tail.id) > 1 || pool_[0].cached(tail.id));
+  const bool cow = n > 0 && tail.tier == 0 && (pool_[0].ref(tail.id) > 1 || pool_[0].cached(tail.id));
   if (absl::Status st = MakeRoom(add + (cow ? 1 : 0), s, &r.preempted); !st.ok()) {
     s->in_step = false;
-    return absl::ResourceExhaustedError(absl::StrCat("BeginStep of ", Quote(id), " for ", n,
-                                                     " tokens: ", st.message()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("BeginStep of ", Quote(id), " for ", n, " tokens: ", st.message()));
   }
   const uint64_t epoch = ++write_epoch_;
   if (cow) {
@@ -525,8 +512,8 @@ absl::Status KvCacheManager::CommitStep(const std::string& id, absl::Span<const 
   KVCACHE_ASSIGN_OR_RETURN(Session * s, Find(id));
   if (!s->in_step) return absl::FailedPreconditionError(Quote(id) + " has no step in progress");
   if (static_cast<int64_t>(tokens.size()) > s->reserved) {
-    return absl::InvalidArgumentError(absl::StrCat(Quote(id), ": committing ", tokens.size(),
-                                                   " tokens, reserved ", s->reserved));
+    return absl::InvalidArgumentError(
+        absl::StrCat(Quote(id), ": committing ", tokens.size(), " tokens, reserved ", s->reserved));
   }
   s->tokens.insert(s->tokens.end(), tokens.begin(), tokens.end());
   s->reserved = 0;
@@ -558,8 +545,7 @@ absl::Status KvCacheManager::AbortStep(const std::string& id) {
   return absl::OkStatus();
 }
 
-absl::Status KvCacheManager::AppendTokens(const std::string& id,
-                                          absl::Span<const int32_t> tokens) {
+absl::Status KvCacheManager::AppendTokens(const std::string& id, absl::Span<const int32_t> tokens) {
   KVCACHE_ASSIGN_OR_RETURN(StepReservation r, BeginStep(id, static_cast<int64_t>(tokens.size())));
   (void)r;
   return CommitStep(id, tokens);
@@ -572,13 +558,12 @@ absl::Status KvCacheManager::Truncate(const std::string& id, int64_t num_tokens)
     return absl::FailedPreconditionError(Quote(id) + " is in a step or export; cannot truncate");
   }
   if (num_tokens < 0 || num_tokens > static_cast<int64_t>(s->tokens.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(Quote(id), ": cannot truncate to ",
-                                                   num_tokens, " of ", s->tokens.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(Quote(id), ": cannot truncate to ", num_tokens, " of ", s->tokens.size()));
   }
   if (!CutValid(*s, num_tokens)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        Quote(id), ": truncating to ", num_tokens,
-        " needs pages the sliding window already released"));
+    return absl::FailedPreconditionError(absl::StrCat(Quote(id), ": truncating to ", num_tokens,
+                                                      " needs pages the sliding window already released"));
   }
   CutLocked(*s, num_tokens);
   Touch(*s);
@@ -634,9 +619,8 @@ absl::Status KvCacheManager::Offload(const std::string& id) {
   if (Pinned(*s)) return absl::FailedPreconditionError(Quote(id) + " is pinned or in a step");
   const int64_t live = static_cast<int64_t>(s->pages.size()) - s->first_live;
   if (live > pool_[1].capacity()) {
-    return absl::ResourceExhaustedError(absl::StrCat("offload of ", Quote(id), ": ", live,
-                                                     " pages exceed tier 1 (",
-                                                     pool_[1].capacity(), " pages)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "offload of ", Quote(id), ": ", live, " pages exceed tier 1 (", pool_[1].capacity(), " pages)"));
   }
   return OffloadLocked(*s, /*allow_drop=*/false).status();
 }
@@ -770,8 +754,8 @@ absl::Status KvCacheManager::CheckInvariants() const {
     const std::string who = Quote(id);
     if (static_cast<int64_t>(s.pages.size()) != PagesFor(len + s.reserved) ||
         s.page_epoch.size() != s.pages.size()) {
-      return absl::InternalError(absl::StrCat(who, ": ", s.pages.size(), " pages for ", len,
-                                              "+", s.reserved, " tokens"));
+      return absl::InternalError(
+          absl::StrCat(who, ": ", s.pages.size(), " pages for ", len, "+", s.reserved, " tokens"));
     }
     if (s.reserved > 0 && !s.in_step) return absl::InternalError(who + ": reserved outside a step");
     if (static_cast<int64_t>(s.hashes.size()) != len / P()) {
@@ -779,10 +763,9 @@ absl::Status KvCacheManager::CheckInvariants() const {
     }
     const int64_t w = options_.shape.sliding_window;
     const int64_t want_first = (w > 0 && len > w) ? (len - w) / P() : 0;
-    if (s.first_live > std::max<int64_t>(want_first, 0) ||
-        (len > 0 && s.first_live < want_first)) {
-      return absl::InternalError(absl::StrCat(who, ": first live page ", s.first_live,
-                                              ", window wants ", want_first));
+    if (s.first_live > std::max<int64_t>(want_first, 0) || (len > 0 && s.first_live < want_first)) {
+      return absl::InternalError(
+          absl::StrCat(who, ": first live page ", s.first_live, ", window wants ", want_first));
     }
     int64_t tier1 = 0;
     for (int64_t i = 0; i < static_cast<int64_t>(s.pages.size()); ++i) {
@@ -805,9 +788,8 @@ absl::Status KvCacheManager::CheckInvariants() const {
   for (int t = 0; t < 2; ++t) {
     for (PageId id = 0; id < pool_[t].capacity(); ++id) {
       if (refs[t][id] != pool_[t].ref(id)) {
-        return absl::InternalError(absl::StrCat("tier ", t, " page ", id, ": ref ",
-                                                pool_[t].ref(id), " but ", refs[t][id],
-                                                " referrers"));
+        return absl::InternalError(absl::StrCat("tier ", t, " page ", id, ": ref ", pool_[t].ref(id), " but ",
+                                                refs[t][id], " referrers"));
       }
       if (t == 1 && (pool_[1].cached(id) || refs[1][id] > 1)) {
         return absl::InternalError(absl::StrCat("tier-1 page ", id, " shared or cached"));

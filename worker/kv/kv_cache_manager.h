@@ -61,9 +61,9 @@ namespace kvcache::kv {
 
 struct KvCacheOptions {
   KvShape shape;
-  std::string model_id;         // part of every prefix hash
-  int64_t tier0_bytes = 0;      // budget; capacity = tier0_bytes / page_bytes (>= 1 page)
-  int64_t tier1_bytes = 0;      // budget; 0 disables offload (idle sessions are dropped)
+  std::string model_id;     // part of every prefix hash
+  int64_t tier0_bytes = 0;  // budget; capacity = tier0_bytes / page_bytes (>= 1 page)
+  int64_t tier1_bytes = 0;  // budget; 0 disables offload (idle sessions are dropped)
   int64_t max_session_tokens = 1 << 20;
   size_t event_capacity = 1 << 16;
   size_t closed_ids_remembered = 4096;  // to answer FAILED_PRECONDITION for closed ids
@@ -72,12 +72,12 @@ struct KvCacheOptions {
 
 // What the scheduler needs for one step of one session.
 struct StepReservation {
-  int64_t first_pos = 0;       // position of the first new token (tokens committed so far)
+  int64_t first_pos = 0;  // position of the first new token (tokens committed so far)
   int64_t num_new_tokens = 0;
   // Tier-0 page ids; page i holds positions [i*page_tokens, (i+1)*page_tokens).
   // kNoPage for pages the sliding window released.
   std::vector<PageId> page_table;
-  int64_t restored_pages = 0;  // pages brought back from tier 1 for this step
+  int64_t restored_pages = 0;          // pages brought back from tier 1 for this step
   std::vector<std::string> preempted;  // sessions preempted to make room: requeue them
 };
 
@@ -92,14 +92,14 @@ struct SessionInfo {
   bool in_step = false;
   bool user_pinned = false;
   bool running = false;
-  uint64_t last_use = 0;      // logical clock
+  uint64_t last_use = 0;            // logical clock
   std::vector<int32_t> page_tiers;  // per page: 0, 1, or -1 (released)
   std::vector<PageId> page_ids;     // per page: id within its tier, or kNoPage
 };
 
 struct KvSnapshot {
-  uint64_t last_seq = 0;  // events up to this seq are reflected
-  std::vector<SessionInfo> sessions;  // page lists omitted
+  uint64_t last_seq = 0;                 // events up to this seq are reflected
+  std::vector<SessionInfo> sessions;     // page lists omitted
   std::vector<BlockHash> prefix_hashes;  // every hash in the tier-0 prefix cache
 };
 
@@ -208,7 +208,7 @@ class KvCacheManager {
     int64_t first_live = 0;
     int64_t reserved = 0;
     int64_t tier1_pages = 0;
-    bool in_step = false;       // step pin
+    bool in_step = false;        // step pin
     bool export_frozen = false;  // final export phase running
     bool restoring = false;      // making room for its own restore
     bool user_pinned = false;
@@ -221,14 +221,11 @@ class KvCacheManager {
   int64_t P() const { return options_.shape.page_tokens; }
   int64_t PagesFor(int64_t tokens) const { return (tokens + P() - 1) / P(); }
   absl::StatusOr<Session*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<const Session*> Find(const std::string& id) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<const Session*> Find(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Touch(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { s.last_use = ++clock_; }
-  bool Pinned(const Session& s) const {
-    return s.in_step || s.user_pinned || s.export_frozen || s.restoring;
-  }
-  void Emit(KvEventType type, const Session* s, int64_t pages,
-            std::vector<BlockHash> hashes = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Pinned(const Session& s) const { return s.in_step || s.user_pinned || s.export_frozen || s.restoring; }
+  void Emit(KvEventType type, const Session* s, int64_t pages, std::vector<BlockHash> hashes = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Frees a page-table entry (decref tier 0, free tier 1) and marks it released.
   void ReleaseLoc(Session& s, int64_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -250,8 +247,7 @@ class KvCacheManager {
   void DropTier1(int64_t n, const Session* protect) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the session's tier-0 pages to tier 1; with `allow_drop`, pages tier 1 cannot
   // take are dropped (the session is cut before the first one). Returns pages moved.
-  absl::StatusOr<int64_t> OffloadLocked(Session& s, bool allow_drop)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int64_t> OffloadLocked(Session& s, bool allow_drop) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RestoreLocked(Session& s, std::vector<std::string>* preempted)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<PageChecksum> PageChecksumLocked(const Session& s, int64_t index) const

@@ -26,13 +26,13 @@
 
 namespace kvcache::kv {
 
-inline constexpr int64_t kMaxChunkWireBytes = 4 << 20;    // hard limit of one message
-inline constexpr int64_t kDefaultChunkBytes = 2 << 20;    // default payload budget
+inline constexpr int64_t kMaxChunkWireBytes = 4 << 20;  // hard limit of one message
+inline constexpr int64_t kDefaultChunkBytes = 2 << 20;  // default payload budget
 
 struct PageSegment {
-  int64_t page_index = 0;  // index in the session's page table
-  int64_t offset = 0;      // byte offset within the page
-  int64_t length = 0;      // bytes of this segment in the payload
+  int64_t page_index = 0;          // index in the session's page table
+  int64_t offset = 0;              // byte offset within the page
+  int64_t length = 0;              // bytes of this segment in the payload
   PageChecksum page_checksum = 0;  // of the whole page
 };
 
@@ -58,9 +58,8 @@ struct KvChunk {
   // Upper bound of the serialised size: payload plus fixed-size fields.
   int64_t ByteSize() const {
     return 128 + static_cast<int64_t>(session_id.size() + tenant.size() + model_id.size()) +
-           static_cast<int64_t>(token_ids.size()) * 4 +
-           static_cast<int64_t>(segments.size()) * 32 + static_cast<int64_t>(payload.size()) +
-           static_cast<int64_t>(page_checksums.size()) * 8;
+           static_cast<int64_t>(token_ids.size()) * 4 + static_cast<int64_t>(segments.size()) * 32 +
+           static_cast<int64_t>(payload.size()) + static_cast<int64_t>(page_checksums.size()) * 8;
   }
 };
 

@@ -4,14 +4,22 @@ namespace kvcache::kv {
 
 const char* EventTypeName(KvEventType t) {
   switch (t) {
-    case KvEventType::kSessionPlaced: return "session_placed";
-    case KvEventType::kSessionOffloaded: return "session_offloaded";
-    case KvEventType::kSessionRestored: return "session_restored";
-    case KvEventType::kSessionDropped: return "session_dropped";
-    case KvEventType::kSessionExported: return "session_exported";
-    case KvEventType::kSessionClosed: return "session_closed";
-    case KvEventType::kPrefixStored: return "prefix_stored";
-    case KvEventType::kPrefixRemoved: return "prefix_removed";
+    case KvEventType::kSessionPlaced:
+      return "session_placed";
+    case KvEventType::kSessionOffloaded:
+      return "session_offloaded";
+    case KvEventType::kSessionRestored:
+      return "session_restored";
+    case KvEventType::kSessionDropped:
+      return "session_dropped";
+    case KvEventType::kSessionExported:
+      return "session_exported";
+    case KvEventType::kSessionClosed:
+      return "session_closed";
+    case KvEventType::kPrefixStored:
+      return "prefix_stored";
+    case KvEventType::kPrefixRemoved:
+      return "prefix_removed";
   }
   return "unknown";
 }

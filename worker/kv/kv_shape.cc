@@ -6,22 +6,24 @@ namespace kvcache::kv {
 
 const char* DtypeName(KvDtype d) {
   switch (d) {
-    case KvDtype::kF32: return "f32";
-    case KvDtype::kF16: return "f16";
-    case KvDtype::kBF16: return "bf16";
+    case KvDtype::kF32:
+      return "f32";
+    case KvDtype::kF16:
+      return "f16";
+    case KvDtype::kBF16:
+      return "bf16";
   }
   return "unknown";
 }
 
 std::string KvShape::DebugString() const {
-  return absl::StrFormat("{layers=%d kv_heads=%d head_dim=%d dtype=%s page_tokens=%d window=%d}",
-                         layers, kv_heads, head_dim, DtypeName(dtype), page_tokens,
-                         sliding_window);
+  return absl::StrFormat("{layers=%d kv_heads=%d head_dim=%d dtype=%s page_tokens=%d window=%d}", layers,
+                         kv_heads, head_dim, DtypeName(dtype), page_tokens, sliding_window);
 }
 
 absl::Status ValidateShape(const KvShape& s) {
-  if (s.layers <= 0 || s.kv_heads <= 0 || s.head_dim <= 0 || s.page_tokens <= 0 ||
-      DtypeSize(s.dtype) == 0 || s.sliding_window < 0) {
+  if (s.layers <= 0 || s.kv_heads <= 0 || s.head_dim <= 0 || s.page_tokens <= 0 || DtypeSize(s.dtype) == 0 ||
+      s.sliding_window < 0) {
     return absl::InvalidArgumentError("invalid KV shape " + s.DebugString());
   }
   if (s.page_bytes() > (int64_t{1} << 30)) {

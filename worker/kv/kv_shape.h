@@ -26,9 +26,12 @@ enum class KvDtype : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // Size in bytes of one element; 0 for an unknown value.
 inline int64_t DtypeSize(KvDtype d) {
   switch (d) {
-    case KvDtype::kF32: return 4;
-    case KvDtype::kF16: return 2;
-    case KvDtype::kBF16: return 2;
+    case KvDtype::kF32:
+      return 4;
+    case KvDtype::kF16:
+      return 2;
+    case KvDtype::kBF16:
+      return 2;
   }
   return 0;
 }
@@ -43,9 +46,7 @@ struct KvShape {
   int sliding_window = 0;  // tokens; 0 = full attention
 
   // Bytes of one token's K and V over all layers: 2 * layers * kv_heads * head_dim * dtype.
-  int64_t bytes_per_token() const {
-    return 2 * int64_t{layers} * kv_heads * head_dim * DtypeSize(dtype);
-  }
+  int64_t bytes_per_token() const { return 2 * int64_t{layers} * kv_heads * head_dim * DtypeSize(dtype); }
   int64_t page_bytes() const { return int64_t{page_tokens} * bytes_per_token(); }
   // Bytes of one K (or V) row of one token in one layer: kv_heads * head_dim * dtype.
   int64_t row_bytes() const { return int64_t{kv_heads} * head_dim * DtypeSize(dtype); }
@@ -53,8 +54,7 @@ struct KvShape {
 
   friend bool operator==(const KvShape& a, const KvShape& b) {
     return a.layers == b.layers && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim &&
-           a.dtype == b.dtype && a.page_tokens == b.page_tokens &&
-           a.sliding_window == b.sliding_window;
+           a.dtype == b.dtype && a.page_tokens == b.page_tokens && a.sliding_window == b.sliding_window;
   }
   friend bool operator!=(const KvShape& a, const KvShape& b) { return !(a == b); }
 };

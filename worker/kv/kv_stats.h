@@ -11,12 +11,12 @@ namespace kvcache::kv {
 // Pages of one tier by state. Every page is in exactly one state:
 //   capacity_pages = free + session_private + prefix_shared + cached_unreferenced + in_flight
 struct TierStats {
-  int64_t capacity_pages = 0;       // budget_bytes / page_bytes
-  int64_t free_pages = 0;           // on the free list
-  int64_t session_private_pages = 0;  // ref >= 1 and not in the prefix cache (tier 1: all used)
-  int64_t prefix_shared_pages = 0;  // ref >= 1 and in the prefix cache (tier 0 only)
+  int64_t capacity_pages = 0;             // budget_bytes / page_bytes
+  int64_t free_pages = 0;                 // on the free list
+  int64_t session_private_pages = 0;      // ref >= 1 and not in the prefix cache (tier 1: all used)
+  int64_t prefix_shared_pages = 0;        // ref >= 1 and in the prefix cache (tier 0 only)
   int64_t cached_unreferenced_pages = 0;  // ref == 0, in the prefix cache: evictable, LRU
-  int64_t in_flight_pages = 0;      // staging pages of imports not yet committed
+  int64_t in_flight_pages = 0;            // staging pages of imports not yet committed
 };
 
 struct KvStats {
@@ -25,21 +25,21 @@ struct KvStats {
   int64_t offloaded_sessions = 0;  // sessions with at least one page in tier 1
 
   // Prefix cache, in tokens. hit_rate = prefix_hit_tokens / prefix_query_tokens.
-  int64_t prefix_query_tokens = 0;  // sum of prompt lengths passed to AttachPrefix
-  int64_t prefix_hit_tokens = 0;    // sum of tokens attached from cached pages
-  int64_t prefix_pages_stored = 0;  // pages registered in the prefix cache
+  int64_t prefix_query_tokens = 0;   // sum of prompt lengths passed to AttachPrefix
+  int64_t prefix_hit_tokens = 0;     // sum of tokens attached from cached pages
+  int64_t prefix_pages_stored = 0;   // pages registered in the prefix cache
   int64_t prefix_pages_evicted = 0;  // cached-unreferenced pages evicted (policy step 2)
 
   // Tier movement. *_bytes = *_pages * page_bytes.
-  int64_t offloads = 0;        // sessions offloaded (explicit or policy step 3)
+  int64_t offloads = 0;  // sessions offloaded (explicit or policy step 3)
   int64_t offload_pages = 0;
   int64_t offload_bytes = 0;
   int64_t restores = 0;
   int64_t restore_pages = 0;
   int64_t restore_bytes = 0;
-  int64_t drops = 0;           // sessions that lost pages (policy step 4, checksum failure)
-  int64_t dropped_pages = 0;   // page-table entries cut by drops
-  int64_t preemptions = 0;     // running sessions offloaded by policy step 5
+  int64_t drops = 0;              // sessions that lost pages (policy step 4, checksum failure)
+  int64_t dropped_pages = 0;      // page-table entries cut by drops
+  int64_t preemptions = 0;        // running sessions offloaded by policy step 5
   int64_t checksum_failures = 0;  // pages rejected on restore or import
 
   // Waste, in token slots, summed over sessions (a shared page counts once per session):

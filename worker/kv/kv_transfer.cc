@@ -17,8 +17,9 @@ std::string Quote(const std::string& id) { return absl::StrCat("session '", id, 
 
 // --- export ------------------------------------------------------------------------
 
-absl::StatusOr<std::unique_ptr<SessionExporter>> SessionExporter::Create(
-    KvCacheManager* manager, const std::string& session_id, ExportOptions options) {
+absl::StatusOr<std::unique_ptr<SessionExporter>> SessionExporter::Create(KvCacheManager* manager,
+                                                                         const std::string& session_id,
+                                                                         ExportOptions options) {
   if (manager == nullptr) return absl::InvalidArgumentError("null manager");
   if (options.max_chunk_bytes < 1024 || options.max_chunk_bytes > kMaxChunkWireBytes) {
     return absl::InvalidArgumentError(
@@ -55,11 +56,10 @@ absl::StatusOr<KvCacheManager::Session*> SessionExporter::Lookup() {
   return it->second.get();
 }
 
-absl::StatusOr<bool> SessionExporter::Fill(const KvCacheManager::Session& s, bool bulk,
-                                           KvChunk* out) {
+absl::StatusOr<bool> SessionExporter::Fill(const KvCacheManager::Session& s, bool bulk, KvChunk* out) {
   const int64_t max = options_.max_chunk_bytes;
-  if (token_pos_ < tokens_.size() || (!bulk && token_pos_ == 0 && phase_ == Phase::kFinal &&
-                                      token_base_ < bulk_token_end_)) {
+  if (token_pos_ < tokens_.size() ||
+      (!bulk && token_pos_ == 0 && phase_ == Phase::kFinal && token_base_ < bulk_token_end_)) {
     // Token chunk (in the final phase possibly empty: it tells the receiver to cut).
     out->kind = KvChunk::Kind::kTokens;
     out->token_offset = token_base_ + static_cast<int64_t>(token_pos_);
@@ -87,8 +87,8 @@ absl::StatusOr<bool> SessionExporter::Fill(const KvCacheManager::Session& s, boo
     const int64_t room = max - out->ByteSize() - kSegmentOverhead;
     const int64_t remaining = page_bytes - page_offset_;
     // Keep pages whole when they fit a chunk of their own.
-    if (room <= 0 || (room < remaining && !out->payload.empty() &&
-                      remaining <= max - 128 - 2 * kSegmentOverhead)) {
+    if (room <= 0 ||
+        (room < remaining && !out->payload.empty() && remaining <= max - 128 - 2 * kSegmentOverhead)) {
       break;
     }
     const int64_t len = std::min(room, remaining);
@@ -145,8 +145,8 @@ absl::StatusOr<bool> SessionExporter::NextFinal(KvChunk* out) {
   KVCACHE_ASSIGN_OR_RETURN(KvCacheManager::Session * s, Lookup());
   if (phase_ == Phase::kBulk || phase_ == Phase::kFinalStart) {
     if (s->in_step) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "export of ", Quote(session_id_), ": final phase must run between steps"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("export of ", Quote(session_id_), ": final phase must run between steps"));
     }
     s->export_frozen = true;
     frozen_ = true;
@@ -176,25 +176,23 @@ absl::StatusOr<bool> SessionExporter::NextFinal(KvChunk* out) {
   out->first_live_page = s->first_live;
   for (int64_t i = s->first_live; i < mgr_->PagesFor(out->num_tokens); ++i) {
     if (i >= static_cast<int64_t>(sent_ok_.size()) || !sent_ok_[i]) {
-      return absl::InternalError(absl::StrCat("export of ", Quote(session_id_), ": page ", i,
-                                              " was never sent"));
+      return absl::InternalError(
+          absl::StrCat("export of ", Quote(session_id_), ": page ", i, " was never sent"));
     }
     out->page_checksums.push_back(sent_sum_[i]);
   }
   if (out->ByteSize() > kMaxChunkWireBytes) {
-    return absl::OutOfRangeError(absl::StrCat("export of ", Quote(session_id_),
-                                              ": commit chunk exceeds 4 MiB"));
+    return absl::OutOfRangeError(
+        absl::StrCat("export of ", Quote(session_id_), ": commit chunk exceeds 4 MiB"));
   }
   s->export_frozen = false;
   frozen_ = false;
   phase_ = Phase::kDone;
-  mgr_->Emit(KvEventType::kSessionExported, s,
-             static_cast<int64_t>(out->page_checksums.size()));
+  mgr_->Emit(KvEventType::kSessionExported, s, static_cast<int64_t>(out->page_checksums.size()));
   return true;
 }
 
-absl::StatusOr<std::vector<KvChunk>> ExportSession(KvCacheManager* manager,
-                                                   const std::string& session_id,
+absl::StatusOr<std::vector<KvChunk>> ExportSession(KvCacheManager* manager, const std::string& session_id,
                                                    ExportOptions options) {
   KVCACHE_ASSIGN_OR_RETURN(auto exporter, SessionExporter::Create(manager, session_id, options));
   std::vector<KvChunk> chunks;
@@ -262,14 +260,13 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
       return absl::InvalidArgumentError("import: empty session id or tenant");
     }
     if (c.model_id != opt.model_id) {
-      return absl::FailedPreconditionError(absl::StrCat("import of ", Quote(session_id_),
-                                                        ": model '", c.model_id,
-                                                        "' differs from '", opt.model_id, "'"));
+      return absl::FailedPreconditionError(absl::StrCat("import of ", Quote(session_id_), ": model '",
+                                                        c.model_id, "' differs from '", opt.model_id, "'"));
     }
     if (c.shape != opt.shape) {
-      return absl::FailedPreconditionError(absl::StrCat("import of ", Quote(session_id_),
-                                                        ": shape ", c.shape.DebugString(),
-                                                        " differs from ", opt.shape.DebugString()));
+      return absl::FailedPreconditionError(absl::StrCat("import of ", Quote(session_id_), ": shape ",
+                                                        c.shape.DebugString(), " differs from ",
+                                                        opt.shape.DebugString()));
     }
     if (mgr_->sessions_.contains(session_id_)) {
       return absl::AlreadyExistsError(Quote(session_id_) + " already exists");
@@ -283,9 +280,9 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
       const int64_t end = c.token_offset + static_cast<int64_t>(c.token_ids.size());
       if (c.token_offset < 0 || c.token_offset > static_cast<int64_t>(tokens_.size()) ||
           end > opt.max_session_tokens) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "import of ", Quote(session_id_), ": token chunk at ", c.token_offset,
-            " does not continue the ", tokens_.size(), " tokens received"));
+        return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_), ": token chunk at ",
+                                                       c.token_offset, " does not continue the ",
+                                                       tokens_.size(), " tokens received"));
       }
       tokens_.resize(c.token_offset);
       tokens_.insert(tokens_.end(), c.token_ids.begin(), c.token_ids.end());
@@ -308,15 +305,14 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
   for (const PageSegment& seg : c.segments) {
     if (seg.page_index < 0 || seg.page_index >= max_pages || seg.offset < 0 || seg.length <= 0 ||
         seg.offset + seg.length > page_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_),
-                                                     ": bad segment for page ", seg.page_index));
+      return absl::InvalidArgumentError(
+          absl::StrCat("import of ", Quote(session_id_), ": bad segment for page ", seg.page_index));
     }
     total += seg.length;
   }
   if (total != static_cast<int64_t>(c.payload.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_),
-                                                   ": payload is ", c.payload.size(),
-                                                   " bytes, segments say ", total));
+    return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_), ": payload is ",
+                                                   c.payload.size(), " bytes, segments say ", total));
   }
   int64_t at = 0;
   for (const PageSegment& seg : c.segments) {
@@ -327,9 +323,9 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
       p.verified = false;
       p.sum = seg.page_checksum;
     } else if (seg.offset != p.received || seg.page_checksum != p.sum) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "import of ", Quote(session_id_), ": segment of page ", seg.page_index, " at ",
-          seg.offset, " does not continue its ", p.received, " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_), ": segment of page ",
+                                                     seg.page_index, " at ", seg.offset,
+                                                     " does not continue its ", p.received, " bytes"));
     }
     if (p.id == kNoPage) {
       KVCACHE_RETURN_IF_ERROR(mgr_->MakeRoom(1, nullptr, nullptr));
@@ -344,8 +340,8 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
       KVCACHE_ASSIGN_OR_RETURN(PageChecksum sum, mgr_->storage_[0]->Checksum(p.id));
       if (sum != p.sum) {
         ++mgr_->counters_.checksum_failures;
-        return absl::DataLossError(absl::StrCat("import of ", Quote(session_id_), ": page ",
-                                                seg.page_index, " checksum mismatch"));
+        return absl::DataLossError(
+            absl::StrCat("import of ", Quote(session_id_), ": page ", seg.page_index, " checksum mismatch"));
       }
       p.verified = true;
     }
@@ -366,10 +362,9 @@ absl::Status SessionImporter::CommitLocked(const KvChunk& c) {
   const int64_t n_pages = mgr_->PagesFor(len);
   if (c.first_live_page != first_live ||
       static_cast<int64_t>(c.page_checksums.size()) != n_pages - first_live) {
-    return absl::InvalidArgumentError(absl::StrCat(who, "commit lists pages [",
-                                                   c.first_live_page, ", +",
-                                                   c.page_checksums.size(), "), expected [",
-                                                   first_live, ", ", n_pages, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(who, "commit lists pages [", c.first_live_page, ", +",
+                                                   c.page_checksums.size(), "), expected [", first_live, ", ",
+                                                   n_pages, ")"));
   }
   for (int64_t i = first_live; i < n_pages; ++i) {
     if (i >= static_cast<int64_t>(staged_.size()) || !staged_[i].verified) {
@@ -415,8 +410,7 @@ absl::Status SessionImporter::CommitLocked(const KvChunk& c) {
   return absl::OkStatus();
 }
 
-absl::Status ImportSession(KvCacheManager* manager, absl::Span<const KvChunk> chunks,
-                           ImportOptions options) {
+absl::Status ImportSession(KvCacheManager* manager, absl::Span<const KvChunk> chunks, ImportOptions options) {
   KVCACHE_ASSIGN_OR_RETURN(auto importer, SessionImporter::Create(manager, std::move(options)));
   for (const KvChunk& c : chunks) KVCACHE_RETURN_IF_ERROR(importer->Add(c));
   if (!importer->committed()) {

@@ -72,26 +72,25 @@ class SessionExporter {
   const ExportOptions options_;
   std::string session_id_;
   uint64_t uid_ = 0;
-  uint64_t epoch0_ = 0;              // the manager's write epoch at Create()
+  uint64_t epoch0_ = 0;  // the manager's write epoch at Create()
   Phase phase_ = Phase::kBegin;
   bool frozen_ = false;
-  std::vector<int32_t> tokens_;      // tokens to send in the current phase
-  int64_t token_base_ = 0;           // position of tokens_[0]
-  size_t token_pos_ = 0;             // next index of tokens_ to send
-  std::vector<int64_t> todo_;        // page indices to send in the current phase
+  std::vector<int32_t> tokens_;  // tokens to send in the current phase
+  int64_t token_base_ = 0;       // position of tokens_[0]
+  size_t token_pos_ = 0;         // next index of tokens_ to send
+  std::vector<int64_t> todo_;    // page indices to send in the current phase
   size_t todo_pos_ = 0;
-  int64_t page_offset_ = 0;          // bytes of todo_[todo_pos_] already sent
+  int64_t page_offset_ = 0;  // bytes of todo_[todo_pos_] already sent
   PageChecksum page_sum_ = 0;
   std::vector<PageChecksum> sent_sum_;  // per page index, valid when sent_ok_
   std::vector<char> sent_ok_;
-  int64_t bulk_token_end_ = 0;       // tokens [0, bulk_token_end_) were sent in bulk
+  int64_t bulk_token_end_ = 0;  // tokens [0, bulk_token_end_) were sent in bulk
   int64_t bulk_pages_ = 0;
   int64_t final_pages_ = 0;
 };
 
 // Bulk and final phases back to back.
-absl::StatusOr<std::vector<KvChunk>> ExportSession(KvCacheManager* manager,
-                                                   const std::string& session_id,
+absl::StatusOr<std::vector<KvChunk>> ExportSession(KvCacheManager* manager, const std::string& session_id,
                                                    ExportOptions options = {});
 
 struct ImportOptions {

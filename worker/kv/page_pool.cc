@@ -97,8 +97,14 @@ void PagePool::LruPush(PageId id) {
 void PagePool::LruRemove(PageId id) {
   Meta& m = meta_[id];
   assert(m.on_lru);
-  if (m.lru_prev != kNoPage) meta_[m.lru_prev].lru_next = m.lru_next; else lru_head_ = m.lru_next;
-  if (m.lru_next != kNoPage) meta_[m.lru_next].lru_prev = m.lru_prev; else lru_tail_ = m.lru_prev;
+  if (m.lru_prev != kNoPage)
+    meta_[m.lru_prev].lru_next = m.lru_next;
+  else
+    lru_head_ = m.lru_next;
+  if (m.lru_next != kNoPage)
+    meta_[m.lru_next].lru_prev = m.lru_prev;
+  else
+    lru_tail_ = m.lru_prev;
   m.on_lru = false;
   m.lru_prev = m.lru_next = kNoPage;
   --num_evictable_;

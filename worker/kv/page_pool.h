@@ -71,10 +71,10 @@ class PagePool {
     PageId lru_prev = kNoPage;
     PageId lru_next = kNoPage;
   };
-  void LruPush(PageId id);    // to the tail (most recent)
+  void LruPush(PageId id);  // to the tail (most recent)
   void LruRemove(PageId id);
   void PushFree(PageId id);
-  void Release(PageId id);    // ref reached 0: evictable or free
+  void Release(PageId id);  // ref reached 0: evictable or free
 
   TierStoragePtr storage_;
   std::vector<Meta> meta_;

@@ -15,8 +15,8 @@ absl::StatusOr<WeightView> Matrix(const gguf::GgufFile& f, const std::string& na
                                   int64_t cols) {
   KVCACHE_ASSIGN_OR_RETURN(const gguf::GgufTensorInfo* t, f.GetTensor(name));
   if (t->ne[0] != cols || t->ne[1] != rows || t->ne[2] != 1 || t->ne[3] != 1) {
-    return absl::InvalidArgumentError(absl::StrFormat("tensor %s has shape %s, want [%d, %d]", name,
-                                                      t->ShapeString(), cols, rows));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor %s has shape %s, want [%d, %d]", name, t->ShapeString(), cols, rows));
   }
   return WeightView{t->type, t->data, rows, cols};
 }
@@ -75,8 +75,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromFile(std::unique_ptr
     KVCACHE_ASSIGN_OR_RETURN(layer.w_gate, Matrix(f, p + "ffn_gate.weight", hp.n_ff, d));
     KVCACHE_ASSIGN_OR_RETURN(layer.w_up, Matrix(f, p + "ffn_up.weight", hp.n_ff, d));
     KVCACHE_ASSIGN_OR_RETURN(layer.w_down, Matrix(f, p + "ffn_down.weight", d, hp.n_ff));
-    for (const WeightView* w : {&layer.wq, &layer.wk, &layer.wv, &layer.wo, &layer.w_gate, &layer.w_up,
-                                &layer.w_down}) {
+    for (const WeightView* w :
+         {&layer.wq, &layer.wk, &layer.wv, &layer.wo, &layer.w_gate, &layer.w_up, &layer.w_down}) {
       m->weight_bytes_ += Bytes(*w);
     }
     m->layers_.push_back(std::move(layer));

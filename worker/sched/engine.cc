@@ -10,10 +10,14 @@ namespace kvcache::sched {
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStopString: return "stop_string";
-    case FinishReason::kContextFull: return "context_full";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStopString:
+      return "stop_string";
+    case FinishReason::kContextFull:
+      return "context_full";
   }
   return "unknown";
 }
@@ -44,9 +48,9 @@ struct Engine::Request {
   bool prepared = false;
   bool started = false;
   bool done = false;
-  bool decoding = false;          // the prompt is in the cache; pending holds the sampled token
-  std::vector<int32_t> context;   // every token of the conversation so far
-  std::vector<int32_t> pending;   // tokens of `context` without K/V yet, in order
+  bool decoding = false;         // the prompt is in the cache; pending holds the sampled token
+  std::vector<int32_t> context;  // every token of the conversation so far
+  std::vector<int32_t> pending;  // tokens of `context` without K/V yet, in order
   GenerateResult result;
 };
 
@@ -59,7 +63,8 @@ Engine::Engine(EngineOptions options, model::ModelRunner* runner, kv::KvCacheMan
       page_tokens_(kv->shape().page_tokens) {}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options, model::ModelRunner* runner,
-                                                       kv::KvCacheManager* kv, const tok::Tokenizer* tokenizer) {
+                                                       kv::KvCacheManager* kv,
+                                                       const tok::Tokenizer* tokenizer) {
   if (runner == nullptr || kv == nullptr || tokenizer == nullptr) {
     return absl::InvalidArgumentError("engine needs a runner, a KV cache and a tokenizer");
   }
@@ -130,25 +135,27 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     }
   }
   if (context >= options_.max_context) {
-    return absl::InvalidArgumentError(absl::StrCat("context of ", context, " tokens leaves no room under the ",
-                                                   options_.max_context, "-token limit"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "context of ", context, " tokens leaves no room under the ", options_.max_context, "-token limit"));
   }
   // The whole context must fit in tier 0 at once (attention reads it there).
   const int64_t pages = (context + 1 + page_tokens_ - 1) / page_tokens_;
   if (pages > kv_->tier_capacity_pages(0)) {
     return absl::ResourceExhaustedError(absl::StrCat("context of ", context, " tokens needs ", pages,
-                                                     " KV pages; tier 0 holds ", kv_->tier_capacity_pages(0)));
+                                                     " KV pages; tier 0 holds ",
+                                                     kv_->tier_capacity_pages(0)));
   }
   const TenantLimits& limits = options_.tenant_limits;
   if (limits.max_requests > 0 && inflight_[request.tenant] >= limits.max_requests) {
-    return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' has ", limits.max_requests,
-                                                     " requests in flight (its limit)"));
+    return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' has ",
+                                                     limits.max_requests, " requests in flight (its limit)"));
   }
   if (!sid.empty() && !sessions_.contains(sid) && limits.max_sessions > 0) {
     int held = 0;
     for (const auto& [id, state] : sessions_) held += state.tenant == request.tenant;
     for (const auto& r : waiting_) {
-      held += r->req.tenant == request.tenant && !r->req.session_id.empty() && !sessions_.contains(r->req.session_id);
+      held += r->req.tenant == request.tenant && !r->req.session_id.empty() &&
+              !sessions_.contains(r->req.session_id);
     }
     if (held >= limits.max_sessions) {
       return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' holds ", held,
@@ -234,8 +241,7 @@ bool Engine::Prepare(Request& r) {
       Finish(r, st, std::nullopt);
       return false;
     }
-    auto attached =
-        kv_->AttachPrefix(r.sid, absl::MakeConstSpan(r.context.data(), r.context.size() - 1));
+    auto attached = kv_->AttachPrefix(r.sid, absl::MakeConstSpan(r.context.data(), r.context.size() - 1));
     cached = attached.ok() ? *attached : 0;
     absl::MutexLock lock(&mu_);
     sessions_[r.sid] = SessionState{q.tenant, r.context};
@@ -399,8 +405,7 @@ void Engine::Loop() {
       };
       mu_.Await(absl::Condition(&ready));
       stopping = stopping_;
-      while (!waiting_.empty() &&
-             static_cast<int>(active_.size() + admitted.size()) < options_.max_running) {
+      while (!waiting_.empty() && static_cast<int>(active_.size() + admitted.size()) < options_.max_running) {
         admitted.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
@@ -510,7 +515,8 @@ absl::Status Engine::ReserveWait(const std::string& id, const std::string& tenan
   KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));
   auto free = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_.contains(id); };
   if (!mu_.AwaitWithTimeout(absl::Condition(&free), timeout)) {
-    return absl::AbortedError(absl::StrCat("session '", id, "' stayed busy for ", absl::FormatDuration(timeout)));
+    return absl::AbortedError(
+        absl::StrCat("session '", id, "' stayed busy for ", absl::FormatDuration(timeout)));
   }
   KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));  // it may have been closed meanwhile
   busy_.insert(id);
@@ -532,7 +538,8 @@ absl::Status Engine::CloseSession(const std::string& id, const std::string& tena
   return st;
 }
 
-absl::Status Engine::ForkSession(const std::string& id, const std::string& new_id, const std::string& tenant) {
+absl::Status Engine::ForkSession(const std::string& id, const std::string& new_id,
+                                 const std::string& tenant) {
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
   std::vector<int32_t> context;
   absl::Status st;
@@ -607,7 +614,8 @@ absl::Status Engine::AdoptSession(const std::string& id, const std::string& tena
                                   std::vector<int32_t> context) {
   for (int32_t t : context) {
     if (!tokenizer_->IsValid(t)) {
-      return absl::InvalidArgumentError(absl::StrCat("session '", id, "': context token ", t, " outside the vocabulary"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("session '", id, "': context token ", t, " outside the vocabulary"));
     }
   }
   KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> cached, kv_->GetTokens(id));

@@ -57,11 +57,11 @@ struct TenantLimits {
 };
 
 struct EngineOptions {
-  int max_batch_tokens = 256;        // new tokens per step (decode + prefill chunks)
-  int max_running = 64;              // requests in steps at once
-  int max_waiting = 1024;            // queued beyond that: RESOURCE_EXHAUSTED
-  int64_t max_context = 8192;        // tokens per session (clamped to the model's)
-  int default_max_tokens = 256;      // when a request gives 0
+  int max_batch_tokens = 256;    // new tokens per step (decode + prefill chunks)
+  int max_running = 64;          // requests in steps at once
+  int max_waiting = 1024;        // queued beyond that: RESOURCE_EXHAUSTED
+  int64_t max_context = 8192;    // tokens per session (clamped to the model's)
+  int default_max_tokens = 256;  // when a request gives 0
   int max_tokens_per_request = 4096;
   TenantLimits tenant_limits;
 };
@@ -88,14 +88,14 @@ struct GenerateRequest {
 struct GenerateResult {
   FinishReason finish = FinishReason::kStop;
   std::string session_id;
-  int64_t prompt_tokens = 0;     // context the model saw: cached + prefilled
-  int64_t cached_tokens = 0;     // of prompt_tokens, served from cached pages
-  int64_t restored_tokens = 0;   // of cached_tokens, restored from tier 1 first
+  int64_t prompt_tokens = 0;    // context the model saw: cached + prefilled
+  int64_t cached_tokens = 0;    // of prompt_tokens, served from cached pages
+  int64_t restored_tokens = 0;  // of cached_tokens, restored from tier 1 first
   int64_t generated_tokens = 0;
-  absl::Duration queue_time;          // submit -> first step
-  absl::Duration time_to_first_token; // submit -> first token
-  absl::Duration total_time;          // submit -> done
-  std::vector<int32_t> output;        // generated ids
+  absl::Duration queue_time;           // submit -> first step
+  absl::Duration time_to_first_token;  // submit -> first token
+  absl::Duration total_time;           // submit -> done
+  std::vector<int32_t> output;         // generated ids
 };
 
 class GenerateObserver {
@@ -128,7 +128,8 @@ class Engine {
  public:
   // Starts the engine thread. `runner`, `kv` and `tokenizer` must outlive it.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineOptions options, model::ModelRunner* runner,
-                                                        kv::KvCacheManager* kv, const tok::Tokenizer* tokenizer);
+                                                        kv::KvCacheManager* kv,
+                                                        const tok::Tokenizer* tokenizer);
   ~Engine();  // Stop()
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

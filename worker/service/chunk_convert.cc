@@ -111,8 +111,8 @@ absl::StatusOr<kv::KvChunk> FromWire(const v1::SessionChunk& w, std::vector<int3
         c.segments.push_back(kv::PageSegment{s.page_index(), s.offset(), s.length(), s.page_checksum()});
       }
       if (total != static_cast<int64_t>(w.pages().payload().size())) {
-        return absl::InvalidArgumentError(absl::StrCat("page segments describe ", total, " bytes but the payload has ",
-                                                       w.pages().payload().size()));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "page segments describe ", total, " bytes but the payload has ", w.pages().payload().size()));
       }
       c.payload.assign(w.pages().payload().begin(), w.pages().payload().end());
       break;

@@ -22,10 +22,14 @@ absl::Status ValidateSessionId(const std::string& id) {
 
 v1::FinishReason ToProto(sched::FinishReason reason) {
   switch (reason) {
-    case sched::FinishReason::kStop: return v1::FINISH_REASON_STOP;
-    case sched::FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
-    case sched::FinishReason::kStopString: return v1::FINISH_REASON_STOP_STRING;
-    case sched::FinishReason::kContextFull: return v1::FINISH_REASON_CONTEXT_FULL;
+    case sched::FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case sched::FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case sched::FinishReason::kStopString:
+      return v1::FINISH_REASON_STOP_STRING;
+    case sched::FinishReason::kContextFull:
+      return v1::FINISH_REASON_CONTEXT_FULL;
   }
   return v1::FINISH_REASON_UNSPECIFIED;
 }
@@ -69,7 +73,8 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
   }
   for (const auto& stop : s.stop()) {
     if (stop.empty() || stop.size() > kMaxStopStringBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("stop strings must be 1..", kMaxStopStringBytes, " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop strings must be 1..", kMaxStopStringBytes, " bytes"));
     }
     absl::Status st = ValidateUtf8(stop, "stop string");
     if (!st.ok()) return st;

@@ -15,18 +15,26 @@ bool ToCacheEvent(const kv::KvEvent& in, v1::CacheEvent* out) {
   out->set_tokens(static_cast<int32_t>(in.num_tokens));
   out->set_tier(v1::TIER_DEVICE);
   switch (in.type) {
-    case kv::KvEventType::kSessionPlaced: out->set_kind(v1::CacheEvent::SESSION_PLACED); break;
+    case kv::KvEventType::kSessionPlaced:
+      out->set_kind(v1::CacheEvent::SESSION_PLACED);
+      break;
     case kv::KvEventType::kSessionOffloaded:
       out->set_kind(v1::CacheEvent::SESSION_OFFLOADED);
       out->set_tier(v1::TIER_HOST);
       break;
-    case kv::KvEventType::kSessionRestored: out->set_kind(v1::CacheEvent::SESSION_RESTORED); break;
-    case kv::KvEventType::kSessionDropped: out->set_kind(v1::CacheEvent::SESSION_TRUNCATED); break;
-    case kv::KvEventType::kSessionClosed: out->set_kind(v1::CacheEvent::SESSION_DROPPED); break;
+    case kv::KvEventType::kSessionRestored:
+      out->set_kind(v1::CacheEvent::SESSION_RESTORED);
+      break;
+    case kv::KvEventType::kSessionDropped:
+      out->set_kind(v1::CacheEvent::SESSION_TRUNCATED);
+      break;
+    case kv::KvEventType::kSessionClosed:
+      out->set_kind(v1::CacheEvent::SESSION_DROPPED);
+      break;
     case kv::KvEventType::kPrefixStored:
     case kv::KvEventType::kPrefixRemoved:
       out->set_kind(in.type == kv::KvEventType::kPrefixStored ? v1::CacheEvent::PREFIX_STORED
-                                                                : v1::CacheEvent::PREFIX_REMOVED);
+                                                              : v1::CacheEvent::PREFIX_REMOVED);
       for (const BlockHash& h : in.hashes) {
         out->add_block_hashes(std::string(h.bytes.begin(), h.bytes.end()));
       }

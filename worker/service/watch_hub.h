@@ -32,7 +32,7 @@ struct WatchHubOptions {
   std::string model_id;
   absl::Duration load_interval = absl::Seconds(1);
   absl::Duration poll_interval = absl::Milliseconds(20);  // event-log polling
-  size_t max_queued = 10000;  // per subscriber, before it is cut off
+  size_t max_queued = 10000;                              // per subscriber, before it is cut off
 };
 
 class WatchHub {

@@ -20,7 +20,8 @@ const char* TierName(int t) { return t == 0 ? "device" : "host"; }
 
 WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
     : pages_(BuildGauge().Name("kvcache_kv_pages").Help("KV pages by tier and state").Register(r)),
-      usage_(BuildGauge().Name("kvcache_kv_usage_ratio").Help("Used / capacity KV pages by tier").Register(r)),
+      usage_(
+          BuildGauge().Name("kvcache_kv_usage_ratio").Help("Used / capacity KV pages by tier").Register(r)),
       capacity_bytes_(
           BuildGauge().Name("kvcache_kv_capacity_bytes").Help("KV page budget in bytes by tier").Register(r)),
       waste_(&BuildGauge()
@@ -29,7 +30,11 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                   .Register(r)
                   .Add({})),
       sessions_(BuildGauge().Name("kvcache_sessions").Help("Sessions by state").Register(r)),
-      running_(&BuildGauge().Name("kvcache_requests_running").Help("Requests in engine steps").Register(r).Add({})),
+      running_(&BuildGauge()
+                    .Name("kvcache_requests_running")
+                    .Help("Requests in engine steps")
+                    .Register(r)
+                    .Add({})),
       waiting_(&BuildGauge().Name("kvcache_requests_waiting").Help("Requests queued").Register(r).Add({})),
       draining_(&BuildGauge().Name("kvcache_worker_draining").Help("1 while draining").Register(r).Add({})),
       prefix_query_(&BuildCounter()
@@ -61,7 +66,8 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                            .Name("kvcache_migration_bytes_total")
                            .Help("Session bytes migrated, by direction")
                            .Register(r)),
-      requests_(BuildCounter().Name("kvcache_requests_total").Help("Generate requests by gRPC code").Register(r)),
+      requests_(
+          BuildCounter().Name("kvcache_requests_total").Help("Generate requests by gRPC code").Register(r)),
       prompt_tokens_(&BuildCounter()
                           .Name("kvcache_prompt_tokens_total")
                           .Help("Context tokens of finished requests (cached + prefilled)")
@@ -72,8 +78,11 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                           .Help("Context tokens served from cache instead of prefill")
                           .Register(r)
                           .Add({})),
-      generated_tokens_(
-          &BuildCounter().Name("kvcache_generated_tokens_total").Help("Tokens generated").Register(r).Add({})),
+      generated_tokens_(&BuildCounter()
+                             .Name("kvcache_generated_tokens_total")
+                             .Help("Tokens generated")
+                             .Register(r)
+                             .Add({})),
       ttft_(&BuildHistogram()
                  .Name("kvcache_time_to_first_token_seconds")
                  .Help("Receipt to first token")
@@ -131,14 +140,16 @@ void WorkerMetrics::Refresh(const kv::KvStats& kv, int64_t page_bytes, const sch
     pages_.Add({{"tier", tier}, {"state", "cached"}}).Set(static_cast<double>(ts.cached_unreferenced_pages));
     pages_.Add({{"tier", tier}, {"state", "in_flight"}}).Set(static_cast<double>(ts.in_flight_pages));
     const double used = static_cast<double>(ts.capacity_pages - ts.free_pages);
-    usage_.Add({{"tier", tier}}).Set(ts.capacity_pages > 0 ? used / static_cast<double>(ts.capacity_pages) : 0);
+    usage_.Add({{"tier", tier}})
+        .Set(ts.capacity_pages > 0 ? used / static_cast<double>(ts.capacity_pages) : 0);
     capacity_bytes_.Add({{"tier", tier}}).Set(static_cast<double>(ts.capacity_pages * page_bytes));
   }
   waste_->Set(static_cast<double>(kv.waste_token_slots));
   const double offloaded = static_cast<double>(kv.offloaded_sessions);
   sessions_.Add({{"state", "running"}}).Set(load.running);
   sessions_.Add({{"state", "offloaded"}}).Set(offloaded);
-  sessions_.Add({{"state", "idle"}}).Set(std::max(0.0, static_cast<double>(kv.sessions) - offloaded - load.running));
+  sessions_.Add({{"state", "idle"}})
+      .Set(std::max(0.0, static_cast<double>(kv.sessions) - offloaded - load.running));
   running_->Set(load.running);
   waiting_->Set(load.waiting);
   draining_->Set(draining ? 1 : 0);

@@ -5,10 +5,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "common/stream_writer.h"
 #include "worker/kv/kv_transfer.h"
 #include "worker/service/chunk_convert.h"
 #include "worker/service/request_convert.h"
-#include "common/stream_writer.h"
 
 namespace kvcache::service {
 namespace {
@@ -19,9 +19,7 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const abs
   return reactor;
 }
 
-std::string CodeName(const absl::Status& st) {
-  return st.ok() ? "OK" : absl::StatusCodeToString(st.code());
-}
+std::string CodeName(const absl::Status& st) { return st.ok() ? "OK" : absl::StatusCodeToString(st.code()); }
 
 }  // namespace
 
@@ -199,7 +197,8 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
         (void)service_->kv_->CloseSession(id);
         return Done(st);
       }
-      service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_), absl::Now() - started_);
+      service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_),
+                                      absl::Now() - started_);
       auto info = service_->Describe(id, tenant_);
       if (info.ok()) *response_ = *info;
       service_->hub_->Flush();
@@ -252,7 +251,8 @@ void WorkerService::RunInBackground(std::function<void()> fn) {
   background_.emplace_back(std::move(fn));
 }
 
-absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id, const std::string& tenant) const {
+absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
+                                                        const std::string& tenant) const {
   auto context = engine_->Context(id);
   auto info = kv_->GetSession(id);
   if (!context.ok() || !info.ok() || info->tenant != tenant) {
@@ -277,12 +277,14 @@ absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id, c
 grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(grpc::CallbackServerContext* context,
                                                                         const v1::GenerateRequest* request) {
   auto* reactor = new GenerateReactor(this, !request->has_stream_text() || request->stream_text());
-  reactor->Start(ToEngineRequest(*request, *tokenizer_, chat_template_), absl::FromChrono(context->deadline()));
+  reactor->Start(ToEngineRequest(*request, *tokenizer_, chat_template_),
+                 absl::FromChrono(context->deadline()));
   return reactor;
 }
 
 grpc::ServerUnaryReactor* WorkerService::GetSession(grpc::CallbackServerContext* context,
-                                                    const v1::SessionRequest* request, v1::SessionInfo* response) {
+                                                    const v1::SessionRequest* request,
+                                                    v1::SessionInfo* response) {
   auto info = Describe(request->session_id(), TenantOf(request->tenant()));
   if (info.ok()) *response = *info;
   return Answer(context, info.status());
@@ -308,9 +310,9 @@ grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContex
   absl::Status st = engine_->CloseSession(request->session_id(), tenant);
   if (st.ok()) {
     auto after = kv_->GetStats();
-    response->set_pages_freed(static_cast<int32_t>(
-        std::max<int64_t>(0, after.tier[0].free_pages - before.tier[0].free_pages +
-                                 after.tier[1].free_pages - before.tier[1].free_pages)));
+    response->set_pages_freed(
+        static_cast<int32_t>(std::max<int64_t>(0, after.tier[0].free_pages - before.tier[0].free_pages +
+                                                      after.tier[1].free_pages - before.tier[1].free_pages)));
   }
   return Answer(context, st);
 }
@@ -330,7 +332,8 @@ grpc::ServerUnaryReactor* WorkerService::ForkSession(grpc::CallbackServerContext
 }
 
 grpc::ServerUnaryReactor* WorkerService::PinSession(grpc::CallbackServerContext* context,
-                                                    const v1::PinSessionRequest* request, v1::SessionInfo* response) {
+                                                    const v1::PinSessionRequest* request,
+                                                    v1::SessionInfo* response) {
   const std::string tenant = TenantOf(request->tenant());
   absl::Status st = engine_->SetPinned(request->session_id(), tenant, request->pinned());
   if (st.ok()) {
@@ -385,8 +388,8 @@ grpc::ServerWriteReactor<v1::SessionChunk>* WorkerService::ExportSession(
   return reactor;
 }
 
-grpc::ServerReadReactor<v1::SessionChunk>* WorkerService::ImportSession(grpc::CallbackServerContext* /*context*/,
-                                                                        v1::SessionInfo* response) {
+grpc::ServerReadReactor<v1::SessionChunk>* WorkerService::ImportSession(
+    grpc::CallbackServerContext* /*context*/, v1::SessionInfo* response) {
   auto* reactor = new ImportReactor(this, response);
   reactor->Start();
   return reactor;
@@ -418,8 +421,8 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
     ctx.TryCancel();
     grpc::Status remote = writer->Finish();
     if (!remote.ok() && why.code() == absl::StatusCode::kUnavailable) why = FromGrpcStatus(remote);
-    return absl::Status(why.code(), absl::StrCat("migration of '", session_id, "' to ", target, " failed: ",
-                                                 why.message(), "; the session stays here"));
+    return absl::Status(why.code(), absl::StrCat("migration of '", session_id, "' to ", target,
+                                                 " failed: ", why.message(), "; the session stays here"));
   };
   // Pre-copy: the session keeps serving while its full pages move.
   kv::KvChunk chunk;
@@ -456,8 +459,8 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   if (!remote.ok()) {
     engine_->Release(session_id);
     return absl::Status(static_cast<absl::StatusCode>(remote.error_code()),
-                        absl::StrCat("target ", target, " refused session '", session_id, "': ",
-                                     remote.error_message(), "; the session stays here"));
+                        absl::StrCat("target ", target, " refused session '", session_id,
+                                     "': ", remote.error_message(), "; the session stays here"));
   }
   // The target holds it now: drop our copy.
   (void)kv_->CloseSession(session_id);
@@ -502,7 +505,8 @@ void WorkerService::BeginDrain() {
 
 v1::DrainResponse WorkerService::Drain(const std::vector<std::string>& targets, absl::Duration deadline) {
   BeginDrain();
-  if (!engine_->WaitIdle(deadline)) KV_LOG_WARN("drain: requests still running after {}", absl::FormatDuration(deadline));
+  if (!engine_->WaitIdle(deadline))
+    KV_LOG_WARN("drain: requests still running after {}", absl::FormatDuration(deadline));
   v1::DrainResponse out;
   size_t next = 0;
   for (const kv::SessionInfo& s : kv_->Snapshot().sessions) {

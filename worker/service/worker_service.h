@@ -21,8 +21,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/tokenizer/chat_template.h"
-#include "grpcpp/security/credentials.h"
 #include "common/tokenizer/tokenizer.h"
+#include "grpcpp/security/credentials.h"
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/sched/engine.h"
@@ -48,7 +48,8 @@ class WorkerService : public v1::Worker::CallbackService {
   // All pointers must outlive the service.
   WorkerService(WorkerServiceOptions options, sched::Engine* engine, kv::KvCacheManager* kv,
                 const tok::Tokenizer* tokenizer, const tok::ChatTemplate* chat_template, WatchHub* hub,
-                WorkerMetrics* metrics, std::function<void(bool)> set_ready, std::function<void()> request_exit);
+                WorkerMetrics* metrics, std::function<void(bool)> set_ready,
+                std::function<void()> request_exit);
   ~WorkerService() override;  // waits for background migrations
 
   bool draining() const { return draining_.load(); }
@@ -67,21 +68,26 @@ class WorkerService : public v1::Worker::CallbackService {
   // --- gRPC handlers ----------------------------------------------------------
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
                                                            const v1::GenerateRequest* request) override;
-  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context, const v1::SessionRequest* request,
-                                       v1::SessionInfo* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::SessionRequest* request, v1::SessionInfo* response) override;
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
                                          const v1::ListSessionsRequest* request,
                                          v1::ListSessionsResponse* response) override;
-  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context, const v1::SessionRequest* request,
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const v1::SessionRequest* request,
                                          v1::CloseSessionResponse* response) override;
   grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context,
-                                        const v1::ForkSessionRequest* request, v1::SessionInfo* response) override;
-  grpc::ServerUnaryReactor* PinSession(grpc::CallbackServerContext* context, const v1::PinSessionRequest* request,
+                                        const v1::ForkSessionRequest* request,
+                                        v1::SessionInfo* response) override;
+  grpc::ServerUnaryReactor* PinSession(grpc::CallbackServerContext* context,
+                                       const v1::PinSessionRequest* request,
                                        v1::SessionInfo* response) override;
   grpc::ServerUnaryReactor* OffloadSession(grpc::CallbackServerContext* context,
-                                           const v1::SessionRequest* request, v1::SessionInfo* response) override;
+                                           const v1::SessionRequest* request,
+                                           v1::SessionInfo* response) override;
   grpc::ServerUnaryReactor* RestoreSession(grpc::CallbackServerContext* context,
-                                           const v1::SessionRequest* request, v1::SessionInfo* response) override;
+                                           const v1::SessionRequest* request,
+                                           v1::SessionInfo* response) override;
   grpc::ServerWriteReactor<v1::WatchEvent>* Watch(grpc::CallbackServerContext* context,
                                                   const v1::WatchRequest* request) override;
   grpc::ServerWriteReactor<v1::SessionChunk>* ExportSession(grpc::CallbackServerContext* context,

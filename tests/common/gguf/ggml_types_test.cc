@@ -52,7 +52,7 @@ TEST(Fp16Test, KnownValuesAndRounding) {
   EXPECT_EQ(Fp16ToFp32(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
   EXPECT_EQ(Fp16ToFp32(0x7BFF), 65504.0f);
   EXPECT_TRUE(std::isinf(Fp16ToFp32(0x7C00)));
-  EXPECT_EQ(Fp32ToFp16(65520.0f), 0x7C00);  // rounds to inf
+  EXPECT_EQ(Fp32ToFp16(65520.0f), 0x7C00);                      // rounds to inf
   EXPECT_EQ(Fp32ToFp16(1.0f + std::ldexp(1.0f, -11)), 0x3C00);  // tie -> even
   EXPECT_EQ(Fp32ToFp16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02);
   EXPECT_EQ(Fp32ToFp16(std::ldexp(1.0f, -25)), 0x0000);  // tie to even zero
@@ -74,8 +74,7 @@ TEST(RowBytesTest, SizesAndErrors) {
   EXPECT_EQ(*RowBytes(GgmlType::kQ6_K, 512), 2 * 210);
   EXPECT_EQ(*RowBytes(GgmlType::kF16, 3), 6);
   EXPECT_EQ(RowBytes(GgmlType::kQ4_0, 33).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(RowBytes(static_cast<GgmlType>(99), 32).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RowBytes(static_cast<GgmlType>(99), 32).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(RowBytes(GgmlType::kF32, int64_t{1} << 62).ok());  // overflow
 }
 
@@ -114,8 +113,8 @@ TEST(DequantizeTest, MatchesGgufPackageOnSyntheticBlocks) {
     ASSERT_TRUE(DequantizeRow(*type, raw.data(), got.data(), n).ok()) << name;
     int exact = 0;
     for (int64_t i = 0; i < n; ++i) {
-      ASSERT_TRUE(CloseRel(got[i], want[i])) << name << " element " << i << ": " << got[i]
-                                             << " vs " << want[i];
+      ASSERT_TRUE(CloseRel(got[i], want[i]))
+          << name << " element " << i << ": " << got[i] << " vs " << want[i];
       exact += got[i] == want[i] || (got[i] == 0 && want[i] == 0);
     }
     // Every supported type decodes with the same float32 operations as ggml,
@@ -156,10 +155,9 @@ TEST_P(QuantizeRoundTripTest, ErrorIsBoundedAndVecDotAgrees) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllTypes, QuantizeRoundTripTest,
-                         ::testing::Values(GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16,
-                                           GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0,
-                                           GgmlType::kQ5_1, GgmlType::kQ8_0, GgmlType::kQ4_K,
-                                           GgmlType::kQ5_K, GgmlType::kQ6_K),
+                         ::testing::Values(GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ4_0,
+                                           GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ8_0,
+                                           GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K),
                          [](const ::testing::TestParamInfo<GgmlType>& info) {
                            return std::string(TypeName(info.param));
                          });

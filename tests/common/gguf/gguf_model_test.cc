@@ -54,8 +54,7 @@ TEST(ModelPathTest, DefaultPathHonoursEnvironment) {
   setenv("KVCACHE_MODEL", "/x/y.gguf", 1);
   EXPECT_EQ(DefaultModelPath(), "/x/y.gguf");
   unsetenv("KVCACHE_MODEL");
-  EXPECT_TRUE(absl::EndsWith(DefaultModelPath(),
-                             "/.cache/kvcache/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+  EXPECT_TRUE(absl::EndsWith(DefaultModelPath(), "/.cache/kvcache/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
   if (old != nullptr) setenv("KVCACHE_MODEL", saved.c_str(), 1);
 }
 

@@ -101,8 +101,7 @@ TEST(GgufReaderTest, ReadsEveryValueTypeAndTensor) {
   EXPECT_EQ(row[0], 64 * 0.125f);
   ASSERT_TRUE(GgufFile::DequantizeTensorRow(**t, 1, row.data()).ok());
   EXPECT_NEAR(row[5], 69 * 0.125f, 0.1);
-  EXPECT_EQ(GgufFile::DequantizeTensorRow(**t, 2, row.data()).code(),
-            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(GgufFile::DequantizeTensorRow(**t, 2, row.data()).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(g.GetTensor("nope").status().code(), absl::StatusCode::kNotFound);
 }
 
@@ -179,17 +178,24 @@ TEST(GgufReaderTest, HostileHeaders) {
   ExpectInvalid(Raw().Header(0, 1).Str("k").Put<uint32_t>(77).b, "unknown value type 77");
   ExpectInvalid(Raw().Header(0, 1).Put<uint64_t>(uint64_t{1} << 60).b + std::string(16, 0), "length");
   ExpectInvalid(Raw().Header(0, 1).Str("k").Put<uint32_t>(8).Put<uint64_t>(1000).b, "truncated");
-  ExpectInvalid(Raw().Header(0, 1).Str("k").Put<uint32_t>(9).Put<uint32_t>(4).Put<uint64_t>(
-                    uint64_t{1} << 61).b,
-                "does not fit");
+  ExpectInvalid(
+      Raw().Header(0, 1).Str("k").Put<uint32_t>(9).Put<uint32_t>(4).Put<uint64_t>(uint64_t{1} << 61).b,
+      "does not fit");
   ExpectInvalid(Raw().Header(0, 1).Str("k").Put<uint32_t>(9).Put<uint32_t>(9).Put<uint64_t>(1).b,
                 "nested array");
-  ExpectInvalid(Raw().Header(0, 1).Str("k").Put<uint32_t>(9).Put<uint32_t>(8).Put<uint64_t>(
-                    uint64_t{1} << 40).b,
-                "does not fit");
+  ExpectInvalid(
+      Raw().Header(0, 1).Str("k").Put<uint32_t>(9).Put<uint32_t>(8).Put<uint64_t>(uint64_t{1} << 40).b,
+      "does not fit");
   ExpectInvalid(Raw().Header(0, 1).Str("b").Put<uint32_t>(7).Put<uint8_t>(2).b, "bool");
-  ExpectInvalid(Raw().Header(0, 2).Str("k").Put<uint32_t>(4).Put<uint32_t>(1).Str("k").Put<uint32_t>(
-                    4).Put<uint32_t>(1).b,
+  ExpectInvalid(Raw()
+                    .Header(0, 2)
+                    .Str("k")
+                    .Put<uint32_t>(4)
+                    .Put<uint32_t>(1)
+                    .Str("k")
+                    .Put<uint32_t>(4)
+                    .Put<uint32_t>(1)
+                    .b,
                 "duplicate metadata key");
   ExpectInvalid(Raw().Header(0, 1).Str("general.alignment").Put<uint32_t>(4).Put<uint32_t>(48).b,
                 "power of two");
@@ -199,11 +205,11 @@ TEST(GgufReaderTest, HostileHeaders) {
 
 // One tensor info with the given fields, then `data_bytes` of zeros after
 // 32-byte alignment.
-std::string OneTensor(const std::string& name, std::vector<uint64_t> dims, uint32_t type,
-                      uint64_t offset, size_t data_bytes, uint32_t n_dims_override = 0) {
+std::string OneTensor(const std::string& name, std::vector<uint64_t> dims, uint32_t type, uint64_t offset,
+                      size_t data_bytes, uint32_t n_dims_override = 0) {
   Raw r;
   r.Header(1, 0).Str(name).Put<uint32_t>(n_dims_override ? n_dims_override
-                                                          : static_cast<uint32_t>(dims.size()));
+                                                         : static_cast<uint32_t>(dims.size()));
   for (uint64_t d : dims) r.Put<uint64_t>(d);
   r.Put<uint32_t>(type).Put<uint64_t>(offset);
   r.b.resize((r.b.size() + 31) / 32 * 32, '\0');
@@ -222,8 +228,7 @@ TEST(GgufReaderTest, HostileTensorInfos) {
   ExpectInvalid(OneTensor("t", {}, 0, 0, 16), "dimensions");
   ExpectInvalid(OneTensor("t", {1, 1, 1, 1, 1}, 0, 0, 16), "dimensions");
   ExpectInvalid(OneTensor("t", {0}, 0, 0, 16), "zero or overflows");
-  ExpectInvalid(OneTensor("t", {uint64_t{1} << 40, uint64_t{1} << 40}, 0, 0, 16),
-                "zero or overflows");
+  ExpectInvalid(OneTensor("t", {uint64_t{1} << 40, uint64_t{1} << 40}, 0, 0, 16), "zero or overflows");
   ExpectInvalid(OneTensor("t", {uint64_t{1} << 61}, 0, 0, 16), "overflows");
   ExpectInvalid(OneTensor(std::string(100, 'x'), {4}, 0, 0, 16), "name length");
   ExpectInvalid(OneTensor("", {4}, 0, 0, 16), "name length");

@@ -47,9 +47,7 @@ inline absl::StatusOr<google::protobuf::Struct> LoadReference(const std::string&
   return out;
 }
 
-inline std::string Hex(const google::protobuf::Value& v) {
-  return absl::HexStringToBytes(v.string_value());
-}
+inline std::string Hex(const google::protobuf::Value& v) { return absl::HexStringToBytes(v.string_value()); }
 
 inline std::vector<float> Floats(const google::protobuf::Value& v) {
   std::vector<float> out;

@@ -29,8 +29,8 @@ TEST_P(TinyLlamaTest, BuildsALoadableModel) {
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   auto f = GgufFile::OpenFromBuffer(*bytes);
   ASSERT_TRUE(f.ok()) << f.status();
-  const double ms = std::chrono::duration<double, std::milli>(
-                        std::chrono::steady_clock::now() - start).count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(ms, 1000.0);
   auto h = LoadLlamaHparams(**f);
   ASSERT_TRUE(h.ok()) << h.status();
@@ -60,10 +60,9 @@ TEST_P(TinyLlamaTest, BuildsALoadableModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, TinyLlamaTest,
-                         ::testing::Values(GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16,
-                                           GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1,
-                                           GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ4_K,
-                                           GgmlType::kQ6_K),
+                         ::testing::Values(GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0,
+                                           GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
+                                           GgmlType::kQ4_K, GgmlType::kQ6_K),
                          [](const ::testing::TestParamInfo<GgmlType>& info) {
                            return std::string(TypeName(info.param));
                          });

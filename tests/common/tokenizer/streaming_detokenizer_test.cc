@@ -18,7 +18,11 @@ bool IsValidUtf8(const std::string& s) {
 
 TEST(SanitizeUtf8Test, ReplacesIllFormedSequences) {
   EXPECT_EQ(SanitizeUtf8("ok", false, nullptr), "ok");
-  EXPECT_EQ(SanitizeUtf8("a\xFF" "b", false, nullptr), "a\xEF\xBF\xBD" "b");
+  EXPECT_EQ(SanitizeUtf8("a\xFF"
+                         "b",
+                         false, nullptr),
+            "a\xEF\xBF\xBD"
+            "b");
   EXPECT_EQ(SanitizeUtf8("\xC0\x80", false, nullptr), "\xEF\xBF\xBD\xEF\xBF\xBD");  // overlong
   EXPECT_EQ(SanitizeUtf8("\xED\xA0\x80", false, nullptr),
             "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate

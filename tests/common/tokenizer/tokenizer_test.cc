@@ -77,8 +77,8 @@ TEST_F(SmolLmTokenizerTest, MatchesLlamaCppOnCorpus) {
     EncodeOptions opts;
     opts.add_special = f.at("add_special").bool_value();
     opts.parse_special = f.at("parse_special").bool_value();
-    const std::string label = f.at("name").string_value() +
-                              (opts.parse_special ? " (parse_special)" : " (plain)");
+    const std::string label =
+        f.at("name").string_value() + (opts.parse_special ? " (parse_special)" : " (plain)");
     const std::vector<int32_t> want = Ints(f.at("ids"));
     const std::vector<int32_t> got = tok_->Encode(text, opts);
     EXPECT_EQ(got, want) << label << "\n got: " << absl::StrJoin(got, ",")
@@ -142,8 +142,8 @@ TEST_F(SmolLmTokenizerTest, TenKilobytesOfEnglishIsFast) {
   const auto start = std::chrono::steady_clock::now();
   size_t n = 0;
   for (int i = 0; i < kIters; ++i) n += tok_->Encode(text, {}).size();
-  const double ms = std::chrono::duration<double, std::milli>(
-                        std::chrono::steady_clock::now() - start).count() / kIters;
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / kIters;
   printf("tokenize 10 KiB English: %.3f ms, %zu tokens\n", ms, n / kIters);
   RecordProperty("tokenize_10k_ms", std::to_string(ms));
   EXPECT_LT(ms, 10.0);
@@ -247,8 +247,8 @@ TEST(UnicodeTest, Classes) {
   EXPECT_EQ(CodepointFlags('a'), kLetter);
   EXPECT_EQ(CodepointFlags('7'), kNumber);
   EXPECT_EQ(CodepointFlags(' '), kWhitespace);
-  EXPECT_EQ(CodepointFlags(0x4F60), kLetter);   // CJK
-  EXPECT_EQ(CodepointFlags(0x00BD), kNumber);   // ½
+  EXPECT_EQ(CodepointFlags(0x4F60), kLetter);  // CJK
+  EXPECT_EQ(CodepointFlags(0x00BD), kNumber);  // ½
   EXPECT_EQ(CodepointFlags(0x3000), kWhitespace);
   EXPECT_EQ(CodepointFlags(0x1F355), 0);        // emoji: symbol
   EXPECT_EQ(CodepointFlags(0x20000), kLetter);  // CJK extension B

@@ -34,8 +34,8 @@ struct CliRun {
 // so the whole output is read before the process is reaped.
 CliRun RunShell(const std::string& shell) {
   CliRun run;
-  auto child = testing::ChildProcess::Start(
-      {"/bin/sh", "-c", absl::StrCat(shell, " 2>&1; echo ", kExitMarker, "$?")});
+  auto child =
+      testing::ChildProcess::Start({"/bin/sh", "-c", absl::StrCat(shell, " 2>&1; echo ", kExitMarker, "$?")});
   EXPECT_TRUE(child.ok()) << child.status();
   if (!child.ok()) return run;
   auto line = (*child)->WaitForLine(kExitMarker, absl::Seconds(120));
@@ -91,8 +91,9 @@ TEST_F(CliTest, GeneratePrintsTextThenUsage) {
 }
 
 TEST_F(CliTest, ChatAppendsTheSecondTurnToTheCachedSession) {
-  CliRun r = RunShell(absl::StrCat("printf 'first question\\nsecond question\\n' | ",
-                                   Direct("chat --session=cli-chat --system='be brief' --max_tokens=8 --ignore_eos")));
+  CliRun r = RunShell(
+      absl::StrCat("printf 'first question\\nsecond question\\n' | ",
+                   Direct("chat --session=cli-chat --system='be brief' --max_tokens=8 --ignore_eos")));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // One status line per turn: the first prefills everything, the second reuses
   // the cached first turn.
@@ -148,7 +149,8 @@ TEST_F(CliTest, UnreachableAddressIsOneLineAndExitCode2) {
   CliRun r = RunShell(absl::StrCat(Cli(), " --router=", address, " --connect_timeout=1s sessions"));
   close(fd);
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_EQ(r.output, absl::StrCat("kvcache-cli: cannot reach router at ", address, " (no connection within 1s)\n"));
+  EXPECT_EQ(r.output,
+            absl::StrCat("kvcache-cli: cannot reach router at ", address, " (no connection within 1s)\n"));
 }
 
 TEST_F(CliTest, BadUsagePrintsUsageAndFails) {

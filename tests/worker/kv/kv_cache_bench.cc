@@ -41,8 +41,7 @@ void Check(const absl::Status& st, const char* what) {
 
 KvShape SmolLm2() { return KvShape{30, 3, 64, KvDtype::kF16, 16}; }
 
-std::unique_ptr<KvCacheManager> MakeManager(const KvShape& shape, int64_t t0_pages,
-                                            int64_t t1_pages) {
+std::unique_ptr<KvCacheManager> MakeManager(const KvShape& shape, int64_t t0_pages, int64_t t1_pages) {
   KvCacheOptions o;
   o.shape = shape;
   o.model_id = "bench";
@@ -104,11 +103,11 @@ void BenchOffloadRestore(bench::BenchReport& r) {
   const KvStats st = m->GetStats();
   r.metrics["offload_bytes_total"] = static_cast<double>(st.offload_bytes);
   r.notes["offload_restore"] = absl::StrCat(
-      "SmolLM2 shape (30 layers, 3 kv heads, head_dim 64, f16, 16-token pages = ",
-      shape.page_bytes(), " B/page), one session of ", kPages, " pages (", bytes,
-      " B); median of ", kReps,
+      "SmolLM2 shape (30 layers, 3 kv heads, head_dim 64, f16, 16-token pages = ", shape.page_bytes(),
+      " B/page), one session of ", kPages, " pages (", bytes, " B); median of ", kReps,
       " reps; offload/restore include XXH3-64 checksums (restore verifies); baseline = "
-      "median of ", kReps, " single memcpy calls of the same byte count");
+      "median of ",
+      kReps, " single memcpy calls of the same byte count");
 }
 
 void BenchPagePool(bench::BenchReport& r) {
@@ -208,15 +207,15 @@ void BenchBytesPerToken(bench::BenchReport& r) {
     KvShape shape;
   };
   const Named shapes[] = {
-      {"mha", KvShape{32, 32, 128, KvDtype::kF16, 16}},   // Llama-2-7B
-      {"gqa", KvShape{32, 8, 128, KvDtype::kBF16, 16}},   // Llama-3-8B
-      {"mqa", KvShape{32, 1, 64, KvDtype::kF32, 16}},     // MQA, f32
+      {"mha", KvShape{32, 32, 128, KvDtype::kF16, 16}},  // Llama-2-7B
+      {"gqa", KvShape{32, 8, 128, KvDtype::kBF16, 16}},  // Llama-3-8B
+      {"mqa", KvShape{32, 1, 64, KvDtype::kF32, 16}},    // MQA, f32
       {"smollm2", SmolLm2()},
   };
   bool all = true;
   for (const Named& n : shapes) {
-    const int64_t formula = 2 * int64_t{n.shape.layers} * n.shape.kv_heads * n.shape.head_dim *
-                            DtypeSize(n.shape.dtype);
+    const int64_t formula =
+        2 * int64_t{n.shape.layers} * n.shape.kv_heads * n.shape.head_dim * DtypeSize(n.shape.dtype);
     auto m = MakeManager(n.shape, 8, 0);
     Check(m->CreateSession("s", "t"), "create");
     std::vector<int32_t> t(64);
@@ -228,8 +227,7 @@ void BenchBytesPerToken(bench::BenchReport& r) {
     int64_t payload = 0;
     for (const KvChunk& c : *chunks) payload += static_cast<int64_t>(c.payload.size());
     const int64_t measured = payload / 64;
-    const int64_t used_pages = m->GetStats().tier[0].capacity_pages -
-                               m->GetStats().tier[0].free_pages;
+    const int64_t used_pages = m->GetStats().tier[0].capacity_pages - m->GetStats().tier[0].free_pages;
     const bool ok = measured == formula && payload % 64 == 0 &&
                     used_pages * m->tier_storage(0).page_bytes() == 64 * formula;
     all = all && ok;

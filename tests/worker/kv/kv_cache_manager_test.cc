@@ -103,8 +103,7 @@ TEST(KvCacheManagerTest, AppendAllocatesPagesAndKeepsTokens) {
   EXPECT_EQ(m->GetSession("a")->tier0_pages, 3);
   EXPECT_EQ(m->GetSession("a")->num_tokens, 10);
   ASSERT_OK(m->CloseSession("a"));
-  EXPECT_EQ(m->GetStats().tier[0].free_pages + m->GetStats().tier[0].cached_unreferenced_pages,
-            8);
+  EXPECT_EQ(m->GetStats().tier[0].free_pages + m->GetStats().tier[0].cached_unreferenced_pages, 8);
   EXPECT_INVARIANTS(*m);
 }
 
@@ -235,9 +234,7 @@ TEST(KvCacheManagerTest, OffloadRestoreIsBitExact) {
   ASSERT_OK(m->AbortStep("a"));
   info = m->GetSession("a");
   for (size_t i = 0; i < before.size(); ++i) {
-    EXPECT_EQ(std::memcmp(m->Tier0PageData(info->page_ids[i]), before[i].data(),
-                          before[i].size()),
-              0);
+    EXPECT_EQ(std::memcmp(m->Tier0PageData(info->page_ids[i]), before[i].data(), before[i].size()), 0);
   }
   const KvStats st = m->GetStats();
   EXPECT_EQ(st.offload_bytes, 4 * m->shape().page_bytes());
@@ -285,7 +282,7 @@ TEST(KvCacheManagerTest, PressurePolicyRunsInOrder) {
   ASSERT_OK(m->MarkIdle("idle1"));
   ASSERT_OK(AppendWithKv(*m, "idle2", Seq(200, 3)));  // 1 page
   ASSERT_OK(m->MarkIdle("idle2"));
-  ASSERT_OK(AppendWithKv(*m, "run", Seq(300, 3)));    // 1 page, running
+  ASSERT_OK(AppendWithKv(*m, "run", Seq(300, 3)));  // 1 page, running
   ASSERT_EQ(m->GetStats().tier[0].free_pages, 1);
   const uint64_t seq0 = m->ReadEvents(0).last_seq;
 

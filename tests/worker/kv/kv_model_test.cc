@@ -53,13 +53,13 @@ class ModelTest {
     }
     const KvStats st = m_->GetStats();
     // Coverage of the policy paths, visible in the test log.
-    std::printf("  offloads=%lld restores=%lld drops=%lld preemptions=%lld evicted=%lld "
-                "prefix_hit=%lld/%lld tokens\n",
-                static_cast<long long>(st.offloads), static_cast<long long>(st.restores),
-                static_cast<long long>(st.drops), static_cast<long long>(st.preemptions),
-                static_cast<long long>(st.prefix_pages_evicted),
-                static_cast<long long>(st.prefix_hit_tokens),
-                static_cast<long long>(st.prefix_query_tokens));
+    std::printf(
+        "  offloads=%lld restores=%lld drops=%lld preemptions=%lld evicted=%lld "
+        "prefix_hit=%lld/%lld tokens\n",
+        static_cast<long long>(st.offloads), static_cast<long long>(st.restores),
+        static_cast<long long>(st.drops), static_cast<long long>(st.preemptions),
+        static_cast<long long>(st.prefix_pages_evicted), static_cast<long long>(st.prefix_hit_tokens),
+        static_cast<long long>(st.prefix_query_tokens));
     EXPECT_GT(st.offloads, 0);
     EXPECT_GT(st.restores, 0);
     EXPECT_GT(st.drops, 0);

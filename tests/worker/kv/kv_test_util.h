@@ -46,8 +46,7 @@ inline uint64_t SplitMix(uint64_t x) {
 }
 
 // Per position i, a hash of (tenant, tokens[0..i]).
-inline std::vector<uint64_t> PositionHashes(const std::string& tenant,
-                                            absl::Span<const int32_t> tokens) {
+inline std::vector<uint64_t> PositionHashes(const std::string& tenant, absl::Span<const int32_t> tokens) {
   uint64_t h = std::hash<std::string>{}(tenant);
   std::vector<uint64_t> out;
   out.reserve(tokens.size());
@@ -90,8 +89,7 @@ inline bool SlotMatches(const KvShape& s, const uint8_t* page, int64_t pos, uint
 }
 
 // What an engine step does: reserve, write K/V for the new tokens, commit.
-inline absl::Status AppendWithKv(KvCacheManager& m, const std::string& id,
-                                 absl::Span<const int32_t> tokens,
+inline absl::Status AppendWithKv(KvCacheManager& m, const std::string& id, absl::Span<const int32_t> tokens,
                                  std::vector<std::string>* preempted = nullptr) {
   auto info = m.GetSession(id);
   if (!info.ok()) return info.status();
@@ -121,15 +119,15 @@ inline absl::Status VerifyKv(KvCacheManager& m, const std::string& id) {
   if (!tokens.ok()) return tokens.status();
   const std::vector<uint64_t> h = PositionHashes(info->tenant, *tokens);
   const KvShape& s = m.shape();
-  for (int64_t pos = info->first_live_page * s.page_tokens;
-       pos < static_cast<int64_t>(tokens->size()); ++pos) {
+  for (int64_t pos = info->first_live_page * s.page_tokens; pos < static_cast<int64_t>(tokens->size());
+       ++pos) {
     const int64_t p = pos / s.page_tokens;
     const int tier = info->page_tiers[p];
     if (tier < 0) return absl::InternalError(absl::StrCat(id, ": live page ", p, " missing"));
     const uint8_t* page = m.tier_storage(tier).PageData(info->page_ids[p]);
     if (!SlotMatches(s, page, pos, h[pos])) {
-      return absl::InternalError(absl::StrCat(id, ": wrong K/V bytes at position ", pos,
-                                              " (page ", p, ", tier ", tier, ")"));
+      return absl::InternalError(
+          absl::StrCat(id, ": wrong K/V bytes at position ", pos, " (page ", p, ", tier ", tier, ")"));
     }
   }
   return absl::OkStatus();

@@ -156,11 +156,9 @@ TEST(KvTransferTest, ShapeOrModelMismatchIsRejected) {
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 5)));
   auto chunks = std::move(ExportSession(src.get(), "s")).value();
   auto other_model = Make(8, 0, 0, "another-model");
-  EXPECT_EQ(ImportSession(other_model.get(), chunks).code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ImportSession(other_model.get(), chunks).code(), absl::StatusCode::kFailedPrecondition);
   auto other_shape = Make(8, 0, /*window=*/8);
-  EXPECT_EQ(ImportSession(other_shape.get(), chunks).code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ImportSession(other_shape.get(), chunks).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_INVARIANTS(*other_model);
   EXPECT_EQ(other_shape->GetStats().tier[0].free_pages, 8);
   // An aborted importer refuses further chunks.
@@ -268,12 +266,10 @@ TEST(KvTransferTest, ExportOfClosedSessionFails) {
   ASSERT_OK(src->CloseSession("s"));
   KvChunk c;
   EXPECT_EQ(exp->NextBulk(&c).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(SessionExporter::Create(src.get(), "none").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(SessionExporter::Create(src.get(), "none").status().code(), absl::StatusCode::kNotFound);
   ExportOptions eo;
   eo.max_chunk_bytes = 8 << 20;
-  EXPECT_EQ(SessionExporter::Create(src.get(), "s", eo).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SessionExporter::Create(src.get(), "s", eo).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

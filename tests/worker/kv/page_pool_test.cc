@@ -69,14 +69,11 @@ TEST(CpuTierStorageTest, CopyReadWriteChecksum) {
   ASSERT_TRUE((*b)->ReadPage(3, 48, absl::MakeSpan(back)).ok());
   EXPECT_EQ(back, buf);
   // Out of range is a status, not a crash.
-  EXPECT_EQ((*b)->ReadPage(3, 56, absl::MakeSpan(back)).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*b)->ReadPage(3, 56, absl::MakeSpan(back)).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*b)->WritePage(8, 0, buf).code(), absl::StatusCode::kInvalidArgument);
   const std::vector<PageId> bad = {9};
-  EXPECT_EQ((*b)->CopyPages(**a, bad, std::vector<PageId>{0}).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*b)->CopyPages(**a, src, std::vector<PageId>{0}).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*b)->CopyPages(**a, bad, std::vector<PageId>{0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*b)->CopyPages(**a, src, std::vector<PageId>{0}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*b)->PageData(8), nullptr);
   EXPECT_FALSE((*b)->Checksum(-1).ok());
   EXPECT_FALSE(CreateCpuTierStorage(4, 0).ok());

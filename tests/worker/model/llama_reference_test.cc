@@ -51,8 +51,12 @@ class LlamaReferenceTest : public ::testing::Test {
     runner_.reset();
     const auto& hp = model_->hparams();
     kv::KvCacheOptions ko;
-    ko.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv),
-                           static_cast<int>(hp.head_dim), dtype, 16, 0};
+    ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),
+                           static_cast<int>(hp.n_head_kv),
+                           static_cast<int>(hp.head_dim),
+                           dtype,
+                           16,
+                           0};
     ko.model_id = model_->model_id();
     ko.tier0_bytes = 64 * ko.shape.page_bytes();
     auto kv = kv::KvCacheManager::Create(ko);
@@ -135,9 +139,10 @@ TEST_F(LlamaReferenceTest, GreedyAndLogitsMatchLlamaCpp) {
       }
       if (i + 1 < n) logits = Step(id, {expected[i]});
     }
-    std::printf("%-13s first step: max |logit diff| %.3f, max gap diff %.3f; %d/%d decisions equal, "
-                "%d/%d near-ties equal, max margin diff %.3f\n",
-                name.c_str(), worst_abs, worst_gap, agree, n - ties, tie_agree, ties, worst_margin);
+    std::printf(
+        "%-13s first step: max |logit diff| %.3f, max gap diff %.3f; %d/%d decisions equal, "
+        "%d/%d near-ties equal, max margin diff %.3f\n",
+        name.c_str(), worst_abs, worst_gap, agree, n - ties, tie_agree, ties, worst_margin);
     EXPECT_LE(worst_gap, kLogitTolerance);
     ASSERT_TRUE(kv_->CloseSession(id).ok());
   }
@@ -159,8 +164,7 @@ TEST_F(LlamaReferenceTest, ExactPathMatchesFloat64Reference) {
     SCOPED_TRACE(f.at("name").string_value());
     const std::string id = "exact-" + std::to_string(i);
     ASSERT_TRUE(kv_->CreateSession(id, "t").ok());
-    std::vector<float> logits =
-        Step(id, testing::Ints(inputs[i].struct_value().fields().at("prompt_ids")));
+    std::vector<float> logits = Step(id, testing::Ints(inputs[i].struct_value().fields().at("prompt_ids")));
     const std::vector<int32_t> ids = testing::Ints(f.at("top20_ids"));
     const std::vector<float> expected = testing::Floats(f.at("top20_logits"));
     for (size_t j = 0; j < ids.size(); ++j) EXPECT_NEAR(logits[ids[j]], expected[j], 2e-3) << "rank " << j;

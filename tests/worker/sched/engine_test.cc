@@ -256,7 +256,8 @@ TEST_F(EngineTest, ConcurrentRequestsShareSteps) {
   std::vector<std::unique_ptr<Collector>> cs;
   for (int i = 0; i < 4; ++i) {
     cs.push_back(std::make_unique<Collector>());
-    ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(10 + i, i), 5), cs.back().get()).ok());
+    ASSERT_TRUE(
+        engine_->Submit(Req("", RequestMode::kFullContext, Prompt(10 + i, i), 5), cs.back().get()).ok());
   }
   gate.Notify();
   for (int i = 0; i < 4; ++i) {
@@ -265,7 +266,7 @@ TEST_F(EngineTest, ConcurrentRequestsShareSteps) {
     EXPECT_EQ(cs[i]->tokens, Expected(Prompt(10 + i, i), 5));
   }
   EXPECT_GE(runner_->max_sequences_, 3);  // decode and prefill of others in one step
-  EXPECT_LT(runner_->steps_, 4 * 6);     // far fewer steps than running them one by one
+  EXPECT_LT(runner_->steps_, 4 * 6);      // far fewer steps than running them one by one
 }
 
 TEST_F(EngineTest, SecondRequestOnBusySessionIsAborted) {

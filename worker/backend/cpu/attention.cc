@@ -35,17 +35,24 @@ struct AttnKernels {
   void (*pv)(float* o, const float* p, const float* vf, int64_t ld, int n, int hd, float corr);
 };
 
-void ToF32Scalar(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width,
-                 float* dst) {
+void ToF32Scalar(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width, float* dst) {
   for (int j = 0; j < n; ++j) {
     const uint8_t* row = src + j * src_stride;
     float* d = dst + static_cast<int64_t>(j) * width;
     for (int i = 0; i < width; ++i) {
       uint16_t h;
       switch (dtype) {
-        case KvDtype::kF32: std::memcpy(&d[i], row + 4 * i, 4); break;
-        case KvDtype::kF16: std::memcpy(&h, row + 2 * i, 2); d[i] = gguf::Fp16ToFp32(h); break;
-        case KvDtype::kBF16: std::memcpy(&h, row + 2 * i, 2); d[i] = gguf::Bf16ToFp32(h); break;
+        case KvDtype::kF32:
+          std::memcpy(&d[i], row + 4 * i, 4);
+          break;
+        case KvDtype::kF16:
+          std::memcpy(&h, row + 2 * i, 2);
+          d[i] = gguf::Fp16ToFp32(h);
+          break;
+        case KvDtype::kBF16:
+          std::memcpy(&h, row + 2 * i, 2);
+          d[i] = gguf::Bf16ToFp32(h);
+          break;
       }
     }
   }
@@ -77,8 +84,8 @@ void PvScalar(float* o, const float* p, const float* vf, int64_t ld, int n, int 
 }
 
 // AVX2 versions. REQUIRES hd % 8 == 0 (checked by the dispatcher).
-KVCACHE_TARGET_AVX2 void ToF32Avx2(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n,
-                                   int width, float* dst) {
+KVCACHE_TARGET_AVX2 void ToF32Avx2(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width,
+                                   float* dst) {
   for (int j = 0; j < n; ++j) {
     const uint8_t* row = src + j * src_stride;
     float* d = dst + static_cast<int64_t>(j) * width;
@@ -87,7 +94,8 @@ KVCACHE_TARGET_AVX2 void ToF32Avx2(const uint8_t* src, int64_t src_stride, KvDty
       if (dtype == KvDtype::kF16) {
         v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
       } else if (dtype == KvDtype::kBF16) {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+        const __m256i w =
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
         v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
       } else {
         v = _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
@@ -97,8 +105,7 @@ KVCACHE_TARGET_AVX2 void ToF32Avx2(const uint8_t* src, int64_t src_stride, KvDty
   }
 }
 
-KVCACHE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* kf, int64_t ld, int n, int hd,
-                                    float* s) {
+KVCACHE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* kf, int64_t ld, int n, int hd, float* s) {
   int j = 0;
   for (; j + 4 <= n; j += 4) {
     const float* k0 = kf + j * ld;
@@ -142,8 +149,8 @@ KVCACHE_TARGET_AVX2 float ExpSumAvx2(float* s, int n, float m) {
   return simd::HSum(sum);
 }
 
-KVCACHE_TARGET_AVX2 void PvAvx2(float* o, const float* p, const float* vf, int64_t ld, int n,
-                                int hd, float corr) {
+KVCACHE_TARGET_AVX2 void PvAvx2(float* o, const float* p, const float* vf, int64_t ld, int n, int hd,
+                                float corr) {
   const __m256 cv = _mm256_set1_ps(corr);
   int i = 0;
   for (; i + 32 <= hd; i += 32) {
@@ -276,8 +283,10 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
       const int n_next = std::min(pt, it.k1 - c1);
       for (int j = 0; j < n_next; ++j) {
         for (int64_t b = 0; b < width_bytes; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + L.k_offset(p.layer, j) + head_off + b), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + L.v_offset(p.layer, j) + head_off + b), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next + L.k_offset(p.layer, j) + head_off + b),
+                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next + L.v_offset(p.layer, j) + head_off + b),
+                       _MM_HINT_T0);
         }
       }
     }
@@ -347,19 +356,19 @@ void MergeGroup(const Ctx& c, const SplitGroup& g) {
 
 }  // namespace
 
-absl::Status WriteKv(const PageLayout& layout, void* base, absl::Span<const int32_t> page_table,
-                     int layer, int first_pos, int n_tokens, const float* k, const float* v) {
-  if (layer < 0 || layer >= layout.layers || first_pos < 0 || n_tokens < 0 ||
-      layout.page_tokens <= 0 || layout.kv_heads <= 0 || layout.head_dim <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("WriteKv: bad layer ", layer, " first_pos ",
-                                                   first_pos, " n_tokens ", n_tokens));
+absl::Status WriteKv(const PageLayout& layout, void* base, absl::Span<const int32_t> page_table, int layer,
+                     int first_pos, int n_tokens, const float* k, const float* v) {
+  if (layer < 0 || layer >= layout.layers || first_pos < 0 || n_tokens < 0 || layout.page_tokens <= 0 ||
+      layout.kv_heads <= 0 || layout.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WriteKv: bad layer ", layer, " first_pos ", first_pos, " n_tokens ", n_tokens));
   }
   if (n_tokens == 0) return absl::OkStatus();
   const int64_t last_page = (static_cast<int64_t>(first_pos) + n_tokens - 1) / layout.page_tokens;
   if (last_page >= static_cast<int64_t>(page_table.size())) {
     return absl::InvalidArgumentError(absl::StrCat("WriteKv: position ", first_pos + n_tokens - 1,
-                                                   " needs page ", last_page, " of a ",
-                                                   page_table.size(), "-page table"));
+                                                   " needs page ", last_page, " of a ", page_table.size(),
+                                                   "-page table"));
   }
   const int64_t row = layout.row_elems();
   const bool avx2 = GetCpuKernelLevel() >= CpuKernelLevel::kAvx2;
@@ -404,9 +413,9 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   if (L.kv_heads <= 0 || L.head_dim <= 0 || L.page_tokens <= 0 || params.n_heads <= 0 ||
       params.n_heads % L.kv_heads != 0 || params.layer < 0 || params.layer >= L.layers ||
       params.n_heads / L.kv_heads > kMaxItemRows || params.sliding_window < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "PagedAttention: bad shape n_heads=", params.n_heads, " kv_heads=", L.kv_heads,
-        " head_dim=", L.head_dim, " layer=", params.layer, "/", L.layers));
+    return absl::InvalidArgumentError(absl::StrCat("PagedAttention: bad shape n_heads=", params.n_heads,
+                                                   " kv_heads=", L.kv_heads, " head_dim=", L.head_dim,
+                                                   " layer=", params.layer, "/", L.layers));
   }
   const int G = params.n_heads / L.kv_heads;
   const int hd = L.head_dim;
@@ -417,9 +426,9 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
     if (sq.n_query < 0 || sq.n_cached < sq.n_query ||
         (static_cast<int64_t>(sq.n_cached) + L.page_tokens - 1) / L.page_tokens >
             static_cast<int64_t>(sq.page_table.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "PagedAttention: sequence ", s, " has n_cached=", sq.n_cached, " n_query=",
-          sq.n_query, " and ", sq.page_table.size(), " pages"));
+      return absl::InvalidArgumentError(absl::StrCat("PagedAttention: sequence ", s,
+                                                     " has n_cached=", sq.n_cached, " n_query=", sq.n_query,
+                                                     " and ", sq.page_table.size(), " pages"));
     }
     q_row0[s] = rows;
     rows += sq.n_query;
@@ -463,8 +472,8 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   int64_t partial_floats = 0;
   for (const Item& u : units) {
     const int keys = u.k1 - u.k0;
-    const int n_split = static_cast<int>(std::min<int64_t>((u.cost + target - 1) / target,
-                                                           std::max(1, keys / kMinSplitKeys)));
+    const int n_split = static_cast<int>(
+        std::min<int64_t>((u.cost + target - 1) / target, std::max(1, keys / kMinSplitKeys)));
     if (n_split <= 1) {
       items.push_back(u);
       continue;
@@ -491,19 +500,23 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
     groups.push_back(g);
   }
   // Longest first + dynamic scheduling balances lengths that differ a lot.
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::vector<float> partials(static_cast<size_t>(partial_floats));
 
-  const Ctx ctx{&params,         seqs.data(), q_row0.data(),
-                q,               out,         part_offset.data(),
-                partials.data(), G,           hd,
+  const Ctx ctx{&params,
+                seqs.data(),
+                q_row0.data(),
+                q,
+                out,
+                part_offset.data(),
+                partials.data(),
+                G,
+                hd,
                 params.scale > 0.0f ? params.scale : 1.0f / std::sqrt(static_cast<float>(hd))};
   const bool avx2 = GetCpuKernelLevel() >= CpuKernelLevel::kAvx2 && hd % 8 == 0;
   const AttnKernels& k = avx2 ? kAvx2Kernels : kScalarKernels;
   const int64_t max_width = static_cast<int64_t>(group_heads_for_decode ? L.kv_heads : 1) * hd;
-  const int64_t scratch_floats =
-      2 * kMaxItemRows * hd + 2 * kMaxItemRows + 2 * pt * max_width + pt + 8;
+  const int64_t scratch_floats = 2 * kMaxItemRows * hd + 2 * kMaxItemRows + 2 * pt * max_width + pt + 8;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   const int threads = static_cast<int>(std::min<int64_t>(n_threads, n_items));

@@ -29,8 +29,8 @@ namespace kvcache::cpu {
 // REQUIRES: base is a slab of pages of layout.page_bytes(); no other thread
 //   reads or writes those slots meanwhile.
 // INVALID_ARGUMENT when the layer or a position is outside the layout/page table.
-absl::Status WriteKv(const PageLayout& layout, void* base, absl::Span<const int32_t> page_table,
-                     int layer, int first_pos, int n_tokens, const float* k, const float* v);
+absl::Status WriteKv(const PageLayout& layout, void* base, absl::Span<const int32_t> page_table, int layer,
+                     int first_pos, int n_tokens, const float* k, const float* v);
 
 // One sequence of a batch. Its query tokens are the last n_query of its n_cached
 // tokens (positions n_cached - n_query .. n_cached - 1), whose K/V are already
@@ -45,9 +45,9 @@ struct AttentionParams {
   PageLayout layout;
   const void* kv_base = nullptr;  // slab [n_pages][layout.page_bytes()]
   int layer = 0;
-  int n_heads = 0;                // query heads; REQUIRES multiple of layout.kv_heads
-  float scale = 0.0f;             // softmax scale; 0 means 1 / sqrt(head_dim)
-  int sliding_window = 0;         // > 0: a query at p sees keys at positions > p - window
+  int n_heads = 0;         // query heads; REQUIRES multiple of layout.kv_heads
+  float scale = 0.0f;      // softmax scale; 0 means 1 / sqrt(head_dim)
+  int sliding_window = 0;  // > 0: a query at p sees keys at positions > p - window
 };
 
 // For every sequence s (in order) and its query tokens i:

@@ -21,8 +21,7 @@ CpuKernelLevel DetectLevel() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c();
   if (!avx2) return CpuKernelLevel::kScalar;
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512vnni");
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return avx512 ? CpuKernelLevel::kAvx512 : CpuKernelLevel::kAvx2;
 }
 
@@ -34,9 +33,12 @@ std::atomic<int> g_threads{0};
 
 const char* CpuKernelLevelName(CpuKernelLevel level) {
   switch (level) {
-    case CpuKernelLevel::kScalar: return "scalar";
-    case CpuKernelLevel::kAvx2: return "avx2";
-    case CpuKernelLevel::kAvx512: return "avx512";
+    case CpuKernelLevel::kScalar:
+      return "scalar";
+    case CpuKernelLevel::kAvx2:
+      return "avx2";
+    case CpuKernelLevel::kAvx512:
+      return "avx512";
   }
   return "unknown";
 }
@@ -66,9 +68,9 @@ CpuKernelLevel GetCpuKernelLevel() {
 absl::Status SetCpuKernelLevel(CpuKernelLevel level) {
   if (static_cast<int>(level) < 0 ||
       static_cast<int>(level) > static_cast<int>(MaxSupportedCpuKernelLevel())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cpu kernel level ", CpuKernelLevelName(level),
-                     " not supported; max is ", CpuKernelLevelName(MaxSupportedCpuKernelLevel())));
+    return absl::InvalidArgumentError(absl::StrCat("cpu kernel level ", CpuKernelLevelName(level),
+                                                   " not supported; max is ",
+                                                   CpuKernelLevelName(MaxSupportedCpuKernelLevel())));
   }
   g_level.store(static_cast<int>(level), std::memory_order_relaxed);
   return absl::OkStatus();

@@ -12,17 +12,17 @@ namespace kvcache::cpu {
 absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const model::LlamaModel* model,
                                                                        kv::KvCacheManager* kv,
                                                                        CpuRunnerOptions options) {
-  if (model == nullptr || kv == nullptr) return absl::InvalidArgumentError("runner needs a model and a KV cache");
+  if (model == nullptr || kv == nullptr)
+    return absl::InvalidArgumentError("runner needs a model and a KV cache");
   if (options.max_batch_tokens < 1) return absl::InvalidArgumentError("max_batch_tokens must be positive");
   const gguf::LlamaHparams& hp = model->hparams();
   const kv::KvShape& s = kv->shape();
   if (s.layers != hp.n_layer || s.kv_heads != hp.n_head_kv || s.head_dim != hp.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("KV shape ", s.DebugString(), " does not match the model (",
-                                                   hp.n_layer, " layers, ", hp.n_head_kv, " kv heads, head_dim ",
-                                                   hp.head_dim, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("KV shape ", s.DebugString(),
+                                                   " does not match the model (", hp.n_layer, " layers, ",
+                                                   hp.n_head_kv, " kv heads, head_dim ", hp.head_dim, ")"));
   }
-  if (kv->tier_capacity_pages(0) > 1 &&
-      kv->Tier0PageData(1) - kv->Tier0PageData(0) != s.page_bytes()) {
+  if (kv->tier_capacity_pages(0) > 1 && kv->Tier0PageData(1) - kv->Tier0PageData(0) != s.page_bytes()) {
     return absl::FailedPreconditionError("CPU runner needs tier 0 as one contiguous host slab");
   }
   if (kv->Tier0PageData(0) == nullptr) return absl::FailedPreconditionError("tier 0 is not host memory");
@@ -46,8 +46,8 @@ absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const mod
   return std::unique_ptr<CpuLlamaRunner>(new CpuLlamaRunner(model, kv, options, layout, std::move(rope)));
 }
 
-CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManager* kv, CpuRunnerOptions options,
-                               PageLayout layout, RopeTable rope)
+CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManager* kv,
+                               CpuRunnerOptions options, PageLayout layout, RopeTable rope)
     : model_(model), kv_(kv), options_(options), layout_(layout), rope_(std::move(rope)) {
   const gguf::LlamaHparams& hp = model->hparams();
   const size_t t = static_cast<size_t>(options.max_batch_tokens);
@@ -62,7 +62,8 @@ CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManage
   up_.resize(t * hp.n_ff);
 }
 
-absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) {
+absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch,
+                                     std::vector<float>* logits) {
   const gguf::LlamaHparams& hp = model_->hparams();
   const int64_t d = hp.n_embd, kv_dim = hp.n_head_kv * hp.head_dim;
   const float eps = static_cast<float>(hp.norm_rms_eps);
@@ -75,10 +76,11 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   for (const model::SequenceStep& s : batch) {
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     const int64_t end = s.first_pos + n;
-    if (n == 0 || s.first_pos < 0) return absl::InvalidArgumentError("empty sequence step or negative position");
+    if (n == 0 || s.first_pos < 0)
+      return absl::InvalidArgumentError("empty sequence step or negative position");
     if (end > rope_.max_positions()) {
-      return absl::InvalidArgumentError(absl::StrCat("position ", end - 1, " beyond the model context ",
-                                                     rope_.max_positions()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("position ", end - 1, " beyond the model context ", rope_.max_positions()));
     }
     if (static_cast<int64_t>(s.page_table.size()) * layout_.page_tokens < end) {
       return absl::InvalidArgumentError("page table shorter than the sequence");
@@ -95,7 +97,8 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   }
   const int t = static_cast<int>(tokens_.size());
   if (t > options_.max_batch_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(t, " tokens in one step; the limit is ", options_.max_batch_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat(t, " tokens in one step; the limit is ", options_.max_batch_tokens));
   }
   void* base = kv_->Tier0PageData(0);
 
@@ -110,9 +113,9 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     const model::LlamaLayer& L = model_->layers()[l];
     // Attention block.
     RmsNorm(x_.data(), L.attn_norm.data(), t, d, eps, xn_.data());
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wq, xn_.data(), t, q_.data()));   // q: [t][n_head][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wk, xn_.data(), t, k_.data()));   // k: [t][n_kv][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wv, xn_.data(), t, v_.data()));   // v: [t][n_kv][hd]
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.wq, xn_.data(), t, q_.data()));  // q: [t][n_head][hd]
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.wk, xn_.data(), t, k_.data()));  // k: [t][n_kv][hd]
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.wv, xn_.data(), t, v_.data()));  // v: [t][n_kv][hd]
     KVCACHE_RETURN_IF_ERROR(rope_.Apply(q_.data(), t, static_cast<int>(hp.n_head), positions_));
     KVCACHE_RETURN_IF_ERROR(rope_.Apply(k_.data(), t, static_cast<int>(hp.n_head_kv), positions_));
     int64_t row = 0;
@@ -125,7 +128,7 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     }
     ap.layer = static_cast<int>(l);
     KVCACHE_RETURN_IF_ERROR(PagedAttention(ap, seqs, q_.data(), att_.data()));  // att: [t][n_head][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wo, att_.data(), t, tmp_.data()));          // [t][d]
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.wo, att_.data(), t, tmp_.data()));         // [t][d]
     Add(x_.data(), tmp_.data(), int64_t{t} * d, x_.data());
     // Feed-forward block (SwiGLU).
     RmsNorm(x_.data(), L.ffn_norm.data(), t, d, eps, xn_.data());

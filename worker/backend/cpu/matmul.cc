@@ -22,15 +22,15 @@ using gguf::GgmlType;
 
 // A quantised-weight x Q8-activation product, as every level's kernels see it.
 struct QuantJob {
-  GgmlType type;         // kQ4_1 or kQ8_0
-  const uint8_t* w;      // [rows][w_stride bytes]
-  int64_t w_stride;      // RowBytes(type, cols)
-  int64_t nb;            // blocks per row = cols / 32
+  GgmlType type;     // kQ4_1 or kQ8_0
+  const uint8_t* w;  // [rows][w_stride bytes]
+  int64_t w_stride;  // RowBytes(type, cols)
+  int64_t nb;        // blocks per row = cols / 32
   int n_tokens;
-  const int8_t* aq;      // [n_tokens][cols]
-  const float* ad;       // [n_tokens][nb]
-  const float* as;       // [n_tokens][nb]
-  float* y;              // [n_tokens][y_stride]
+  const int8_t* aq;  // [n_tokens][cols]
+  const float* ad;   // [n_tokens][nb]
+  const float* as;   // [n_tokens][nb]
+  float* y;          // [n_tokens][y_stride]
   int64_t y_stride;
 };
 
@@ -82,9 +82,8 @@ void RunQuantRowsScalar(const QuantJob& job, int64_t r_begin, int64_t r_end) {
   }
 }
 
-void RunF32RowsScalar(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols,
-                      const float* x, int64_t x_stride, int n_tokens, float* y, int64_t y_stride,
-                      int64_t r0) {
+void RunF32RowsScalar(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
+                      int64_t x_stride, int n_tokens, float* y, int64_t y_stride, int64_t r0) {
   for (int64_t r = 0; r < n_rows; ++r) {
     for (int t = 0; t < n_tokens; ++t) {
       float sum = 0.0f;
@@ -112,8 +111,7 @@ namespace {
 #undef KV_R
 
 #define KV_NS avx512
-#define KV_TARGET \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define KV_VNNI 1
 #define KV_R 4
 namespace {
@@ -130,9 +128,8 @@ struct Kernels {
   void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s);
   // Rows [r_begin, r_end); scratch: 2 * 4 * nb floats.
   void (*quant_rows)(const QuantJob& job, int64_t r_begin, int64_t r_end, float* scratch);
-  void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols,
-                   const float* x, int64_t x_stride, int n_tokens, float* y, int64_t y_stride,
-                   int64_t r0);
+  void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
+                   int64_t x_stride, int n_tokens, float* y, int64_t y_stride, int64_t r0);
   bool (*dequant_row_fast)(GgmlType type, const void* src, float* dst, int64_t n);
 };
 
@@ -145,12 +142,15 @@ const Kernels& KernelsFor(CpuKernelLevel level) {
                                   DequantRowFastScalar};
   static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::RunQuantRows, avx2::RunF32Rows,
                                 avx2::DequantRowFast};
-  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::RunQuantRows,
-                                  avx512::RunF32Rows, avx512::DequantRowFast};
+  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::RunQuantRows, avx512::RunF32Rows,
+                                  avx512::DequantRowFast};
   switch (level) {
-    case CpuKernelLevel::kAvx2: return kAvx2;
-    case CpuKernelLevel::kAvx512: return kAvx512;
-    default: return kScalar;
+    case CpuKernelLevel::kAvx2:
+      return kAvx2;
+    case CpuKernelLevel::kAvx512:
+      return kAvx512;
+    default:
+      return kScalar;
   }
 }
 
@@ -170,8 +170,7 @@ std::vector<float>& ThreadScratch(int which) {
   return bufs[which];
 }
 
-absl::Status DequantRow(const Kernels& k, GgmlType type, const void* src, float* dst,
-                        int64_t n) {
+absl::Status DequantRow(const Kernels& k, GgmlType type, const void* src, float* dst, int64_t n) {
   if (k.dequant_row_fast(type, src, dst, n)) return absl::OkStatus();
   return gguf::DequantizeRow(type, src, dst, n);
 }
@@ -191,17 +190,20 @@ int SgemmMinTokens() {
   // integer kernel beats dequant+sgemm at every n_tokens from 8 to 256; the AVX2
   // maddubs kernel loses from 64 tokens on; scalar dots always lose to OpenBLAS.
   switch (GetCpuKernelLevel()) {
-    case CpuKernelLevel::kAvx512: return INT_MAX;
-    case CpuKernelLevel::kAvx2: return 64;
-    default: return 1;
+    case CpuKernelLevel::kAvx512:
+      return INT_MAX;
+    case CpuKernelLevel::kAvx2:
+      return 64;
+    default:
+      return 1;
   }
 }
 void SetSgemmMinTokens(int n_tokens) {
   g_sgemm_min_tokens.store(std::max(0, n_tokens), std::memory_order_relaxed);
 }
 
-void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64_t cols,
-                           int8_t* q, float* d, float* s) {
+void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64_t cols, int8_t* q, float* d,
+                           float* s) {
   const Kernels& k = KernelsFor(GetCpuKernelLevel());
   const int64_t nb = cols / 32;
   for (int t = 0; t < n_tokens; ++t) {
@@ -209,21 +211,20 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
   }
 }
 
-absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens,
-                    float* y, int64_t y_stride, MatMulPath path) {
+absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens, float* y,
+                    int64_t y_stride, MatMulPath path) {
   const gguf::GgmlTypeTraits* traits = gguf::GetTypeTraits(static_cast<uint32_t>(w.type));
   if (traits == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("MatMul: unknown weight type ", static_cast<uint32_t>(w.type)));
   }
   if (!traits->supported) {
-    return absl::UnimplementedError(absl::StrCat("MatMul: weight type ", traits->name,
-                                                 " cannot be decoded"));
+    return absl::UnimplementedError(absl::StrCat("MatMul: weight type ", traits->name, " cannot be decoded"));
   }
   if (w.rows < 0 || w.cols < 0 || n_tokens < 0 || x_stride < w.cols || y_stride < w.rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("MatMul: bad shape rows=", w.rows, " cols=", w.cols, " n_tokens=",
-                     n_tokens, " x_stride=", x_stride, " y_stride=", y_stride));
+    return absl::InvalidArgumentError(absl::StrCat("MatMul: bad shape rows=", w.rows, " cols=", w.cols,
+                                                   " n_tokens=", n_tokens, " x_stride=", x_stride,
+                                                   " y_stride=", y_stride));
   }
   absl::StatusOr<int64_t> row_bytes = gguf::RowBytes(w.type, w.cols);
   if (!row_bytes.ok()) return row_bytes.status();
@@ -241,12 +242,12 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
   // policy, shared cores): small products (a decode step's q/k/v/o) run on one
   // thread. Work ~ weight bytes x token tiles.
   const int64_t work = w.rows * *row_bytes * ((n_tokens + 3) / 4);
-  const int n_threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(NumThreads(), work / kMinWorkPerThread)));
+  const int n_threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(NumThreads(), work / kMinWorkPerThread)));
   const auto* wbytes = static_cast<const uint8_t*>(w.data);
   const int64_t rows = w.rows, cols = w.cols;
-  const bool sgemm = path == MatMulPath::kSgemm ||
-                     (path == MatMulPath::kAuto && n_tokens >= SgemmMinTokens());
+  const bool sgemm =
+      path == MatMulPath::kSgemm || (path == MatMulPath::kAuto && n_tokens >= SgemmMinTokens());
   const bool quant = w.type == GgmlType::kQ4_1 || w.type == GgmlType::kQ8_0;
 
   std::atomic<bool> failed{false};
@@ -279,8 +280,8 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
       if (!failed.load(std::memory_order_relaxed)) {
         // y[:, r0:r0+nr] = x [n_tokens][cols] · wtᵀ [cols][nr]
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n_tokens, static_cast<int>(nr),
-                    static_cast<int>(cols), 1.0f, x, static_cast<int>(x_stride), wt,
-                    static_cast<int>(cols), 0.0f, y + r0, static_cast<int>(y_stride));
+                    static_cast<int>(cols), 1.0f, x, static_cast<int>(x_stride), wt, static_cast<int>(cols),
+                    0.0f, y + r0, static_cast<int>(y_stride));
       }
     }
     return failed.load() ? first_error : absl::OkStatus();
@@ -321,8 +322,8 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
 #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int64_t r0 = c * kDotRowChunk;
-      k.f32_rows(wf + r0 * cols, cols, std::min(kDotRowChunk, rows - r0), cols, x, x_stride,
-                 n_tokens, y, y_stride, r0);
+      k.f32_rows(wf + r0 * cols, cols, std::min(kDotRowChunk, rows - r0), cols, x, x_stride, n_tokens, y,
+                 y_stride, r0);
     }
     return absl::OkStatus();
   }

@@ -38,9 +38,9 @@ struct WeightView {
 };
 
 enum class MatMulPath {
-  kAuto,     // kDot below SgemmMinTokens() tokens, kSgemm from there on
-  kDot,      // integer (Q4_1/Q8_0) or f32 SIMD dot kernel, weights read once per call
-  kSgemm,    // dequantise row tiles to f32, then cblas_sgemm per tile
+  kAuto,   // kDot below SgemmMinTokens() tokens, kSgemm from there on
+  kDot,    // integer (Q4_1/Q8_0) or f32 SIMD dot kernel, weights read once per call
+  kSgemm,  // dequantise row tiles to f32, then cblas_sgemm per tile
 };
 
 // y = x · wᵀ. x: [n_tokens][x_stride] (first w.cols used), y: [n_tokens][y_stride]
@@ -49,8 +49,8 @@ enum class MatMulPath {
 //   overlap; x_stride >= w.cols; y_stride >= w.rows; n_tokens >= 0.
 // INVALID_ARGUMENT for bad shapes (cols not a whole number of blocks, strides too
 // small), UNIMPLEMENTED for a weight type DequantizeRow cannot decode.
-absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens,
-                    float* y, int64_t y_stride, MatMulPath path = MatMulPath::kAuto);
+absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens, float* y,
+                    int64_t y_stride, MatMulPath path = MatMulPath::kAuto);
 
 // Dense strides: x [n_tokens][w.cols], y [n_tokens][w.rows].
 inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, float* y) {
@@ -68,8 +68,8 @@ void SetSgemmMinTokens(int n_tokens);
 // (exposed for tests): for token t and block b,
 //   x[t][32b + i] ≈ d[t][b] * q[t][32b + i],   s[t][b] = d[t][b] * sum_i q[t][32b + i].
 // REQUIRES: cols % 32 == 0; q holds n_tokens*cols, d and s n_tokens*cols/32.
-void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64_t cols,
-                           int8_t* q, float* d, float* s);
+void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64_t cols, int8_t* q, float* d,
+                           float* s);
 
 }  // namespace kvcache::cpu
 

@@ -14,8 +14,7 @@ bool UseAvx2() { return GetCpuKernelLevel() >= CpuKernelLevel::kAvx2; }
 
 // ---- AVX2 versions ----
 
-KVCACHE_TARGET_AVX2 void RmsNormAvx2(const float* x, const float* w, int64_t n, float eps,
-                                     float* y) {
+KVCACHE_TARGET_AVX2 void RmsNormAvx2(const float* x, const float* w, int64_t n, float eps, float* y) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -29,8 +28,7 @@ KVCACHE_TARGET_AVX2 void RmsNormAvx2(const float* x, const float* w, int64_t n, 
   const __m256 sv = _mm256_set1_ps(scale);
   i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sv),
-                                          _mm256_loadu_ps(w + i)));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sv), _mm256_loadu_ps(w + i)));
   }
   for (; i < n; ++i) y[i] = x[i] * scale * w[i];
 }
@@ -87,8 +85,8 @@ KVCACHE_TARGET_AVX2 void RopeHeadAvx2(float* x, const float* cs, const float* sn
   for (; i + 8 <= head_dim; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     const __m256 swapped = _mm256_permute_ps(v, 0xB1);  // (x1, x0, x3, x2, ...)
-    _mm256_storeu_ps(x + i, _mm256_fmadd_ps(v, _mm256_loadu_ps(cs + i),
-                                            _mm256_mul_ps(swapped, _mm256_loadu_ps(sn + i))));
+    _mm256_storeu_ps(
+        x + i, _mm256_fmadd_ps(v, _mm256_loadu_ps(cs + i), _mm256_mul_ps(swapped, _mm256_loadu_ps(sn + i))));
   }
   for (; i < head_dim; i += 2) {
     const float x0 = x[i], x1 = x[i + 1];
@@ -183,10 +181,9 @@ RopeTable::RopeTable(const RopeParams& params, int max_positions)
 absl::StatusOr<RopeTable> RopeTable::Create(const RopeParams& params, int max_positions) {
   if (params.head_dim <= 0 || params.head_dim % 2 != 0 || !(params.freq_base > 0.0f) ||
       !(params.freq_scale > 0.0f) || max_positions <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RopeTable: bad params head_dim=", params.head_dim, " base=",
-                     params.freq_base, " scale=", params.freq_scale, " max_positions=",
-                     max_positions));
+    return absl::InvalidArgumentError(absl::StrCat("RopeTable: bad params head_dim=", params.head_dim,
+                                                   " base=", params.freq_base, " scale=", params.freq_scale,
+                                                   " max_positions=", max_positions));
   }
   RopeTable table(params, max_positions);
   const int d = params.head_dim;
@@ -210,13 +207,13 @@ absl::StatusOr<RopeTable> RopeTable::Create(const RopeParams& params, int max_po
 absl::Status RopeTable::Apply(float* x, int n_tokens, int n_heads,
                               absl::Span<const int32_t> positions) const {
   if (positions.size() != static_cast<size_t>(n_tokens)) {
-    return absl::InvalidArgumentError(absl::StrCat("Rope: ", positions.size(),
-                                                   " positions for ", n_tokens, " tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Rope: ", positions.size(), " positions for ", n_tokens, " tokens"));
   }
   for (int t = 0; t < n_tokens; ++t) {
     if (positions[t] < 0 || positions[t] >= max_positions_) {
-      return absl::InvalidArgumentError(absl::StrCat("Rope: position ", positions[t],
-                                                     " outside [0, ", max_positions_, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Rope: position ", positions[t], " outside [0, ", max_positions_, ")"));
     }
   }
   const int d = params_.head_dim;

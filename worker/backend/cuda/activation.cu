@@ -1,9 +1,8 @@
 // SwiGLU kernel (see activation.h).
-#include "worker/backend/cuda/activation.h"
-
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "worker/backend/cuda/activation.h"
 #include "worker/backend/cuda/cuda_check.h"
 #include "worker/backend/cuda/kernel_math.h"
 
@@ -11,7 +10,8 @@ namespace kvcache::cuda {
 namespace {
 
 static __global__ void SwiGluKernel(const float* gate_up, int64_t total, int64_t n_ff, uint16_t* out) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / n_ff, c = i % n_ff;
     const float* row = gate_up + t * 2 * n_ff;
     out[i] = __half_as_ushort(__float2half_rn(SwiGluValue(row[c], row[n_ff + c])));
@@ -20,7 +20,8 @@ static __global__ void SwiGluKernel(const float* gate_up, int64_t total, int64_t
 
 }  // namespace
 
-absl::Status SwiGluToF16(const float* gate_up, int n_tokens, int64_t n_ff, uint16_t* out, cudaStream_t stream) {
+absl::Status SwiGluToF16(const float* gate_up, int n_tokens, int64_t n_ff, uint16_t* out,
+                         cudaStream_t stream) {
   const int64_t total = int64_t{n_tokens} * n_ff;
   if (total <= 0) return absl::OkStatus();
   const int threads = 256;

@@ -15,7 +15,8 @@ namespace kvcache::cuda {
 
 // out[t][i] = f16(SwiGluValue(gate_up[t][i], gate_up[t][n_ff + i])).
 //   gate_up: [n_tokens][2 * n_ff] f32 (the fused gate|up GEMM), out: [n_tokens][n_ff] f16 bits.
-absl::Status SwiGluToF16(const float* gate_up, int n_tokens, int64_t n_ff, uint16_t* out, cudaStream_t stream);
+absl::Status SwiGluToF16(const float* gate_up, int n_tokens, int64_t n_ff, uint16_t* out,
+                         cudaStream_t stream);
 
 }  // namespace kvcache::cuda
 

@@ -1,11 +1,10 @@
 // Paged attention kernels (see attention.h for the contract).
-#include "worker/backend/cuda/attention.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+#include "worker/backend/cuda/attention.h"
 #include "worker/backend/cuda/cuda_check.h"
 #include "worker/backend/cuda/kernel_math.h"
 
@@ -53,7 +52,8 @@ static __global__ void WriteKvKernel(WriteKvArgs a) {
   uint8_t* page = a.layout.page(a.kv_base, a.dst_page[t]);
   uint16_t* k_dst = reinterpret_cast<uint16_t*>(page + a.layout.k_offset(a.layer, a.dst_slot[t]));
   uint16_t* v_dst = reinterpret_cast<uint16_t*>(page + a.layout.v_offset(a.layer, a.dst_slot[t]));
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < row; i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < row;
+       i += int64_t{gridDim.x} * blockDim.x) {
     k_dst[i] = KvEncode(a.k[t * a.row_stride + i], bf16);
     v_dst[i] = KvEncode(a.v[t * a.row_stride + i], bf16);
   }
@@ -81,8 +81,8 @@ __device__ __forceinline__ Scratch SplitScratch(const AttentionArgs& a) {
 // kG: compile-time bound on the group (accumulators live in registers).
 // split_tokens: keys per split (a multiple of kAttentionSplitTokens, at most kMaxSplitTokens).
 template <int HD, bool kBf16, int kG>
-static __global__ void __launch_bounds__(kThreads, kG <= 3 ? 4 : 2) AttentionSplitKernel(AttentionArgs a,
-                                                                                        int split_tokens) {
+static __global__ void __launch_bounds__(kThreads, kG <= 3 ? 4 : 2)
+    AttentionSplitKernel(AttentionArgs a, int split_tokens) {
   constexpr int kLanesPerToken = HD / 8;  // each lane loads 16 bytes of a row
   constexpr int kTokensPerLoad = 32 / kLanesPerToken;
   constexpr int kU = kG <= 2 ? 8 : 4;  // K and V loads in flight per lane
@@ -325,9 +325,11 @@ absl::Status AttentionSupports(const cpu::PageLayout& layout, int n_heads) {
   if (layout.dtype != cpu::KvDtype::kF16 && layout.dtype != cpu::KvDtype::kBF16) {
     return absl::UnimplementedError("CUDA attention needs f16 or bf16 KV pages");
   }
-  if (layout.kv_heads <= 0 || n_heads % layout.kv_heads != 0 || n_heads / layout.kv_heads > kMaxAttentionGroup) {
-    return absl::UnimplementedError(absl::StrCat("CUDA attention: ", n_heads, " query heads over ", layout.kv_heads,
-                                                 " kv heads (group must divide and be <= ", kMaxAttentionGroup, ")"));
+  if (layout.kv_heads <= 0 || n_heads % layout.kv_heads != 0 ||
+      n_heads / layout.kv_heads > kMaxAttentionGroup) {
+    return absl::UnimplementedError(
+        absl::StrCat("CUDA attention: ", n_heads, " query heads over ", layout.kv_heads,
+                     " kv heads (group must divide and be <= ", kMaxAttentionGroup, ")"));
   }
   return absl::OkStatus();
 }

@@ -41,7 +41,7 @@ absl::Status AttentionSupports(const cpu::PageLayout& layout, int n_heads);
 
 struct WriteKvArgs {
   cpu::PageLayout layout;
-  void* kv_base = nullptr;            // device slab
+  void* kv_base = nullptr;  // device slab
   int layer = 0;
   int n_tokens = 0;
   const float* k = nullptr;           // device, row t at k + t * row_stride: [kv_heads][head_dim]
@@ -56,21 +56,21 @@ absl::Status WriteKv(const WriteKvArgs& args, cudaStream_t stream);
 
 struct AttentionArgs {
   cpu::PageLayout layout;
-  const void* kv_base = nullptr;          // device slab
+  const void* kv_base = nullptr;  // device slab
   int layer = 0;
   int n_heads = 0;
-  float scale = 0.0f;                     // 0: 1 / sqrt(head_dim)
+  float scale = 0.0f;  // 0: 1 / sqrt(head_dim)
   int sliding_window = 0;
   const int32_t* page_tables = nullptr;      // device: every sequence's page table, concatenated
   const int32_t* seq_page_offset = nullptr;  // device [n_seqs]: start of each table
   const AttentionItem* items = nullptr;      // device [n_items]
   int n_items = 0;
-  int max_splits = 0;                        // max over items of AttentionSplits(pos, window)
-  const float* q = nullptr;                  // device: item i, head h at q + i*q_row_stride + h*head_dim
+  int max_splits = 0;        // max over items of AttentionSplits(pos, window)
+  const float* q = nullptr;  // device: item i, head h at q + i*q_row_stride + h*head_dim
   int64_t q_row_stride = 0;
-  float* scratch = nullptr;                  // device, AttentionScratchFloats(...) floats
-  uint16_t* out_f16 = nullptr;               // device [n_items][n_heads][head_dim] f16, or null
-  float* out_f32 = nullptr;                  // same as f32, or null
+  float* scratch = nullptr;     // device, AttentionScratchFloats(...) floats
+  uint16_t* out_f16 = nullptr;  // device [n_items][n_heads][head_dim] f16, or null
+  float* out_f32 = nullptr;     // same as f32, or null
 };
 int64_t AttentionScratchFloats(int n_items, int n_heads, int head_dim, int max_splits);
 // out[i][h] = softmax_j(scale q[i][h]·K[j][h/group]) · V[j][h/group] over the

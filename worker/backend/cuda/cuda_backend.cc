@@ -55,7 +55,8 @@ class CudaBackendFactoryImpl final : public CudaBackendFactory {
 }  // namespace
 }  // namespace kvcache::backend
 
-extern "C" __attribute__((visibility("default"))) kvcache::backend::CudaBackendFactory* kvcache_cuda_backend_v1() {
+extern "C" __attribute__((visibility("default"))) kvcache::backend::CudaBackendFactory*
+kvcache_cuda_backend_v1() {
   static kvcache::backend::CudaBackendFactoryImpl* factory = new kvcache::backend::CudaBackendFactoryImpl();
   return factory;
 }

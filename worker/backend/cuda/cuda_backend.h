@@ -65,8 +65,7 @@ class CudaBackend {
   // here. REQUIRES: `model` and `tier0` outlive the runner; `tier0` was made by
   // this backend's factory (FAILED_PRECONDITION otherwise) with `shape`'s pages.
   virtual absl::StatusOr<model::ModelRunnerPtr> CreateRunner(const model::LlamaModel& model,
-                                                             kv::TierStorage& tier0,
-                                                             const kv::KvShape& shape,
+                                                             kv::TierStorage& tier0, const kv::KvShape& shape,
                                                              const CudaRunnerOptions& options) = 0;
 };
 

@@ -29,16 +29,16 @@ absl::Status LastLaunchStatus(absl::string_view kernel);
 
 }  // namespace kvcache::cuda
 
-#define KVCACHE_CUDA_RETURN_IF_ERROR(expr, what)                           \
-  do {                                                                     \
+#define KVCACHE_CUDA_RETURN_IF_ERROR(expr, what)                                   \
+  do {                                                                             \
     ::absl::Status _kvcache_cuda_st = ::kvcache::cuda::CudaStatus((expr), (what)); \
-    if (!_kvcache_cuda_st.ok()) return _kvcache_cuda_st;                   \
+    if (!_kvcache_cuda_st.ok()) return _kvcache_cuda_st;                           \
   } while (0)
 
-#define KVCACHE_CUBLAS_RETURN_IF_ERROR(expr, what)                           \
-  do {                                                                       \
+#define KVCACHE_CUBLAS_RETURN_IF_ERROR(expr, what)                                     \
+  do {                                                                                 \
     ::absl::Status _kvcache_cublas_st = ::kvcache::cuda::CublasStatus((expr), (what)); \
-    if (!_kvcache_cublas_st.ok()) return _kvcache_cublas_st;                 \
+    if (!_kvcache_cublas_st.ok()) return _kvcache_cublas_st;                           \
   } while (0)
 
 #endif  // KVCACHE_WORKER_BACKEND_CUDA_CUDA_CHECK_H_

@@ -21,7 +21,8 @@ namespace kvcache::cuda {
 namespace {
 
 // Dequantises `views` (stacked by rows; equal cols) to one f16 device matrix.
-absl::StatusOr<DeviceBuffer> UploadF16(std::initializer_list<const model::WeightView*> views, absl::string_view what) {
+absl::StatusOr<DeviceBuffer> UploadF16(std::initializer_list<const model::WeightView*> views,
+                                       absl::string_view what) {
   int64_t rows = 0;
   const int64_t cols = (*views.begin())->cols;
   for (const model::WeightView* v : views) {
@@ -36,20 +37,22 @@ absl::StatusOr<DeviceBuffer> UploadF16(std::initializer_list<const model::Weight
   for (const model::WeightView* v : views) {
     KVCACHE_ASSIGN_OR_RETURN(const int64_t row_bytes, gguf::RowBytes(v->type, v->cols));
     for (int64_t r = 0; r < v->rows; ++r, ++r_out) {
-      KVCACHE_RETURN_IF_ERROR(
-          gguf::DequantizeRow(v->type, static_cast<const uint8_t*>(v->data) + r * row_bytes, row.data(), cols));
+      KVCACHE_RETURN_IF_ERROR(gguf::DequantizeRow(
+          v->type, static_cast<const uint8_t*>(v->data) + r * row_bytes, row.data(), cols));
       uint16_t* dst = host.data() + r_out * cols;
       for (int64_t c = 0; c < cols; ++c) dst[c] = gguf::Fp32ToFp16(row[c]);
     }
   }
-  KVCACHE_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(rows * cols * 2, absl::StrCat("weights ", what)));
+  KVCACHE_ASSIGN_OR_RETURN(DeviceBuffer buf,
+                           DeviceBuffer::Allocate(rows * cols * 2, absl::StrCat("weights ", what)));
   KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpy(buf.get(), host.data(), host.size() * 2, cudaMemcpyHostToDevice),
                                absl::StrCat("upload ", what));
   return buf;
 }
 
 absl::StatusOr<DeviceBuffer> UploadF32(const std::vector<float>& v, absl::string_view what) {
-  KVCACHE_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(static_cast<int64_t>(v.size()) * 4, what));
+  KVCACHE_ASSIGN_OR_RETURN(DeviceBuffer buf,
+                           DeviceBuffer::Allocate(static_cast<int64_t>(v.size()) * 4, what));
   KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpy(buf.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice),
                                absl::StrCat("upload ", what));
   return buf;
@@ -165,7 +168,8 @@ absl::Status CudaLlamaRunner::Init() {
   return absl::OkStatus();
 }
 
-absl::Status CudaLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) {
+absl::Status CudaLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch,
+                                      std::vector<float>* logits) {
   const gguf::LlamaHparams& hp = model_.hparams();
   const int window = static_cast<int>(hp.sliding_window);
   // Validate and count, as the CPU runner does.
@@ -174,9 +178,11 @@ absl::Status CudaLlamaRunner::Forward(absl::Span<const model::SequenceStep> batc
   for (const model::SequenceStep& s : batch) {
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     const int64_t end = s.first_pos + n;
-    if (n == 0 || s.first_pos < 0) return absl::InvalidArgumentError("empty sequence step or negative position");
+    if (n == 0 || s.first_pos < 0)
+      return absl::InvalidArgumentError("empty sequence step or negative position");
     if (end > max_positions_) {
-      return absl::InvalidArgumentError(absl::StrCat("position ", end - 1, " beyond the model context ", max_positions_));
+      return absl::InvalidArgumentError(
+          absl::StrCat("position ", end - 1, " beyond the model context ", max_positions_));
     }
     if (static_cast<int64_t>(s.page_table.size()) * layout_.page_tokens < end) {
       return absl::InvalidArgumentError("page table shorter than the sequence");
@@ -192,7 +198,8 @@ absl::Status CudaLlamaRunner::Forward(absl::Span<const model::SequenceStep> batc
     max_splits = std::max(max_splits, AttentionSplits(static_cast<int>(end - 1), window));
   }
   if (t > options_.max_batch_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(t, " tokens in one step; the limit is ", options_.max_batch_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat(t, " tokens in one step; the limit is ", options_.max_batch_tokens));
   }
   logits->clear();
   if (t == 0) return absl::OkStatus();
@@ -221,7 +228,8 @@ absl::Status CudaLlamaRunner::Forward(absl::Span<const model::SequenceStep> batc
       const int32_t pos = static_cast<int32_t>(s.first_pos + static_cast<int64_t>(i));
       const kv::PageId page = s.page_table[pos / layout_.page_tokens];
       if (page < 0 || page >= tier0_.num_pages()) {
-        return absl::InvalidArgumentError(absl::StrCat("page id ", page, " for position ", pos, " is not a tier-0 page"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("page id ", page, " for position ", pos, " is not a tier-0 page"));
       }
       m[off_tokens_ + row] = s.tokens[i];
       m[off_pos_ + row] = pos;
@@ -260,9 +268,9 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
                                   "attention scratch"));
   KVCACHE_RETURN_IF_ERROR(Reserve(&logits_dev_, int64_t{std::max(n_want, 1)} * vocab * 4, "logits"));
   KVCACHE_RETURN_IF_ERROR(Reserve(&logits_host_, int64_t{std::max(n_want, 1)} * vocab * 4, "logits"));
-  KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_dev_.get(), meta_host_.get(), meta_ints * 4,
-                                               cudaMemcpyHostToDevice, stream),
-                               "upload step metadata");
+  KVCACHE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(meta_dev_.get(), meta_host_.get(), meta_ints * 4, cudaMemcpyHostToDevice, stream),
+      "upload step metadata");
   const int32_t* meta = meta_dev_.as<int32_t>();
   float* x = x_.as<float>();
   uint16_t* xn16 = xn16_.as<uint16_t>();
@@ -295,26 +303,30 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
   for (size_t l = 0; l < layers_.size(); ++l) {
     const DeviceLayer& L = layers_[l];
     KVCACHE_RETURN_IF_ERROR(RmsNormToF16(x, nullptr, L.attn_norm.as<float>(), t, d, eps, xn16, stream));
-    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, L.wqkv.as<uint16_t>(), qkv_rows_, d, xn16, t, qkv, qkv_rows_, 0.0f));
-    KVCACHE_RETURN_IF_ERROR(Rope(qkv, t, qkv_rows_, nh + nkv, static_cast<int>(hd), rope_.as<float>(),
-                                 meta + off_pos_, stream));
+    KVCACHE_RETURN_IF_ERROR(
+        GemmF16(blas, L.wqkv.as<uint16_t>(), qkv_rows_, d, xn16, t, qkv, qkv_rows_, 0.0f));
+    KVCACHE_RETURN_IF_ERROR(
+        Rope(qkv, t, qkv_rows_, nh + nkv, static_cast<int>(hd), rope_.as<float>(), meta + off_pos_, stream));
     w.layer = a.layer = static_cast<int>(l);
     KVCACHE_RETURN_IF_ERROR(WriteKv(w, stream));
     KVCACHE_RETURN_IF_ERROR(PagedAttention(a, stream));
-    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, L.wo.as<uint16_t>(), d, nh * hd, att16_.as<uint16_t>(), t, x, d, 1.0f));
+    KVCACHE_RETURN_IF_ERROR(
+        GemmF16(blas, L.wo.as<uint16_t>(), d, nh * hd, att16_.as<uint16_t>(), t, x, d, 1.0f));
     KVCACHE_RETURN_IF_ERROR(RmsNormToF16(x, nullptr, L.ffn_norm.as<float>(), t, d, eps, xn16, stream));
     KVCACHE_RETURN_IF_ERROR(
         GemmF16(blas, L.w_gate_up.as<uint16_t>(), 2 * ff, d, xn16, t, gate_up_.as<float>(), 2 * ff, 0.0f));
     KVCACHE_RETURN_IF_ERROR(SwiGluToF16(gate_up_.as<float>(), t, ff, h16_.as<uint16_t>(), stream));
-    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, L.w_down.as<uint16_t>(), d, ff, h16_.as<uint16_t>(), t, x, d, 1.0f));
+    KVCACHE_RETURN_IF_ERROR(
+        GemmF16(blas, L.w_down.as<uint16_t>(), d, ff, h16_.as<uint16_t>(), t, x, d, 1.0f));
   }
   if (n_want > 0) {
     KVCACHE_RETURN_IF_ERROR(
         RmsNormToF16(x, meta + off_rows_, output_norm_.as<float>(), n_want, d, eps, xn16, stream));
     const uint16_t* out_w = output_.get() != nullptr ? output_.as<uint16_t>() : embd_.as<uint16_t>();
-    KVCACHE_RETURN_IF_ERROR(GemmF16(blas, out_w, vocab, d, xn16, n_want, logits_dev_.as<float>(), vocab, 0.0f));
-    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_.get(), logits_dev_.get(), int64_t{n_want} * vocab * 4,
-                                                 cudaMemcpyDeviceToHost, stream),
+    KVCACHE_RETURN_IF_ERROR(
+        GemmF16(blas, out_w, vocab, d, xn16, n_want, logits_dev_.as<float>(), vocab, 0.0f));
+    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_.get(), logits_dev_.get(),
+                                                 int64_t{n_want} * vocab * 4, cudaMemcpyDeviceToHost, stream),
                                  "copy logits to the host");
   }
   KVCACHE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "wait for the step");
@@ -324,17 +336,17 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
 
 }  // namespace
 
-absl::StatusOr<model::ModelRunnerPtr> CreateCudaLlamaRunner(const model::LlamaModel& model, CudaTierStorage& tier0,
-                                                            const kv::KvShape& shape,
+absl::StatusOr<model::ModelRunnerPtr> CreateCudaLlamaRunner(const model::LlamaModel& model,
+                                                            CudaTierStorage& tier0, const kv::KvShape& shape,
                                                             const backend::CudaRunnerOptions& options) {
   const gguf::LlamaHparams& hp = model.hparams();
   if (options.max_batch_tokens < 1 || options.max_batch_tokens > 65535) {
     return absl::InvalidArgumentError("max_batch_tokens must be in [1, 65535]");
   }
   if (shape.layers != hp.n_layer || shape.kv_heads != hp.n_head_kv || shape.head_dim != hp.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("KV shape ", shape.layers, "x", shape.kv_heads, "x", shape.head_dim,
-                                                   " does not match the model (", hp.n_layer, " layers, ",
-                                                   hp.n_head_kv, " kv heads, head_dim ", hp.head_dim, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV shape ", shape.layers, "x", shape.kv_heads, "x", shape.head_dim, " does not match the model (",
+        hp.n_layer, " layers, ", hp.n_head_kv, " kv heads, head_dim ", hp.head_dim, ")"));
   }
   if (tier0.memory() != TierMemory::kDevice || tier0.page_bytes() != shape.page_bytes()) {
     return absl::FailedPreconditionError("CUDA runner needs tier 0 as a device slab of the shape's pages");

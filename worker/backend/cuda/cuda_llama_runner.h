@@ -34,8 +34,8 @@ namespace kvcache::cuda {
 // with shape.page_bytes() pages; shape matches the model.
 // INVALID_ARGUMENT / FAILED_PRECONDITION / UNIMPLEMENTED for mismatches or shapes
 // the kernels do not handle; RESOURCE_EXHAUSTED when weights do not fit.
-absl::StatusOr<model::ModelRunnerPtr> CreateCudaLlamaRunner(const model::LlamaModel& model, CudaTierStorage& tier0,
-                                                            const kv::KvShape& shape,
+absl::StatusOr<model::ModelRunnerPtr> CreateCudaLlamaRunner(const model::LlamaModel& model,
+                                                            CudaTierStorage& tier0, const kv::KvShape& shape,
                                                             const backend::CudaRunnerOptions& options);
 
 }  // namespace kvcache::cuda

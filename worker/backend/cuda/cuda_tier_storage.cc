@@ -29,8 +29,13 @@ class CudaTierStorageImpl final : public CudaTierStorage {
   CudaTierStorageImpl(std::shared_ptr<const DeviceContext> ctx, TierMemory memory, int64_t n_pages,
                       int64_t page_bytes, DeviceBuffer device, PinnedBuffer pinned, void* pinned_device,
                       int copy_blocks)
-      : ctx_(std::move(ctx)), memory_(memory), n_pages_(n_pages), page_bytes_(page_bytes),
-        device_(std::move(device)), pinned_(std::move(pinned)), pinned_device_(pinned_device),
+      : ctx_(std::move(ctx)),
+        memory_(memory),
+        n_pages_(n_pages),
+        page_bytes_(page_bytes),
+        device_(std::move(device)),
+        pinned_(std::move(pinned)),
+        pinned_device_(pinned_device),
         copy_blocks_(copy_blocks) {}
 
   int64_t num_pages() const override { return n_pages_; }
@@ -64,7 +69,8 @@ class CudaTierStorageImpl final : public CudaTierStorage {
       return absl::UnimplementedError("CopyPages between two CUDA devices");
     }
     if (!src_device && src.PageData(src_ids[0]) == nullptr) {
-      return absl::UnimplementedError("CopyPages: source tier is neither host-addressable nor on this device");
+      return absl::UnimplementedError(
+          "CopyPages: source tier is neither host-addressable nor on this device");
     }
     const bool dst_device = memory_ == TierMemory::kDevice;
     {
@@ -83,15 +89,17 @@ class CudaTierStorageImpl final : public CudaTierStorage {
     const auto* cuda_src_impl = static_cast<const CudaTierStorageImpl*>(cuda_src);
     const CopyPath path = copy_path_.load();
     // The kernel reads and writes both sides through device-visible addresses.
-    const bool kernel_ok = cuda_src_impl != nullptr && cuda_src_impl->device_visible() != nullptr &&
-                           device_visible() != nullptr &&
-                           PageCopyKernelSupports(page_bytes_, cuda_src_impl->device_visible(), device_visible());
+    const bool kernel_ok =
+        cuda_src_impl != nullptr && cuda_src_impl->device_visible() != nullptr &&
+        device_visible() != nullptr &&
+        PageCopyKernelSupports(page_bytes_, cuda_src_impl->device_visible(), device_visible());
     if ((path == CopyPath::kAuto || path == CopyPath::kKernel) && kernel_ok) {
       KVCACHE_RETURN_IF_ERROR(KernelCopy(*cuda_src_impl, src_ids, dst_ids));
     } else {
       // Runs where both sides are consecutive: one copy each.
-      const cudaMemcpyKind kind = src_device ? (dst_device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
-                                             : cudaMemcpyHostToDevice;
+      const cudaMemcpyKind kind = src_device
+                                      ? (dst_device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
+                                      : cudaMemcpyHostToDevice;
       std::vector<const void*> froms;
       std::vector<void*> tos;
       std::vector<size_t> sizes;
@@ -112,8 +120,8 @@ class CudaTierStorageImpl final : public CudaTierStorage {
         cudaMemcpyAttributes attr{};
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
         size_t attr_idx = 0;
-        KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyBatchAsync(tos.data(), froms.data(), sizes.data(), tos.size(), &attr,
-                                                          &attr_idx, 1, ctx_->copy_stream()),
+        KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyBatchAsync(tos.data(), froms.data(), sizes.data(), tos.size(),
+                                                          &attr, &attr_idx, 1, ctx_->copy_stream()),
                                      "CopyPages: cudaMemcpyBatchAsync");
       } else {
         for (size_t r = 0; r < tos.size(); ++r) {
@@ -139,8 +147,8 @@ class CudaTierStorageImpl final : public CudaTierStorage {
     }
     KVCACHE_RETURN_IF_ERROR(ctx_->Activate());
     KVCACHE_RETURN_IF_ERROR(ctx_->CopyAfterCompute());
-    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data(), PagePtr(id) + offset, dst.size(), cudaMemcpyDeviceToHost,
-                                                 ctx_->copy_stream()),
+    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data(), PagePtr(id) + offset, dst.size(),
+                                                 cudaMemcpyDeviceToHost, ctx_->copy_stream()),
                                  "ReadPage: cudaMemcpyAsync");
     return ctx_->SyncCopy("ReadPage: wait for the copy stream");
   }
@@ -157,8 +165,8 @@ class CudaTierStorageImpl final : public CudaTierStorage {
     }
     KVCACHE_RETURN_IF_ERROR(ctx_->Activate());
     KVCACHE_RETURN_IF_ERROR(ctx_->CopyAfterCompute());
-    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(PagePtr(id) + offset, src.data(), src.size(), cudaMemcpyHostToDevice,
-                                                 ctx_->copy_stream()),
+    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(PagePtr(id) + offset, src.data(), src.size(),
+                                                 cudaMemcpyHostToDevice, ctx_->copy_stream()),
                                  "WritePage: cudaMemcpyAsync");
     return ctx_->SyncCopy("WritePage: wait for the copy stream");
   }
@@ -179,9 +187,10 @@ class CudaTierStorageImpl final : public CudaTierStorage {
     }
     KVCACHE_RETURN_IF_ERROR(ctx_->Activate());
     KVCACHE_RETURN_IF_ERROR(ctx_->CopyAfterCompute());
-    KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging_.get(), PagePtr(id), static_cast<size_t>(page_bytes_),
-                                                 cudaMemcpyDeviceToHost, ctx_->copy_stream()),
-                                 "Checksum: cudaMemcpyAsync");
+    KVCACHE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(staging_.get(), PagePtr(id), static_cast<size_t>(page_bytes_), cudaMemcpyDeviceToHost,
+                        ctx_->copy_stream()),
+        "Checksum: cudaMemcpyAsync");
     KVCACHE_RETURN_IF_ERROR(ctx_->SyncCopy("Checksum: wait for the copy stream"));
     return XXH3_64bits_dispatch(staging_.get(), static_cast<size_t>(page_bytes_));
   }
@@ -253,10 +262,9 @@ class CudaTierStorageImpl final : public CudaTierStorage {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaTierStorage>> CudaTierStorage::Create(std::shared_ptr<const DeviceContext> ctx,
-                                                                          TierMemory memory, int64_t n_pages,
-                                                                          int64_t page_bytes,
-                                                                          absl::string_view budget_flag) {
+absl::StatusOr<std::unique_ptr<CudaTierStorage>> CudaTierStorage::Create(
+    std::shared_ptr<const DeviceContext> ctx, TierMemory memory, int64_t n_pages, int64_t page_bytes,
+    absl::string_view budget_flag) {
   if (ctx == nullptr || n_pages < 0 || page_bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("CudaTierStorage: bad size ", n_pages, " x ", page_bytes));
   }
@@ -264,9 +272,9 @@ absl::StatusOr<std::unique_ptr<CudaTierStorage>> CudaTierStorage::Create(std::sh
   const int64_t bytes = n_pages * page_bytes;
   DeviceBuffer device;
   PinnedBuffer pinned;
-  const std::string what = absl::StrFormat("%s tier (%d pages of %d bytes)",
-                                           memory == TierMemory::kDevice ? "device" : "pinned host", n_pages,
-                                           page_bytes);
+  const std::string what =
+      absl::StrFormat("%s tier (%d pages of %d bytes)",
+                      memory == TierMemory::kDevice ? "device" : "pinned host", n_pages, page_bytes);
   absl::Status alloc;
   if (memory == TierMemory::kDevice) {
     absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(bytes, what);

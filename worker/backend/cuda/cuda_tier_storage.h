@@ -54,7 +54,8 @@ class CudaTierStorage : public kv::TierStorage {
   // (e.g. "--tier0_bytes") when the device or pinned memory is too small.
   static absl::StatusOr<std::unique_ptr<CudaTierStorage>> Create(std::shared_ptr<const DeviceContext> ctx,
                                                                  TierMemory memory, int64_t n_pages,
-                                                                 int64_t page_bytes, absl::string_view budget_flag);
+                                                                 int64_t page_bytes,
+                                                                 absl::string_view budget_flag);
 
   // Device copies have microseconds of set-up each: move sessions in large batches.
   int64_t copy_batch_bytes() const override { return int64_t{64} << 20; }

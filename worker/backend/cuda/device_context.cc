@@ -32,7 +32,8 @@ absl::StatusOr<std::shared_ptr<DeviceContext>> DeviceContext::Create(int device)
   ctx->total_bytes_ = static_cast<int64_t>(prop.totalGlobalMem);
   KVCACHE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx->compute_, cudaStreamNonBlocking),
                                "create compute stream");
-  KVCACHE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx->copy_, cudaStreamNonBlocking), "create copy stream");
+  KVCACHE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx->copy_, cudaStreamNonBlocking),
+                               "create copy stream");
   KVCACHE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ctx->compute_mark_, cudaEventDisableTiming),
                                "create event");
   KVCACHE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&ctx->cublas_), "cublasCreate");
@@ -87,8 +88,8 @@ absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(int64_t bytes, absl::string_
     cudaGetLastError();
     size_t free_bytes = 0, total = 0;
     cudaMemGetInfo(&free_bytes, &total);
-    return CudaStatus(err, absl::StrFormat("cudaMalloc of %d bytes for %s (device has %d of %d bytes free)", bytes,
-                                           what, free_bytes, total));
+    return CudaStatus(err, absl::StrFormat("cudaMalloc of %d bytes for %s (device has %d of %d bytes free)",
+                                           bytes, what, free_bytes, total));
   }
   b.bytes_ = bytes;
   return b;
@@ -134,11 +135,12 @@ absl::Status GemmF16(cublasHandle_t handle, const uint16_t* w, int64_t rows, int
                      int n_tokens, float* y, int64_t ldy, float beta) {
   if (n_tokens <= 0) return absl::OkStatus();
   const float alpha = 1.0f;
-  // Column-major view: y (rows x T, ld ldy) = w^T (rows x cols; w is cols x rows, ld cols) * x (cols x T, ld cols).
+  // Column-major view: y (rows x T, ld ldy) = w^T (rows x cols; w is cols x rows, ld cols) * x (cols x T, ld
+  // cols).
   return CublasStatus(
-      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), n_tokens, static_cast<int>(cols), &alpha,
-                   w, CUDA_R_16F, static_cast<int>(cols), x, CUDA_R_16F, static_cast<int>(cols), &beta, y, CUDA_R_32F,
-                   static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), n_tokens, static_cast<int>(cols),
+                   &alpha, w, CUDA_R_16F, static_cast<int>(cols), x, CUDA_R_16F, static_cast<int>(cols),
+                   &beta, y, CUDA_R_32F, static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       absl::StrCat("cublasGemmEx ", rows, "x", cols, " x ", n_tokens, " tokens"));
 }
 

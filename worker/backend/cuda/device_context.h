@@ -82,7 +82,9 @@ class DeviceBuffer {
   void Reset();
   void* get() const { return ptr_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   int64_t bytes() const { return bytes_; }
 
  private:
@@ -104,7 +106,9 @@ class PinnedBuffer {
   void Reset();
   void* get() const { return ptr_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   int64_t bytes() const { return bytes_; }
 
  private:

@@ -1,16 +1,16 @@
 // Embedding lookup kernel (see embedding.h).
-#include "worker/backend/cuda/embedding.h"
-
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "worker/backend/cuda/cuda_check.h"
+#include "worker/backend/cuda/embedding.h"
 
 namespace kvcache::cuda {
 namespace {
 
 // grid (ceil(n_embd / 256), n_tokens).
-static __global__ void EmbeddingKernel(const uint16_t* table, const int32_t* ids, int64_t n_embd, float* out) {
+static __global__ void EmbeddingKernel(const uint16_t* table, const int32_t* ids, int64_t n_embd,
+                                       float* out) {
   const int t = blockIdx.y;
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= n_embd) return;
@@ -19,8 +19,8 @@ static __global__ void EmbeddingKernel(const uint16_t* table, const int32_t* ids
 
 }  // namespace
 
-absl::Status EmbeddingLookup(const uint16_t* table, const int32_t* ids, int n_tokens, int64_t n_embd, float* out,
-                             cudaStream_t stream) {
+absl::Status EmbeddingLookup(const uint16_t* table, const int32_t* ids, int n_tokens, int64_t n_embd,
+                             float* out, cudaStream_t stream) {
   if (n_tokens <= 0) return absl::OkStatus();
   if (n_tokens > 65535) return absl::InvalidArgumentError("EmbeddingLookup: more than 65535 tokens");
   const dim3 grid(static_cast<unsigned>((n_embd + 255) / 256), n_tokens);

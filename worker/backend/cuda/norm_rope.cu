@@ -1,6 +1,4 @@
 // RMSNorm and RoPE kernels (see norm_rope.h).
-#include "worker/backend/cuda/norm_rope.h"
-
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -8,6 +6,7 @@
 
 #include "worker/backend/cuda/cuda_check.h"
 #include "worker/backend/cuda/kernel_math.h"
+#include "worker/backend/cuda/norm_rope.h"
 
 namespace kvcache::cuda {
 namespace {
@@ -15,8 +14,8 @@ namespace {
 constexpr int kNormThreads = 256;
 
 // One block per output row.
-static __global__ void RmsNormKernel(const float* x, const int32_t* rows, const float* w, int64_t n, float eps,
-                                     uint16_t* y) {
+static __global__ void RmsNormKernel(const float* x, const int32_t* rows, const float* w, int64_t n,
+                                     float eps, uint16_t* y) {
   const int64_t src = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
   const float* xr = x + src * n;
   float ss = 0.0f;
@@ -36,8 +35,8 @@ static __global__ void RmsNormKernel(const float* x, const int32_t* rows, const 
 }
 
 // grid (ceil(n_heads * head_dim / 2 / 256), n_tokens): one thread per pair.
-static __global__ void RopeKernel(float* x, int64_t row_stride, int n_heads, int head_dim, const float2* cos_sin,
-                                  const int32_t* positions) {
+static __global__ void RopeKernel(float* x, int64_t row_stride, int n_heads, int head_dim,
+                                  const float2* cos_sin, const int32_t* positions) {
   const int t = blockIdx.y;
   const int half = head_dim / 2;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -63,8 +62,8 @@ absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int h
   if (n_tokens > 65535) return absl::InvalidArgumentError("Rope: more than 65535 tokens");
   const int pairs = n_heads * head_dim / 2;
   const dim3 grid((pairs + 255) / 256, n_tokens);
-  RopeKernel<<<grid, 256, 0, stream>>>(x, row_stride, n_heads, head_dim, reinterpret_cast<const float2*>(cos_sin),
-                                       positions);
+  RopeKernel<<<grid, 256, 0, stream>>>(x, row_stride, n_heads, head_dim,
+                                       reinterpret_cast<const float2*>(cos_sin), positions);
   return LastLaunchStatus("RopeKernel");
 }
 

@@ -23,8 +23,8 @@ absl::Status RmsNormToF16(const float* x, const int32_t* rows, const float* weig
 //   x: row t at x + t * row_stride, [n_heads][head_dim] f32
 //   cos_sin: device [max_positions][head_dim / 2] float2 (cos, sin), see RopeCosSinTable
 //   positions: device [n_tokens]
-absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim,
-                  const float* cos_sin, const int32_t* positions, cudaStream_t stream);
+absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim, const float* cos_sin,
+                  const int32_t* positions, cudaStream_t stream);
 
 // Host table for Rope: [max_positions][head_dim / 2] (cos, sin) pairs, computed in
 // double (RopeTheta, kernel_math.h) then rounded to f32, as the CPU backend does.

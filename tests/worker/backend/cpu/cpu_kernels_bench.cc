@@ -10,7 +10,6 @@
 //               divided by this machine's read bandwidth measured in the same run.
 #include <cblas.h>
 #include <immintrin.h>
-
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -28,11 +27,11 @@
 #include "common/bench_json.h"
 #include "common/gguf/fp16.h"
 #include "common/gguf/ggml_types.h"
+#include "tests/bench/mem_bandwidth.h"
 #include "worker/backend/cpu/attention.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cpu/omp_env.h"
-#include "tests/bench/mem_bandwidth.h"
 
 ABSL_FLAG(std::string, sections, "bw,matvec,decode,prefill,attention",
           "comma-separated parts to run (bw is always measured)");
@@ -146,10 +145,11 @@ int main(int argc, char** argv) {
   // ---- every linear layer of a SmolLM2-135M decode step (30 layers + tied Q8_0 output).
   std::vector<Linear> model;
   for (int l = 0; l < 30 && want("decode"); ++l) {
-    const int64_t shapes_l[7][2] = {{576, 576}, {192, 576}, {192, 576}, {576, 576},
+    const int64_t shapes_l[7][2] = {{576, 576},  {192, 576},  {192, 576}, {576, 576},
                                     {1536, 576}, {1536, 576}, {576, 1536}};
     for (const auto& rc : shapes_l) {
-      model.push_back({GgmlType::kQ4_1, rc[0], rc[1], RandomWeights(GgmlType::kQ4_1, rc[0], rc[1], l * 7 + rc[0])});
+      model.push_back(
+          {GgmlType::kQ4_1, rc[0], rc[1], RandomWeights(GgmlType::kQ4_1, rc[0], rc[1], l * 7 + rc[0])});
     }
   }
   model.push_back({GgmlType::kQ8_0, 49152, 576, RandomWeights(GgmlType::kQ8_0, 49152, 576, 999)});
@@ -159,9 +159,11 @@ int main(int argc, char** argv) {
   double step_b1 = 0;
   for (int batch : {1, 16}) {
     if (!want("decode")) break;
-    const double t = TimeIt([&] {
-      for (const Linear& lin : model) (void)MatMul(lin.view(), x.data(), batch, y.data());
-    }, 0.3, 5);
+    const double t = TimeIt(
+        [&] {
+          for (const Linear& lin : model) (void)MatMul(lin.view(), x.data(), batch, y.data());
+        },
+        0.3, 5);
     if (batch == 1) step_b1 = t;
     report.metrics[absl::StrCat("decode_matmuls_b", batch, "_ms")] = t * 1e3;
     report.metrics[absl::StrCat("decode_matmuls_b", batch, "_tokens_per_s")] = batch / t;
@@ -181,8 +183,10 @@ int main(int argc, char** argv) {
     }
     const int n = 256;
     const double flops = 2.0 * n * s.rows * s.cols;
-    const double t_dot = TimeIt([&] { (void)MatMul(lin.view(), x.data(), s.cols, n, y.data(), s.rows, MatMulPath::kDot); });
-    const double t_sg = TimeIt([&] { (void)MatMul(lin.view(), x.data(), s.cols, n, y.data(), s.rows, MatMulPath::kSgemm); });
+    const double t_dot =
+        TimeIt([&] { (void)MatMul(lin.view(), x.data(), s.cols, n, y.data(), s.rows, MatMulPath::kDot); });
+    const double t_sg =
+        TimeIt([&] { (void)MatMul(lin.view(), x.data(), s.cols, n, y.data(), s.rows, MatMulPath::kSgemm); });
     openblas_set_num_threads(threads);
     const double t_base = TimeIt([&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, static_cast<int>(s.rows),
@@ -199,8 +203,12 @@ int main(int argc, char** argv) {
     // Crossover between the integer kernel and dequant+sgemm.
     if (s.rows == 1536) {
       for (int nt : {8, 16, 32, 64, 128}) {
-        const double a = TimeIt([&] { (void)MatMul(lin.view(), x.data(), s.cols, nt, y.data(), s.rows, MatMulPath::kDot); }, 0.02, 3);
-        const double b = TimeIt([&] { (void)MatMul(lin.view(), x.data(), s.cols, nt, y.data(), s.rows, MatMulPath::kSgemm); }, 0.02, 3);
+        const double a = TimeIt(
+            [&] { (void)MatMul(lin.view(), x.data(), s.cols, nt, y.data(), s.rows, MatMulPath::kDot); }, 0.02,
+            3);
+        const double b = TimeIt(
+            [&] { (void)MatMul(lin.view(), x.data(), s.cols, nt, y.data(), s.rows, MatMulPath::kSgemm); },
+            0.02, 3);
         report.metrics[absl::StrCat("crossover_", s.name, "_n", nt, "_sgemm_over_dot_time")] = b / a;
       }
     }
@@ -216,7 +224,8 @@ int main(int argc, char** argv) {
     const int64_t n_pages = int64_t{sessions} * pages_per_seq;
     // 2 MiB-aligned and THP-advised, as a tier-0 slab should be: pages of a session are
     // scattered, and with 4 KiB pages every 4 KiB of K/V would cost a TLB miss.
-    const size_t slab_bytes = (n_pages * L.page_bytes() + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+    const size_t slab_bytes =
+        (n_pages * L.page_bytes() + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
     uint8_t* slab = static_cast<uint8_t*>(std::aligned_alloc(size_t{2} << 20, slab_bytes));
     if (std::getenv("KV_NO_THP") == nullptr) madvise(slab, slab_bytes, MADV_HUGEPAGE);
     std::vector<std::vector<int32_t>> tables(sessions);

@@ -45,7 +45,8 @@ TestWeights MakeWeights(std::mt19937& rng, GgmlType type, int64_t rows, int64_t 
     // Rows of different magnitude and a positive offset so Q4_1's m term matters.
     std::vector<float> src = RandomVec(rng, cols, -0.5f, 1.0f + static_cast<float>(r % 5));
     EXPECT_TRUE(gguf::QuantizeRow(type, src.data(), w.bytes.data() + r * row_bytes, cols).ok());
-    EXPECT_TRUE(gguf::DequantizeRow(type, w.bytes.data() + r * row_bytes, w.deq.data() + r * cols, cols).ok());
+    EXPECT_TRUE(
+        gguf::DequantizeRow(type, w.bytes.data() + r * row_bytes, w.deq.data() + r * cols, cols).ok());
   }
   w.view = {type, w.bytes.data(), rows, cols};
   return w;
@@ -69,8 +70,8 @@ struct MatMulCase {
 
 // Checks y against (a) the exact product of the decoded weights with x and, for
 // the Q8 integer path, (b) the product with the quantised activations it used.
-void CheckMatMul(const TestWeights& w, const std::vector<float>& x, int n_tokens,
-                 const std::vector<float>& y, int64_t y_stride, bool q8_path) {
+void CheckMatMul(const TestWeights& w, const std::vector<float>& x, int n_tokens, const std::vector<float>& y,
+                 int64_t y_stride, bool q8_path) {
   const int64_t rows = w.view.rows, cols = w.view.cols;
   std::vector<int8_t> aq;
   std::vector<float> ad, as;
@@ -121,10 +122,10 @@ void CheckMatMul(const TestWeights& w, const std::vector<float>& x, int n_tokens
 TEST_P(CpuKernelsTest, MatMulMatchesReference) {
   std::mt19937 rng(42);
   const MatMulCase cases[] = {
-      {GgmlType::kQ4_1, 7, 32},    {GgmlType::kQ4_1, 33, 96},   {GgmlType::kQ4_1, 64, 288},
-      {GgmlType::kQ4_1, 130, 576}, {GgmlType::kQ8_0, 9, 64},    {GgmlType::kQ8_0, 67, 608},
-      {GgmlType::kF32, 13, 37},    {GgmlType::kF32, 40, 264},   {GgmlType::kF16, 21, 100},
-      {GgmlType::kBF16, 5, 72},    {GgmlType::kQ4_0, 18, 160},  {GgmlType::kQ4_K, 11, 512},
+      {GgmlType::kQ4_1, 7, 32},    {GgmlType::kQ4_1, 33, 96},  {GgmlType::kQ4_1, 64, 288},
+      {GgmlType::kQ4_1, 130, 576}, {GgmlType::kQ8_0, 9, 64},   {GgmlType::kQ8_0, 67, 608},
+      {GgmlType::kF32, 13, 37},    {GgmlType::kF32, 40, 264},  {GgmlType::kF16, 21, 100},
+      {GgmlType::kBF16, 5, 72},    {GgmlType::kQ4_0, 18, 160}, {GgmlType::kQ4_K, 11, 512},
       {GgmlType::kQ6_K, 6, 256},
   };
   for (const MatMulCase& mc : cases) {
@@ -132,16 +133,15 @@ TEST_P(CpuKernelsTest, MatMulMatchesReference) {
     for (int n_tokens : {1, 3, 17, 64}) {
       const std::vector<float> x = RandomVec(rng, n_tokens * mc.cols, -2.0f, 2.0f);
       for (MatMulPath path : {MatMulPath::kDot, MatMulPath::kSgemm, MatMulPath::kAuto}) {
-        SCOPED_TRACE(::testing::Message() << gguf::TypeName(mc.type) << " " << mc.rows << "x"
-                                          << mc.cols << " n_tokens=" << n_tokens
-                                          << " path=" << static_cast<int>(path));
+        SCOPED_TRACE(::testing::Message() << gguf::TypeName(mc.type) << " " << mc.rows << "x" << mc.cols
+                                          << " n_tokens=" << n_tokens << " path=" << static_cast<int>(path));
         // A padded output stride checks that y_stride is honoured and the pad untouched.
         const int64_t y_stride = mc.rows + 3;
         std::vector<float> y(static_cast<size_t>(n_tokens * y_stride), 1234.5f);
         ASSERT_TRUE(MatMul(w.view, x.data(), mc.cols, n_tokens, y.data(), y_stride, path).ok());
-        const bool q8 = (mc.type == GgmlType::kQ4_1 || mc.type == GgmlType::kQ8_0) &&
-                        (path == MatMulPath::kDot ||
-                         (path == MatMulPath::kAuto && n_tokens < SgemmMinTokens()));
+        const bool q8 =
+            (mc.type == GgmlType::kQ4_1 || mc.type == GgmlType::kQ8_0) &&
+            (path == MatMulPath::kDot || (path == MatMulPath::kAuto && n_tokens < SgemmMinTokens()));
         CheckMatMul(w, x, n_tokens, y, y_stride, q8);
         for (int t = 0; t < n_tokens; ++t) {
           for (int64_t r = mc.rows; r < y_stride; ++r) ASSERT_EQ(y[t * y_stride + r], 1234.5f);
@@ -328,9 +328,12 @@ TEST_P(CpuKernelsTest, RopeMatchesReference) {
 
 float RoundTo(KvDtype dtype, float v) {
   switch (dtype) {
-    case KvDtype::kF16: return gguf::Fp16ToFp32(gguf::Fp32ToFp16(v));
-    case KvDtype::kBF16: return gguf::Bf16ToFp32(gguf::Fp32ToBf16(v));
-    case KvDtype::kF32: return v;
+    case KvDtype::kF16:
+      return gguf::Fp16ToFp32(gguf::Fp32ToFp16(v));
+    case KvDtype::kBF16:
+      return gguf::Bf16ToFp32(gguf::Fp32ToBf16(v));
+    case KvDtype::kF32:
+      return v;
   }
   return v;
 }
@@ -407,11 +410,11 @@ void RunAttentionCase(const AttnCase& ac, std::mt19937& rng) {
     vs.push_back(RandomVec(rng, n_cached * L.row_elems()));
     // Written in two calls, as a prefix then a step would.
     const int split = n_cached / 3;
-    ASSERT_TRUE(WriteKv(L, slab.data(), tables.back(), layer, 0, split, ks.back().data(),
-                        vs.back().data()).ok());
+    ASSERT_TRUE(
+        WriteKv(L, slab.data(), tables.back(), layer, 0, split, ks.back().data(), vs.back().data()).ok());
     ASSERT_TRUE(WriteKv(L, slab.data(), tables.back(), layer, split, n_cached - split,
-                        ks.back().data() + split * L.row_elems(),
-                        vs.back().data() + split * L.row_elems()).ok());
+                        ks.back().data() + split * L.row_elems(), vs.back().data() + split * L.row_elems())
+                    .ok());
     total_q += n_query;
   }
   for (size_t s = 0; s < ac.seqs.size(); ++s) {
@@ -443,7 +446,8 @@ void RunAttentionCase(const AttnCase& ac, std::mt19937& rng) {
         for (int j = lo; j <= pos; ++j) {
           double d = 0;
           for (int e = 0; e < hd; ++e) {
-            d += qh[e] * static_cast<double>(RoundTo(ac.dtype, ks[s][(static_cast<size_t>(j) * ac.kv_heads + kvh) * hd + e]));
+            d += qh[e] * static_cast<double>(
+                             RoundTo(ac.dtype, ks[s][(static_cast<size_t>(j) * ac.kv_heads + kvh) * hd + e]));
           }
           sc[j] = d * scale;
           m = std::max(m, sc[j]);
@@ -503,8 +507,7 @@ TEST_P(CpuKernelsTest, PagedAttentionRejectsBadShapes) {
   p.kv_base = slab.data();
   p.n_heads = 8;  // not a multiple of kv_heads
   const AttentionSeq seq{pages, 5, 1};
-  EXPECT_EQ(PagedAttention(p, {&seq, 1}, q.data(), out.data()).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PagedAttention(p, {&seq, 1}, q.data(), out.data()).code(), absl::StatusCode::kInvalidArgument);
   p.n_heads = 9;
   const AttentionSeq long_seq{pages, 17, 1};  // 17 tokens need 2 pages
   EXPECT_EQ(PagedAttention(p, {&long_seq, 1}, q.data(), out.data()).code(),
@@ -516,8 +519,7 @@ std::string LevelName(const ::testing::TestParamInfo<CpuKernelLevel>& info) {
   return CpuKernelLevelName(info.param);
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, CpuKernelsTest,
-                         ::testing::ValuesIn(SupportedCpuKernelLevels()), LevelName);
+INSTANTIATE_TEST_SUITE_P(Levels, CpuKernelsTest, ::testing::ValuesIn(SupportedCpuKernelLevels()), LevelName);
 
 TEST(CpuFeaturesTest, LevelsAndThreads) {
   EXPECT_EQ(SupportedCpuKernelLevels().front(), CpuKernelLevel::kScalar);

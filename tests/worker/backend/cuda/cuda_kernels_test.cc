@@ -33,7 +33,8 @@ std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
 
 template <typename T>
 DeviceBuffer Upload(const std::vector<T>& v) {
-  DeviceBuffer b = std::move(DeviceBuffer::Allocate(static_cast<int64_t>(v.size() * sizeof(T)) + 16, "test")).value();
+  DeviceBuffer b =
+      std::move(DeviceBuffer::Allocate(static_cast<int64_t>(v.size() * sizeof(T)) + 16, "test")).value();
   EXPECT_EQ(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
   return b;
 }
@@ -74,7 +75,8 @@ void CheckAttention(int head_dim, int kv_heads, int n_heads, cpu::KvDtype dtype,
     const SeqSpec& s = specs[si];
     std::vector<int32_t> t(perm.begin() + next, perm.begin() + next + (s.n_cached + 15) / 16);
     next += static_cast<int>(t.size());
-    const std::vector<float> k = Random(s.n_cached * L.row_elems(), 100 + si), v = Random(s.n_cached * L.row_elems(), 200 + si);
+    const std::vector<float> k = Random(s.n_cached * L.row_elems(), 100 + si),
+                             v = Random(s.n_cached * L.row_elems(), 200 + si);
     ASSERT_TRUE(cpu::WriteKv(L, slab.data(), t, layer, 0, s.n_cached, k.data(), v.data()).ok());
     offsets.push_back(static_cast<int32_t>(concat.size()));
     concat.insert(concat.end(), t.begin(), t.end());
@@ -86,7 +88,8 @@ void CheckAttention(int head_dim, int kv_heads, int n_heads, cpu::KvDtype dtype,
     }
     n_items += s.n_query;
   }
-  for (size_t si = 0; si < specs.size(); ++si) seqs.push_back({tables[si], specs[si].n_cached, specs[si].n_query});
+  for (size_t si = 0; si < specs.size(); ++si)
+    seqs.push_back({tables[si], specs[si].n_cached, specs[si].n_query});
   const std::vector<float> q = Random(static_cast<size_t>(n_items) * n_heads * head_dim, 300);
   std::vector<float> ref(q.size());
   cpu::AttentionParams ap;
@@ -97,10 +100,12 @@ void CheckAttention(int head_dim, int kv_heads, int n_heads, cpu::KvDtype dtype,
   ap.sliding_window = window;
   ASSERT_TRUE(cpu::PagedAttention(ap, seqs, q.data(), ref.data()).ok());
 
-  DeviceBuffer d_slab = Upload(slab), d_tables = Upload(concat), d_off = Upload(offsets), d_items = Upload(items),
-               d_q = Upload(q);
+  DeviceBuffer d_slab = Upload(slab), d_tables = Upload(concat), d_off = Upload(offsets),
+               d_items = Upload(items), d_q = Upload(q);
   DeviceBuffer scratch =
-      std::move(DeviceBuffer::Allocate(AttentionScratchFloats(n_items, n_heads, head_dim, max_splits) * 4, "t")).value();
+      std::move(
+          DeviceBuffer::Allocate(AttentionScratchFloats(n_items, n_heads, head_dim, max_splits) * 4, "t"))
+          .value();
   DeviceBuffer out = std::move(DeviceBuffer::Allocate(q.size() * 4, "t")).value();
   AttentionArgs a;
   a.layout = L;
@@ -123,13 +128,14 @@ void CheckAttention(int head_dim, int kv_heads, int n_heads, cpu::KvDtype dtype,
   float worst = 0;
   for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - ref[i]));
   EXPECT_LE(worst, 5e-4f);
-  std::printf("attention hd=%d group=%d window=%d items=%d: max |gpu - cpu| = %.2e\n", head_dim, n_heads / kv_heads,
-              window, n_items, worst);
+  std::printf("attention hd=%d group=%d window=%d items=%d: max |gpu - cpu| = %.2e\n", head_dim,
+              n_heads / kv_heads, window, n_items, worst);
 }
 
 TEST(CudaKernelsTest, DecodeAttentionManySessionsOfDifferentLengths) {
   KVCACHE_REQUIRE_GPU();
-  CheckAttention(64, 3, 9, cpu::KvDtype::kF16, 0, {{1, 1}, {17, 1}, {256, 1}, {257, 1}, {1100, 1}, {4000, 1}});
+  CheckAttention(64, 3, 9, cpu::KvDtype::kF16, 0,
+                 {{1, 1}, {17, 1}, {256, 1}, {257, 1}, {1100, 1}, {4000, 1}});
   CheckAttention(128, 2, 16, cpu::KvDtype::kBF16, 0, {{5, 1}, {700, 1}});
   CheckAttention(32, 4, 4, cpu::KvDtype::kF16, 0, {{33, 1}, {513, 1}});
 }
@@ -177,8 +183,8 @@ TEST(CudaKernelsTest, WriteKvBitExactWithCpu) {
       page[t] = table[(first + t) / 16];
       slot[t] = (first + t) % 16;
     }
-    DeviceBuffer d_slab = Upload(std::vector<uint8_t>(slab.size(), 0)), d_rows = Upload(rows), d_page = Upload(page),
-                 d_slot = Upload(slot);
+    DeviceBuffer d_slab = Upload(std::vector<uint8_t>(slab.size(), 0)), d_rows = Upload(rows),
+                 d_page = Upload(page), d_slot = Upload(slot);
     WriteKvArgs w;
     w.layout = L;
     w.kv_base = d_slab.get();
@@ -204,7 +210,9 @@ TEST(CudaKernelsTest, RmsNormRopeSwiGluMatchCpu) {
   DeviceBuffer dx = Upload(x), dw = Upload(w), dy = std::move(DeviceBuffer::Allocate(t * n * 2, "t")).value();
   const std::vector<int32_t> rows = {4, 0};
   DeviceBuffer drows = Upload(rows);
-  ASSERT_TRUE(RmsNormToF16(dx.as<float>(), drows.as<int32_t>(), dw.as<float>(), 2, n, 1e-5f, dy.as<uint16_t>(), nullptr).ok());
+  ASSERT_TRUE(RmsNormToF16(dx.as<float>(), drows.as<int32_t>(), dw.as<float>(), 2, n, 1e-5f,
+                           dy.as<uint16_t>(), nullptr)
+                  .ok());
   std::vector<uint16_t> y = Download<uint16_t>(dy, 2 * n);
   for (int r = 0; r < 2; ++r) {
     for (int64_t i = 0; i < n; ++i) {
@@ -232,7 +240,8 @@ TEST(CudaKernelsTest, RmsNormRopeSwiGluMatchCpu) {
   const std::vector<float> got = Download<float>(dqk, qk.size());
   for (int i = 0; i < t; ++i) {
     for (int j = 0; j < heads * hd; ++j) EXPECT_NEAR(got[i * stride + j], dense[i * heads * hd + j], 1e-5f);
-    for (int j = heads * hd; j < stride; ++j) EXPECT_EQ(got[i * stride + j], qk[i * stride + j]);  // V untouched
+    for (int j = heads * hd; j < stride; ++j)
+      EXPECT_EQ(got[i * stride + j], qk[i * stride + j]);  // V untouched
   }
 
   // SwiGLU on a fused gate|up row.

@@ -37,8 +37,12 @@ struct Engine {
 Engine MakeEngine(const model::LlamaModel& m, backend::CudaBackend* gpu) {
   const auto& hp = m.hparams();
   kv::KvCacheOptions o;
-  o.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv), static_cast<int>(hp.head_dim),
-                        kv::KvDtype::kF16, 16, 0};
+  o.shape = kv::KvShape{static_cast<int>(hp.n_layer),
+                        static_cast<int>(hp.n_head_kv),
+                        static_cast<int>(hp.head_dim),
+                        kv::KvDtype::kF16,
+                        16,
+                        0};
   o.model_id = m.model_id();
   o.tier0_bytes = 256 * o.shape.page_bytes();
   if (gpu != nullptr) o.storage_factory = gpu->MakeTierStorageFactory();
@@ -74,7 +78,8 @@ std::vector<float> Step(Engine& e, const std::vector<std::vector<int32_t>>& toke
   std::vector<float> logits;
   const absl::Status st = e.runner->Forward(steps, &logits);
   EXPECT_TRUE(st.ok()) << st;
-  for (size_t i = 0; i < tokens.size(); ++i) EXPECT_TRUE(e.kv->CommitStep("s" + std::to_string(i), tokens[i]).ok());
+  for (size_t i = 0; i < tokens.size(); ++i)
+    EXPECT_TRUE(e.kv->CommitStep("s" + std::to_string(i), tokens[i]).ok());
   return logits;
 }
 
@@ -120,7 +125,8 @@ void CompareBackends(const model::LlamaModel& m, const std::string& label) {
     std::vector<std::vector<int32_t>> part(n_seq);
     for (int i = 0; i < n_seq; ++i) {
       const int half = lens[i] / 2;
-      part[i].assign(prompts[i].begin() + (chunk == 0 ? 0 : half), chunk == 0 ? prompts[i].begin() + half : prompts[i].end());
+      part[i].assign(prompts[i].begin() + (chunk == 0 ? 0 : half),
+                     chunk == 0 ? prompts[i].begin() + half : prompts[i].end());
     }
     compare(Step(c, part), Step(g, part));
   }
@@ -131,8 +137,8 @@ void CompareBackends(const model::LlamaModel& m, const std::string& label) {
     const std::vector<float> a = Step(c, next), b = Step(g, next);
     compare(a, b);
   }
-  std::printf("%s: %d logit rows, max |gpu - cpu| = %.4f (%.3f%% of max |logit|), argmax equal %d/%d\n", label.c_str(),
-              steps, worst, 100 * worst_rel, argmax_agree, steps);
+  std::printf("%s: %d logit rows, max |gpu - cpu| = %.4f (%.3f%% of max |logit|), argmax equal %d/%d\n",
+              label.c_str(), steps, worst, 100 * worst_rel, argmax_agree, steps);
   cpu::SetSgemmMinTokens(0);
 }
 

@@ -1,6 +1,8 @@
 // The CUDA tiers under the real KV cache manager: offload -> restore and
 // export -> import are bit-exact, a corrupted tier-1 page is caught on restore,
 // and 10,000 random operations leak no device memory and keep every invariant.
+#include "worker/backend/cuda/cuda_tier_storage.h"
+
 #include <cuda_runtime_api.h>
 
 #include <random>
@@ -10,7 +12,6 @@
 #include "gtest/gtest.h"
 #include "tests/worker/backend/cuda/gpu_test_util.h"
 #include "worker/backend/cuda/cuda_backend.h"
-#include "worker/backend/cuda/cuda_tier_storage.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/kv/kv_transfer.h"
 

@@ -37,13 +37,13 @@ extern "C" kvcache::backend::CudaBackendFactory* kvcache_cuda_backend_v1();
 namespace kvcache::cuda {
 namespace {
 
-#define BENCH_CHECK(expr)                                                       \
-  do {                                                                          \
-    auto _st = (expr);                                                          \
-    if (!IsOk(_st)) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s failed\n", __FILE__, __LINE__, #expr);    \
-      std::exit(1);                                                             \
-    }                                                                           \
+#define BENCH_CHECK(expr)                                                    \
+  do {                                                                       \
+    auto _st = (expr);                                                       \
+    if (!IsOk(_st)) {                                                        \
+      std::fprintf(stderr, "%s:%d: %s failed\n", __FILE__, __LINE__, #expr); \
+      std::exit(1);                                                          \
+    }                                                                        \
   } while (0)
 bool IsOk(cudaError_t e) { return e == cudaSuccess; }
 bool IsOk(const absl::Status& s) {
@@ -81,7 +81,8 @@ void HbmAndAttention(const DeviceContext& ctx, bench::BenchReport& r) {
   DeviceBuffer src = std::move(DeviceBuffer::Allocate(copy_bytes, "bench")).value();
   DeviceBuffer dst = std::move(DeviceBuffer::Allocate(copy_bytes, "bench")).value();
   BENCH_CHECK(cudaMemsetAsync(src.get(), 1, copy_bytes, s));
-  const double copy_ms = TimeMs(s, 10, [&] { cudaMemcpyAsync(dst.get(), src.get(), copy_bytes, cudaMemcpyDeviceToDevice, s); });
+  const double copy_ms =
+      TimeMs(s, 10, [&] { cudaMemcpyAsync(dst.get(), src.get(), copy_bytes, cudaMemcpyDeviceToDevice, s); });
   const double hbm = 2.0 * copy_bytes / (copy_ms * 1e-3);
   src.Reset();
   dst.Reset();
@@ -96,7 +97,8 @@ void HbmAndAttention(const DeviceContext& ctx, bench::BenchReport& r) {
   L.page_tokens = 16;
   L.dtype = cpu::KvDtype::kF16;
   const int pages_per_seq = n_tok / 16, n_pages = n_seq * pages_per_seq;
-  DeviceBuffer slab = std::move(DeviceBuffer::Allocate(int64_t{n_pages} * L.page_bytes(), "bench slab")).value();
+  DeviceBuffer slab =
+      std::move(DeviceBuffer::Allocate(int64_t{n_pages} * L.page_bytes(), "bench slab")).value();
   BENCH_CHECK(cudaMemsetAsync(slab.get(), 0x3c, int64_t{n_pages} * L.page_bytes(), s));  // 1.0 in f16 pairs
   std::vector<int32_t> table(n_pages), offsets(n_seq);
   std::iota(table.begin(), table.end(), 0);
@@ -111,12 +113,14 @@ void HbmAndAttention(const DeviceContext& ctx, bench::BenchReport& r) {
     BENCH_CHECK(cudaMemcpy(b.get(), p, bytes, cudaMemcpyHostToDevice));
     return b;
   };
-  DeviceBuffer d_table = upload(table.data(), table.size() * 4), d_off = upload(offsets.data(), offsets.size() * 4),
+  DeviceBuffer d_table = upload(table.data(), table.size() * 4),
+               d_off = upload(offsets.data(), offsets.size() * 4),
                d_items = upload(items.data(), items.size() * sizeof(AttentionItem));
   std::vector<float> q(n_seq * 9 * 64, 0.01f);
   DeviceBuffer d_q = upload(q.data(), q.size() * 4);
   const int splits = AttentionSplits(n_tok - 1, 0);
-  DeviceBuffer scratch = std::move(DeviceBuffer::Allocate(AttentionScratchFloats(n_seq, 9, 64, splits) * 4, "b")).value();
+  DeviceBuffer scratch =
+      std::move(DeviceBuffer::Allocate(AttentionScratchFloats(n_seq, 9, 64, splits) * 4, "b")).value();
   DeviceBuffer out = std::move(DeviceBuffer::Allocate(n_seq * 9 * 64 * 2, "b")).value();
   AttentionArgs a;
   a.layout = L;
@@ -143,19 +147,23 @@ void HbmAndAttention(const DeviceContext& ctx, bench::BenchReport& r) {
   r.metrics["attention_64x4096_step_ms"] = att_ms;
   r.metrics["attention_64x4096_GBps"] = kv_bytes / (att_ms * 1e-3) / 1e9;
   r.ratio["attention_vs_hbm"] = kv_bytes / (att_ms * 1e-3) / hbm;
-  r.notes["attention"] = "64 sessions x 4096 tokens, 30 layers (one decode step), SmolLM2 KV shape 9/3 heads hd 64 "
-                         "f16, shuffled pages; bytes = K+V read; baseline = D2D cudaMemcpy read+write bytes";
+  r.notes["attention"] =
+      "64 sessions x 4096 tokens, 30 layers (one decode step), SmolLM2 KV shape 9/3 heads hd 64 "
+      "f16, shuffled pages; bytes = K+V read; baseline = D2D cudaMemcpy read+write bytes";
 }
 
 void OffloadRestore(std::shared_ptr<DeviceContext> ctx, bench::BenchReport& r) {
   const int64_t page = 30 * 2 * 16 * 3 * 64 * 2;  // 360 KiB
-  const int n = 2048;                              // 720 MiB
+  const int n = 2048;                             // 720 MiB
   auto t0 = std::move(CudaTierStorage::Create(ctx, TierMemory::kDevice, n, page, "--tier0_bytes")).value();
-  auto t1 = std::move(CudaTierStorage::Create(ctx, TierMemory::kPinnedHost, n, page, "--tier1_bytes")).value();
+  auto t1 =
+      std::move(CudaTierStorage::Create(ctx, TierMemory::kPinnedHost, n, page, "--tier1_bytes")).value();
   cudaStream_t cs = ctx->copy_stream();
   const int64_t bytes = int64_t{n} * page;
-  const double d2h_ms = TimeMs(cs, 5, [&] { cudaMemcpyAsync(t1->slab(), t0->slab(), bytes, cudaMemcpyDeviceToHost, cs); });
-  const double h2d_ms = TimeMs(cs, 5, [&] { cudaMemcpyAsync(t0->slab(), t1->slab(), bytes, cudaMemcpyHostToDevice, cs); });
+  const double d2h_ms =
+      TimeMs(cs, 5, [&] { cudaMemcpyAsync(t1->slab(), t0->slab(), bytes, cudaMemcpyDeviceToHost, cs); });
+  const double h2d_ms =
+      TimeMs(cs, 5, [&] { cudaMemcpyAsync(t0->slab(), t1->slab(), bytes, cudaMemcpyHostToDevice, cs); });
   std::vector<kv::PageId> src(n), dst(n);
   std::iota(src.begin(), src.end(), 0);
   std::iota(dst.begin(), dst.end(), 0);
@@ -177,7 +185,8 @@ void OffloadRestore(std::shared_ptr<DeviceContext> ctx, bench::BenchReport& r) {
   auto copy = [&](kv::TierStorage& to, const kv::TierStorage& from) {
     for (int b = 0; b < n; b += batch) {
       const int k = std::min(batch, n - b);
-      BENCH_CHECK(to.CopyPages(from, absl::MakeConstSpan(src).subspan(b, k), absl::MakeConstSpan(dst).subspan(b, k)));
+      BENCH_CHECK(
+          to.CopyPages(from, absl::MakeConstSpan(src).subspan(b, k), absl::MakeConstSpan(dst).subspan(b, k)));
     }
   };
   const double off_ms = wall_ms([&] { copy(*t1, *t0); });
@@ -208,8 +217,8 @@ void OffloadRestore(std::shared_ptr<DeviceContext> ctx, bench::BenchReport& r) {
     t0->set_copy_path(path);
     t1->set_copy_path(path);
     // A path the driver refuses is reported (-1), not fatal.
-    const absl::Status probe = t1->CopyPages(*t0, absl::MakeConstSpan(src).subspan(0, 1),
-                                             absl::MakeConstSpan(dst).subspan(0, 1));
+    const absl::Status probe =
+        t1->CopyPages(*t0, absl::MakeConstSpan(src).subspan(0, 1), absl::MakeConstSpan(dst).subspan(0, 1));
     if (!probe.ok()) {
       std::fprintf(stderr, "copy path %s: %s\n", name, probe.ToString().c_str());
       r.metrics[std::string("offload_copypages_GBps_") + name] = -1;
@@ -220,9 +229,11 @@ void OffloadRestore(std::shared_ptr<DeviceContext> ctx, bench::BenchReport& r) {
   }
   t0->set_copy_path(CopyPath::kAuto);
   t1->set_copy_path(CopyPath::kAuto);
-  r.notes["offload"] = "2048 pages of 360 KiB (SmolLM2), shuffled ids (no coalescing), CopyPages batches of " +
-                       std::to_string(batch) + " (copy_batch_bytes); baseline = one pinned cudaMemcpyAsync of "
-                       "the same bytes; _kernel/_batched/_memcpy: the same by each CopyPath";
+  r.notes["offload"] =
+      "2048 pages of 360 KiB (SmolLM2), shuffled ids (no coalescing), CopyPages batches of " +
+      std::to_string(batch) +
+      " (copy_batch_bytes); baseline = one pinned cudaMemcpyAsync of "
+      "the same bytes; _kernel/_batched/_memcpy: the same by each CopyPath";
 }
 
 void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
@@ -243,14 +254,19 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
     o.weight_type = gguf::GgmlType::kQ4_1;
     auto file = gguf::GgufFile::OpenFromBuffer(std::move(gguf::BuildTinyLlama(o)).value());
     m = std::move(model::LlamaModel::FromFile(std::move(*file))).value();
-    r.notes["decode_model"] = "synthetic SmolLM2 shapes (30 layers, 576, 9/3 heads, ff 1536, Q4_1) but a " +
-                              std::to_string(m->hparams().n_vocab) +
-                              "-token vocabulary: the 49152x576 output projection (~21% of weight bytes) is absent";
+    r.notes["decode_model"] =
+        "synthetic SmolLM2 shapes (30 layers, 576, 9/3 heads, ff 1536, Q4_1) but a " +
+        std::to_string(m->hparams().n_vocab) +
+        "-token vocabulary: the 49152x576 output projection (~21% of weight bytes) is absent";
   }
   const auto& hp = m->hparams();
   kv::KvCacheOptions o;
-  o.shape = kv::KvShape{static_cast<int>(hp.n_layer), static_cast<int>(hp.n_head_kv), static_cast<int>(hp.head_dim),
-                        kv::KvDtype::kF16, 16, 0};
+  o.shape = kv::KvShape{static_cast<int>(hp.n_layer),
+                        static_cast<int>(hp.n_head_kv),
+                        static_cast<int>(hp.head_dim),
+                        kv::KvDtype::kF16,
+                        16,
+                        0};
   o.model_id = m->model_id();
   o.tier0_bytes = 64 * 40 * o.shape.page_bytes();
   o.storage_factory = backend.MakeTierStorageFactory();
@@ -271,7 +287,8 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
         res.push_back(std::move(kv->BeginStep(id, n_tokens)).value());
         toks.emplace_back(n_tokens, 7);
       }
-      for (size_t i = 0; i < ids.size(); ++i) seq.push_back({toks[i], res[i].first_pos, res[i].page_table, true});
+      for (size_t i = 0; i < ids.size(); ++i)
+        seq.push_back({toks[i], res[i].first_pos, res[i].page_table, true});
       std::vector<float> logits;
       BENCH_CHECK(runner->Forward(seq, &logits));
       for (size_t i = 0; i < ids.size(); ++i) BENCH_CHECK(kv->CommitStep(ids[i], toks[i]));
@@ -290,8 +307,9 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
     r.metrics["decode_step_ms_batch" + std::to_string(batch)] = sec / steps * 1e3;
     for (const std::string& id : ids) BENCH_CHECK(kv->CloseSession(id));
   }
-  r.notes["decode"] = "context 256 tokens per session, 32 timed steps, KV cache BeginStep/CommitStep included, "
-                      "logits copied to the host every step";
+  r.notes["decode"] =
+      "context 256 tokens per session, 32 timed steps, KV cache BeginStep/CommitStep included, "
+      "logits copied to the host every step";
 }
 
 }  // namespace

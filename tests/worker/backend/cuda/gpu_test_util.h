@@ -28,10 +28,10 @@ inline std::shared_ptr<DeviceContext> Context() {
 
 }  // namespace kvcache::cuda::testing
 
-#define KVCACHE_REQUIRE_GPU()                                                  \
-  do {                                                                         \
+#define KVCACHE_REQUIRE_GPU()                                                   \
+  do {                                                                          \
     if (!::kvcache::cuda::testing::HaveGpu()) GTEST_SKIP() << "no CUDA device"; \
-    ASSERT_NE(::kvcache::cuda::testing::Context(), nullptr);                   \
+    ASSERT_NE(::kvcache::cuda::testing::Context(), nullptr);                    \
   } while (0)
 
 #endif  // KVCACHE_TESTS_WORKER_BACKEND_CUDA_GPU_TEST_UTIL_H_

@@ -106,8 +106,10 @@ TEST(KernelMathTest, KvAddressingAndEncodingMatchCpuWriteKv) {
       for (int h = 0; h < L.kv_heads; ++h) {
         const int64_t ko = KvRowOffset(L, table.data(), layer, pos, h, false);
         const int64_t vo = KvRowOffset(L, table.data(), layer, pos, h, true);
-        EXPECT_EQ(ko, table[pos / 16] * L.page_bytes() + kv::KOffset(shape, layer, pos % 16) + h * L.head_dim * 2);
-        EXPECT_EQ(vo, table[pos / 16] * L.page_bytes() + kv::VOffset(shape, layer, pos % 16) + h * L.head_dim * 2);
+        EXPECT_EQ(
+            ko, table[pos / 16] * L.page_bytes() + kv::KOffset(shape, layer, pos % 16) + h * L.head_dim * 2);
+        EXPECT_EQ(
+            vo, table[pos / 16] * L.page_bytes() + kv::VOffset(shape, layer, pos % 16) + h * L.head_dim * 2);
         for (int d = 0; d < L.head_dim; ++d) {
           uint16_t kb, vb;
           std::memcpy(&kb, slab.data() + ko + 2 * d, 2);
@@ -150,7 +152,8 @@ TEST(KernelMathTest, SplitSoftmaxAttentionMatchesCpu) {
     for (int qi = 0; qi < n_query; ++qi) {
       const int pos = n - n_query + qi;
       const int first = FirstVisibleKey(pos, window);
-      EXPECT_EQ(AttentionSplits(pos, window), (pos + 1 - first + kAttentionSplitTokens - 1) / kAttentionSplitTokens);
+      EXPECT_EQ(AttentionSplits(pos, window),
+                (pos + 1 - first + kAttentionSplitTokens - 1) / kAttentionSplitTokens);
       for (int h = 0; h < n_heads; ++h) {
         const float* qh = &q[(qi * n_heads + h) * L.head_dim];
         SoftmaxPartial total;
@@ -184,7 +187,8 @@ TEST(KernelMathTest, SplitSoftmaxAttentionMatchesCpu) {
           MergeSoftmaxPartial(&total, out.data(), part, o.data(), L.head_dim);
         }
         for (int d = 0; d < L.head_dim; ++d) {
-          EXPECT_NEAR(out[d] / total.l, ref[(qi * n_heads + h) * L.head_dim + d], 2e-5f) << qi << "," << h << "," << d;
+          EXPECT_NEAR(out[d] / total.l, ref[(qi * n_heads + h) * L.head_dim + d], 2e-5f)
+              << qi << "," << h << "," << d;
         }
       }
     }

@@ -20,8 +20,11 @@ TEST(PluginMetricsTest, ExposerServesAfterThePluginLoadsCublas) {
   options.name = "plugin-metrics-test";
   auto process = ServerProcess::Init(options);
   ASSERT_TRUE(process.ok()) << process.status();
-  auto& gauge = prometheus::BuildGauge().Name("cuda_plugin_loaded").Help("1 once the plugin is loaded")
-                    .Register((*process)->metrics()).Add({});
+  auto& gauge = prometheus::BuildGauge()
+                    .Name("cuda_plugin_loaded")
+                    .Help("1 once the plugin is loaded")
+                    .Register((*process)->metrics())
+                    .Add({});
 
   auto backend = backend::LoadCudaBackend(*backend::ParseDevice("cuda:0"), KVCACHE_TEST_CUDA_PLUGIN);
   ASSERT_TRUE(backend.ok() || absl::IsUnavailable(backend.status())) << backend.status();
