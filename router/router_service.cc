@@ -470,54 +470,49 @@ void RouterService::Rebalance() {
   }
 }
 
+namespace {
+
+// An admin call: authenticates as admin, then runs `call` (which returns
+// StatusOr<Resp>) on a background thread, since it may block on workers.
+template <typename Resp, typename Call>
+grpc::ServerUnaryReactor* AdminCall(RouterService* router, grpc::CallbackServerContext* context,
+                                    Resp* response, Call call) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto principal = router->auth().Authenticate(*context, /*need_admin=*/true);
+  if (!principal.ok()) {
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
+  router->RunInBackground([reactor, response, call] {
+    auto r = call();
+    if (r.ok()) *response = *r;
+    reactor->Finish(ToGrpcStatus(r.status()));
+  });
+  return reactor;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext* context,
                                                     const v1::ListWorkersRequest* /*request*/,
                                                     v1::ListWorkersResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto principal = router_->auth().Authenticate(*context, true);
-  absl::Status st = principal.status();
-  if (st.ok()) {
-    auto r = router_->ListWorkers();
-    if (r.ok()) *response = *r;
-    st = r.status();
-  }
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  return AdminCall(router_, context, response, [this] { return router_->ListWorkers(); });
 }
 
 grpc::ServerUnaryReactor* AdminService::MigrateSession(grpc::CallbackServerContext* context,
                                                        const v1::AdminMigrateRequest* request,
                                                        v1::MigrateSessionResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto principal = router_->auth().Authenticate(*context, true);
-  if (!principal.ok()) {
-    reactor->Finish(ToGrpcStatus(principal.status()));
-    return reactor;
-  }
-  // Blocks on two workers: off the gRPC thread.
-  router_->RunInBackground([this, reactor, request, response] {
-    auto r = router_->Migrate(request->session_id(), request->target_worker(), "admin");
-    if (r.ok()) *response = *r;
-    reactor->Finish(ToGrpcStatus(r.status()));
+  return AdminCall(router_, context, response, [this, request] {
+    return router_->Migrate(request->session_id(), request->target_worker(), "admin");
   });
-  return reactor;
 }
 
 grpc::ServerUnaryReactor* AdminService::DrainWorker(grpc::CallbackServerContext* context,
                                                     const v1::DrainWorkerRequest* request,
                                                     v1::DrainResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto principal = router_->auth().Authenticate(*context, true);
-  if (!principal.ok()) {
-    reactor->Finish(ToGrpcStatus(principal.status()));
-    return reactor;
-  }
-  router_->RunInBackground([this, reactor, request, response] {
-    auto r = router_->DrainWorker(request->worker(), request->deadline_ms());
-    if (r.ok()) *response = *r;
-    reactor->Finish(ToGrpcStatus(r.status()));
+  return AdminCall(router_, context, response, [this, request] {
+    return router_->DrainWorker(request->worker(), request->deadline_ms());
   });
-  return reactor;
 }
 
 }  // namespace kvcache::router
