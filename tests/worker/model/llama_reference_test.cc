@@ -9,13 +9,15 @@
 //    prompt; at each step our argmax must equal llama.cpp's token whenever
 //    llama.cpp's own top-2 margin is at least kNearTie. Both engines quantise
 //    activations to 8 bits per 32-value block with different rounding and
-//    summation order; each deviates from the exact logits by up to ~0.4 in
-//    top-20 logit gaps (measured on chat_capital: llama.cpp 0.43, ours 0.31), and
-//    their top-2 margins differ by up to ~0.8 at some steps. A step whose margin
-//    is below kNearTie = 0.5 is decided by rounding noise between two correct
-//    implementations, not by ours being right or wrong: those steps are counted
-//    and printed, not asserted. First-step top-20 logit gaps (logit minus the top
-//    logit) agree within kLogitTolerance.
+//    summation order. Against the float64 pass, our serving path's first-step
+//    top-20 logit gaps (logit minus the top logit) are off by up to 0.81 (0.93
+//    with the previous attention kernel; ServingPathGapsNearFloat64 prints them
+//    and bounds them by kServingTolerance), and the two engines' gaps differ by
+//    up to 0.63 (0.43 before); their top-2 margins differ by up to ~0.9 at some
+//    steps. A step whose margin is below kNearTie = 0.5 is decided by rounding
+//    noise between two correct implementations, not by ours being right or
+//    wrong: those steps are counted and printed, not asserted. First-step top-20
+//    logit gaps agree with llama.cpp's within kLogitTolerance.
 #include <cmath>
 
 #include "common/gguf/model_path.h"
@@ -29,7 +31,8 @@ namespace kvcache {
 namespace {
 
 constexpr int kGreedyTokens = 32;
-constexpr float kLogitTolerance = 0.6f;
+constexpr float kLogitTolerance = 0.8f;
+constexpr float kServingTolerance = 1.0f;
 constexpr float kNearTie = 0.5f;
 
 class LlamaReferenceTest : public ::testing::Test {
@@ -172,6 +175,36 @@ TEST_F(LlamaReferenceTest, ExactPathMatchesFloat64Reference) {
     ASSERT_TRUE(kv_->CloseSession(id).ok());
   }
   cpu::SetSgemmMinTokens(saved);
+}
+
+// The serving path's own error: its first-step top-20 logit gaps against the
+// float64 forward pass.
+TEST_F(LlamaReferenceTest, ServingPathGapsNearFloat64) {
+  auto ref = testing::LoadReference("fp64_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto greedy = testing::LoadReference("llamacpp_greedy.json");
+  ASSERT_TRUE(greedy.ok()) << greedy.status();
+  const auto& prompts = ref->fields().at("prompts").list_value().values();
+  const auto& inputs = greedy->fields().at("prompts").list_value().values();
+  ASSERT_EQ(prompts.size(), inputs.size());
+  for (int i = 0; i < prompts.size(); ++i) {
+    const auto& f = prompts[i].struct_value().fields();
+    const std::string name = f.at("name").string_value();
+    SCOPED_TRACE(name);
+    const std::string id = "serving-" + std::to_string(i);
+    ASSERT_TRUE(kv_->CreateSession(id, "t").ok());
+    std::vector<float> logits = Step(id, testing::Ints(inputs[i].struct_value().fields().at("prompt_ids")));
+    const std::vector<int32_t> ids = testing::Ints(f.at("top20_ids"));
+    const std::vector<float> expected = testing::Floats(f.at("top20_logits"));
+    float worst_gap = 0.0f;
+    for (size_t j = 0; j < ids.size(); ++j) {
+      worst_gap =
+          std::max(worst_gap, std::fabs((logits[ids[j]] - logits[ids[0]]) - (expected[j] - expected[0])));
+    }
+    std::printf("%-13s serving path vs float64: max gap diff %.3f\n", name.c_str(), worst_gap);
+    EXPECT_LE(worst_gap, kServingTolerance);
+    ASSERT_TRUE(kv_->CloseSession(id).ok());
+  }
 }
 
 }  // namespace

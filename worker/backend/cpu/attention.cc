@@ -238,6 +238,59 @@ int64_t RowOffset(const Ctx& c, const Item& it, int r) {
   return ((c.q_row0[it.seq] + i) * c.p->n_heads + h) * c.hd;
 }
 
+// Per-row state of an item: the scaled query, the running output, max and sum
+// of the online softmax, and the visible key positions [lo, hi].
+struct RowState {
+  float* Q;     // [kMaxItemRows][hd]
+  float* O;     // [kMaxItemRows][hd]
+  float* M;     // [kMaxItemRows]
+  float* Lsum;  // [kMaxItemRows]
+  int lo[kMaxItemRows], hi[kMaxItemRows];
+};
+
+// Lays out Q, O, M, Lsum at the start of `scratch` and initialises them;
+// returns the first float after them.
+float* InitRows(const Ctx& c, const Item& it, float* scratch, RowState* rs) {
+  const AttentionSeq& seq = c.seqs[it.seq];
+  const int hd = c.hd;
+  const int hg = (it.h1 - it.h0) * c.group;
+  const int first_q_pos = seq.n_cached - seq.n_query;
+  rs->Q = scratch;
+  rs->O = rs->Q + kMaxItemRows * hd;
+  rs->M = rs->O + kMaxItemRows * hd;
+  rs->Lsum = rs->M + kMaxItemRows;
+  for (int r = 0; r < ItemRows(it, c.group); ++r) {
+    const float* qr = c.q + RowOffset(c, it, r);  // [hd]
+    for (int d = 0; d < hd; ++d) rs->Q[r * hd + d] = qr[d] * c.scale;
+    std::fill(rs->O + r * hd, rs->O + (r + 1) * hd, 0.0f);
+    rs->M[r] = -INFINITY;
+    rs->Lsum[r] = 0.0f;
+    rs->hi[r] = first_q_pos + it.q0 + r / hg;
+    rs->lo[r] = FirstVisible(*c.p, rs->hi[r]);
+  }
+  return rs->Lsum + kMaxItemRows;
+}
+
+// Writes the normalised rows to `out`, or the raw state to the item's partial.
+void FinishRows(const Ctx& c, const Item& it, const RowState& rs) {
+  const int hd = c.hd;
+  const int n_rows = ItemRows(it, c.group);
+  if (it.part < 0) {
+    for (int r = 0; r < n_rows; ++r) {
+      float* orow = c.out + RowOffset(c, it, r);  // [hd]
+      const float inv = rs.Lsum[r] > 0.0f ? 1.0f / rs.Lsum[r] : 0.0f;
+      for (int d = 0; d < hd; ++d) orow[d] = rs.O[r * hd + d] * inv;
+    }
+  } else {
+    float* dst = c.partials + c.part_offset[it.part];  // m[n_rows] | l[n_rows] | o[n_rows][hd]
+    std::copy(rs.M, rs.M + n_rows, dst);
+    std::copy(rs.Lsum, rs.Lsum + n_rows, dst + n_rows);
+    std::copy(rs.O, rs.O + static_cast<int64_t>(n_rows) * hd, dst + 2 * n_rows);
+  }
+}
+
+// The item loop over AttnKernels: converts a page's K/V of the item's kv heads,
+// then per row scores, online softmax and P·V.
 void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch) {
   const AttentionParams& p = *c.p;
   const AttentionSeq& seq = c.seqs[it.seq];
@@ -246,50 +299,22 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
   const int hg = (it.h1 - it.h0) * G;
   const int width = (it.h1 - it.h0) * hd;  // converted floats per key
   const int n_rows = ItemRows(it, G);
-  const int first_q_pos = seq.n_cached - seq.n_query;
-  // scratch: Q, O [kMaxItemRows][hd] | M, L [kMaxItemRows] | Kf, Vf [pt][width] | S [pt + 8]
-  float* Q = scratch;
-  float* O = Q + kMaxItemRows * hd;
-  float* M = O + kMaxItemRows * hd;
-  float* Lsum = M + kMaxItemRows;
-  float* Kf = Lsum + kMaxItemRows;
+  RowState rs;
+  // scratch after the rows: Kf, Vf [pt][width] | S [pt + 8]
+  float* Kf = InitRows(c, it, scratch, &rs);
   float* Vf = Kf + static_cast<int64_t>(pt) * width;
   float* S = Vf + static_cast<int64_t>(pt) * width;
-  int lo[kMaxItemRows], hi[kMaxItemRows];  // visible key positions [lo, hi] per row
-
-  for (int r = 0; r < n_rows; ++r) {
-    const float* qr = c.q + RowOffset(c, it, r);  // [hd]
-    for (int d = 0; d < hd; ++d) Q[r * hd + d] = qr[d] * c.scale;
-    std::fill(O + r * hd, O + (r + 1) * hd, 0.0f);
-    M[r] = -INFINITY;
-    Lsum[r] = 0.0f;
-    hi[r] = first_q_pos + it.q0 + r / hg;
-    lo[r] = FirstVisible(p, hi[r]);
-  }
+  float *Q = rs.Q, *O = rs.O, *M = rs.M, *Lsum = rs.Lsum;
+  const int *lo = rs.lo, *hi = rs.hi;
 
   const int64_t row_bytes = L.row_bytes();
   const int64_t head_off = static_cast<int64_t>(it.h0) * hd * L.elt_bytes();
-  const int64_t width_bytes = width * L.elt_bytes();
   for (int c0 = it.k0; c0 < it.k1;) {
     const int page_idx = c0 / pt;
     const int slot0 = c0 % pt;
     const int c1 = std::min(it.k1, (page_idx + 1) * pt);
     const int n = c1 - c0;
     const uint8_t* page = L.page(p.kv_base, seq.page_table[page_idx]);
-    if (c1 < it.k1) {
-      // The next page is elsewhere in the slab: start its loads now, since the
-      // hardware prefetcher only follows the stream within a page.
-      const uint8_t* next = L.page(p.kv_base, seq.page_table[page_idx + 1]);
-      const int n_next = std::min(pt, it.k1 - c1);
-      for (int j = 0; j < n_next; ++j) {
-        for (int64_t b = 0; b < width_bytes; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + L.k_offset(p.layer, j) + head_off + b),
-                       _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + L.v_offset(p.layer, j) + head_off + b),
-                       _MM_HINT_T0);
-        }
-      }
-    }
     // Kf, Vf: [n][width] = keys c0..c1-1, kv heads h0..h1-1, rows row_bytes apart.
     k.to_f32(page + L.k_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Kf);
     k.to_f32(page + L.v_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Vf);
@@ -315,20 +340,218 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
     }
     c0 = c1;
   }
+  FinishRows(c, it, rs);
+}
 
-  if (it.part < 0) {
-    for (int r = 0; r < n_rows; ++r) {
-      float* orow = c.out + RowOffset(c, it, r);  // [hd]
-      const float inv = Lsum[r] > 0.0f ? 1.0f / Lsum[r] : 0.0f;
-      for (int d = 0; d < hd; ++d) orow[d] = O[r * hd + d] * inv;
+// ---- AVX-512: blocks of 16 keys, one score per lane ----
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_ps() to their builtins and
+// warn -Wmaybe-uninitialized wherever they are inlined (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace avx512 {
+
+constexpr int kBlockKeys = 16;
+// ReduceToLanes leaves accumulator i's sum in lane kTreeKey[i] (an involution),
+// so accumulating key kTreeKey[i] into accumulator i puts key j in lane j.
+constexpr int kTreeKey[kBlockKeys] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// dst[j][0..16 NC) = f32(src + j * stride) for j < n; rows n..15 are zeroed so
+// that masked keys multiply finite values. Row j < n_prefetch of `prefetch`
+// (same stride) is prefetched alongside: the same rows of the page that comes
+// next, a page of work ahead and spread over the loop (the hardware prefetcher
+// does not follow the page table, and a burst of prefetches stalls the loads).
+template <int NC>
+KVCACHE_TARGET_AVX512 void LoadBlock(const uint8_t* src, int64_t stride, KvDtype dtype, int n, float* dst,
+                                     const uint8_t* prefetch, int n_prefetch) {
+  const int64_t src_row_bytes = NC * 16 * KvDtypeSize(dtype);
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* row = src + j * stride;
+    if (j < n_prefetch) {
+      for (int64_t b = 0; b < src_row_bytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T0);
+      }
     }
-  } else {
-    float* dst = c.partials + c.part_offset[it.part];  // m[n_rows] | l[n_rows] | o[n_rows][hd]
-    std::copy(M, M + n_rows, dst);
-    std::copy(Lsum, Lsum + n_rows, dst + n_rows);
-    std::copy(O, O + static_cast<int64_t>(n_rows) * hd, dst + 2 * n_rows);
+    float* d = dst + j * NC * 16;
+    for (int c = 0; c < NC; ++c) {
+      __m512 v;
+      if (dtype == KvDtype::kF16) {
+        v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+      } else if (dtype == KvDtype::kBF16) {
+        const __m512i w =
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      } else {
+        v = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * c);
+      }
+      _mm512_storeu_ps(d + 16 * c, v);
+    }
+  }
+  for (int j = n; j < kBlockKeys; ++j) {
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + (j * NC + c) * 16, _mm512_setzero_ps());
   }
 }
+
+// Lane j of the result = q · kf[j]: 16 dot products of length 16 NC, each
+// accumulated in its own register and summed across lanes by a shuffle tree.
+template <int NC>
+KVCACHE_TARGET_AVX512 __m512 Scores(const float* q, const float* kf) {
+  __m512 a[kBlockKeys];
+  const __m512 q0 = _mm512_loadu_ps(q);
+#pragma GCC unroll 16
+  for (int i = 0; i < kBlockKeys; ++i) a[i] = _mm512_mul_ps(q0, _mm512_loadu_ps(kf + kTreeKey[i] * NC * 16));
+  for (int c = 1; c < NC; ++c) {
+    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+#pragma GCC unroll 16
+    for (int i = 0; i < kBlockKeys; ++i) {
+      a[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kf + (kTreeKey[i] * NC + c) * 16), a[i]);
+    }
+  }
+  // 16 -> 8 -> 4 registers across 128-bit lanes, then 4 -> 2 -> 1 within them.
+  for (int i = 0; i < 8; ++i) {
+    a[i] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    a[i] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[i], a[i + 2]), _mm512_unpackhi_ps(a[i], a[i + 2]));
+  }
+  const __m512d x = _mm512_castps_pd(a[0]), y = _mm512_castps_pd(a[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// o[r] += sum_j p[r][j] * vf[j] for R rows at once, so each V load feeds R
+// independent accumulator chains. p: rows 16 floats apart; o: rows hd apart.
+template <int NC, int R>
+KVCACHE_TARGET_AVX512 void PvRows(const float* p, const float* vf, float* const* o) {
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r) {
+    for (int d = 0; d < NC; ++d) acc[r][d] = _mm512_loadu_ps(o[r] + 16 * d);
+  }
+  for (int j = 0; j < kBlockKeys; ++j) {
+    __m512 v[NC];
+    for (int d = 0; d < NC; ++d) v[d] = _mm512_loadu_ps(vf + (j * NC + d) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r * kBlockKeys + j]);
+      for (int d = 0; d < NC; ++d) acc[r][d] = _mm512_fmadd_ps(pj, v[d], acc[r][d]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int d = 0; d < NC; ++d) _mm512_storeu_ps(o[r] + 16 * d, acc[r][d]);
+  }
+}
+
+// Rows per PvRows call: R x NC accumulators stay within 16 registers.
+template <int NC>
+constexpr int kPvRows = NC >= 8   ? 2
+                        : NC >= 4 ? 4
+                                  : 4;
+
+template <int NC>
+KVCACHE_TARGET_AVX512 void Pv(const float* p, const float* vf, float* const* o, int n) {
+  constexpr int R = kPvRows<NC>;
+  for (; n >= R; n -= R, p += R * kBlockKeys, o += R) PvRows<NC, R>(p, vf, o);
+  switch (n) {
+    case 3:
+      PvRows<NC, 3>(p, vf, o);
+      break;
+    case 2:
+      PvRows<NC, 2>(p, vf, o);
+      break;
+    case 1:
+      PvRows<NC, 1>(p, vf, o);
+      break;
+    default:
+      break;
+  }
+}
+
+// The item loop for head_dim = 16 NC: per block of up to 16 keys and kv head,
+// K and V are converted once; every row of that kv head scores the block in
+// one register and updates its online softmax, then P·V runs for the rows
+// together.
+template <int NC>
+KVCACHE_TARGET_AVX512 void RunItem(const Ctx& c, const Item& it, float* scratch) {
+  constexpr int hd = NC * 16;
+  const AttentionParams& p = *c.p;
+  const AttentionSeq& seq = c.seqs[it.seq];
+  const PageLayout& L = p.layout;
+  const int G = c.group, pt = L.page_tokens;
+  const int hg = (it.h1 - it.h0) * G;
+  const int n_tokens = it.q1 - it.q0;
+  RowState rs;
+  float* Kf = InitRows(c, it, scratch, &rs);  // [16][hd]
+  float* Vf = Kf + kBlockKeys * hd;           // [16][hd]
+  float* P = Vf + kBlockKeys * hd;            // [kMaxItemRows][16]: a block's weights per row
+  float* Lv = P + kMaxItemRows * kBlockKeys;  // [kMaxItemRows][16]: softmax sums by lane
+  float* orows[kMaxItemRows];                 // output rows of P's rows
+  std::fill(Lv, Lv + kMaxItemRows * kBlockKeys, 0.0f);
+  const int64_t row_bytes = L.row_bytes();
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+
+  for (int c0 = it.k0; c0 < it.k1;) {
+    const int page_idx = c0 / pt;
+    const int c1 = std::min(it.k1, (page_idx + 1) * pt);
+    const uint8_t* page = L.page(p.kv_base, seq.page_table[page_idx]);
+    const int next_first = (page_idx + 1) * pt;  // position of the next page's slot 0
+    const uint8_t* next = next_first < it.k1 ? L.page(p.kv_base, seq.page_table[page_idx + 1]) : page;
+    for (int b0 = c0; b0 < c1; b0 += kBlockKeys) {
+      const int nk = std::min(kBlockKeys, c1 - b0);
+      const int slot = b0 % pt;
+      for (int kh = 0; kh < it.h1 - it.h0; ++kh) {
+        const int64_t head_off = static_cast<int64_t>(it.h0 + kh) * hd * L.elt_bytes();
+        const int n_next = std::clamp(it.k1 - (next_first + slot), 0, nk);
+        int n_p = 0;
+        for (int t = 0; t < n_tokens; ++t) {
+          for (int g = 0; g < G; ++g) {
+            const int r = t * hg + kh * G + g;
+            const int j_lo = std::max(0, rs.lo[r] - b0), j_hi = std::min(nk - 1, rs.hi[r] - b0);
+            if (j_lo > j_hi) continue;  // no visible key in this block
+            if (n_p == 0) {
+              LoadBlock<NC>(page + L.k_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Kf,
+                            next + L.k_offset(p.layer, slot) + head_off, n_next);
+              LoadBlock<NC>(page + L.v_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Vf,
+                            next + L.v_offset(p.layer, slot) + head_off, n_next);
+            }
+            const __mmask16 mask = static_cast<__mmask16>(((1u << (j_hi + 1)) - 1) & ~((1u << j_lo) - 1));
+            const __m512 s = _mm512_mask_blend_ps(mask, neg_inf, Scores<NC>(rs.Q + r * hd, Kf));
+            float* orow = rs.O + r * hd;
+            float* lrow = Lv + r * kBlockKeys;
+            if (_mm512_mask_cmp_ps_mask(mask, s, _mm512_set1_ps(rs.M[r]), _CMP_GT_OQ) != 0) {
+              // The running max rises (rarely, after the first blocks): rescale what was summed.
+              const float m_blk = simd::HMax(s);
+              const __m512 cv = _mm512_set1_ps(rs.M[r] == -INFINITY ? 0.0f : std::exp(rs.M[r] - m_blk));
+              rs.M[r] = m_blk;
+              _mm512_storeu_ps(lrow, _mm512_mul_ps(_mm512_loadu_ps(lrow), cv));
+              for (int d = 0; d < NC; ++d) {
+                _mm512_storeu_ps(orow + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * d), cv));
+              }
+            }
+            const __m512 e = _mm512_maskz_mov_ps(mask, simd::Exp(_mm512_sub_ps(s, _mm512_set1_ps(rs.M[r]))));
+            _mm512_storeu_ps(lrow, _mm512_add_ps(_mm512_loadu_ps(lrow), e));
+            _mm512_storeu_ps(P + n_p * kBlockKeys, e);
+            orows[n_p++] = orow;
+          }
+        }
+        Pv<NC>(P, Vf, orows, n_p);
+      }
+    }
+    c0 = c1;
+  }
+  for (int r = 0; r < ItemRows(it, G); ++r) rs.Lsum[r] = simd::HSum(_mm512_loadu_ps(Lv + r * kBlockKeys));
+  FinishRows(c, it, rs);
+}
+
+using RunItemFn = void (*)(const Ctx&, const Item&, float*);
+// Indexed by head_dim / 16 (1..8); head_dim up to 128 keeps a row's output in registers.
+constexpr RunItemFn kRunItem[] = {nullptr,    RunItem<1>, RunItem<2>, RunItem<3>, RunItem<4>,
+                                  RunItem<5>, RunItem<6>, RunItem<7>, RunItem<8>};
+
+}  // namespace avx512
+#pragma GCC diagnostic pop
 
 // Combines the partial softmax states of one split group into `out`.
 void MergeGroup(const Ctx& c, const SplitGroup& g) {
@@ -464,8 +687,9 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
       }
     }
   }
-  // Split so there are about 4 items per thread, never below kMinSplitKeys keys.
-  const int64_t target = std::max<int64_t>(total_cost / (4 * n_threads) + 1, 1);
+  // Split so there are about 8 items per thread, never below kMinSplitKeys keys:
+  // dynamic scheduling then evens out a thread that joins the region late.
+  const int64_t target = std::max<int64_t>(total_cost / (8 * n_threads) + 1, 1);
   std::vector<Item> items;
   std::vector<SplitGroup> groups;
   std::vector<int64_t> part_offset;
@@ -516,7 +740,14 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   const bool avx2 = GetCpuKernelLevel() >= CpuKernelLevel::kAvx2 && hd % 8 == 0;
   const AttnKernels& k = avx2 ? kAvx2Kernels : kScalarKernels;
   const int64_t max_width = static_cast<int64_t>(group_heads_for_decode ? L.kv_heads : 1) * hd;
-  const int64_t scratch_floats = 2 * kMaxItemRows * hd + 2 * kMaxItemRows + 2 * pt * max_width + pt + 8;
+  const avx512::RunItemFn run512 =
+      GetCpuKernelLevel() >= CpuKernelLevel::kAvx512 && hd % 16 == 0 && hd / 16 <= 8
+          ? avx512::kRunItem[hd / 16]
+          : nullptr;
+  const int64_t scratch_floats =
+      2 * kMaxItemRows * hd + 2 * kMaxItemRows +
+      std::max<int64_t>(2 * pt * max_width + pt + 8,
+                        2 * avx512::kBlockKeys * hd + 2 * kMaxItemRows * avx512::kBlockKeys);
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   const int threads = static_cast<int>(std::min<int64_t>(n_threads, n_items));
@@ -524,7 +755,13 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   {
     std::vector<float> scratch(static_cast<size_t>(scratch_floats));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) RunItem(k, ctx, items[i], scratch.data());
+    for (int64_t i = 0; i < n_items; ++i) {
+      if (run512 != nullptr) {
+        run512(ctx, items[i], scratch.data());
+      } else {
+        RunItem(k, ctx, items[i], scratch.data());
+      }
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < n_groups; ++g) MergeGroup(ctx, groups[g]);
   }

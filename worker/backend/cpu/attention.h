@@ -4,6 +4,11 @@
 // head; MHA and MQA are the edge cases) and uses an online (flash-style) softmax
 // in f32. The K/V of one kv head is read once for its whole query-head group and
 // for a block of query tokens. f16 K/V is widened with F16C, bf16 with shifts.
+// With AVX-512 (head_dim a multiple of 16, up to 128) keys go in blocks of 16:
+// one register holds a row's 16 scores (dot products summed across lanes by a
+// shuffle tree), P·V runs for all rows of a kv head at once, and the same rows
+// of the next page are prefetched while a block is converted, since a session's
+// pages lie anywhere in the slab.
 // Work is split over (sequence, kv head, query block, key range) items with
 // OpenMP (NumThreads() threads, dynamic, longest first); long key ranges are cut
 // into page-aligned splits whose partial softmax states are merged, so a batch of
