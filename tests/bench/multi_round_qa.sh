@@ -8,14 +8,15 @@
 #
 # Tier 0 of each worker holds FRACTION (0.6) of half the workload's working set
 # (every user's final history, counted per user; at least two users' longest
-# contexts), so the two workers together
-# cannot hold every history: affinity keeps each user's history on one worker and
-# fits, round-robin and random spread copies over both and evict or offload.
+# contexts) and tier 1 (host RAM) TIER1_RATIO (1) times that, so a worker holds
+# about 1.2x half the histories: affinity keeps each user's history on one
+# worker and fits, round-robin and random make each worker see every user, and
+# what they cannot hold they evict and recompute.
 #
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
 # Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, USERS (8), ROUNDS (4),
 #   QPS (0.5), THINK_TIME (0 s between a user's rounds), ANSWER_TOKENS (32), SYSTEM_TOKENS (400), USER_CONTEXT_TOKENS (1200), THREADS (2, in total),
-#   FRACTION (0.6), MODES ("affinity round_robin random llamacpp"), DURATION (240 s per mode).
+#   FRACTION (0.6), TIER1_RATIO (1), MODES ("affinity round_robin random llamacpp"), DURATION (240 s per mode).
 # Needs: grpcio and grpcio-tools; for llamacpp, `pip install 'llama-cpp-python[server]'`. Its
 # server runs with --interrupt_requests False: by default a new request cuts the
 # stream of the running one short, which would make its answers shorter than ours.
@@ -35,6 +36,7 @@ USER_CONTEXT_TOKENS=${USER_CONTEXT_TOKENS:-1200}
 QUESTION_TOKENS=${QUESTION_TOKENS:-50,100}
 THREADS=${THREADS:-2}
 FRACTION=${FRACTION:-0.6}
+TIER1_RATIO=${TIER1_RATIO:-1}
 DURATION=${DURATION:-240}
 MODES=${MODES:-affinity round_robin random llamacpp}
 # K and V bytes per token of SmolLM2-135M with f16 pages: 2 * 30 layers * 3 KV heads * 64 * 2 bytes.
@@ -55,7 +57,7 @@ ws_tokens=$((USERS * (SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * ((qmin
 # At least two users' longest contexts per worker, so that every request fits.
 max_context=$((SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * (qmax + ANSWER_TOKENS + 24)))
 tier0=$(python3 -c "print(int(max($FRACTION * $ws_tokens / 2, 2 * $max_context) * $KV_BYTES_PER_TOKEN))")
-tier1=$((tier0 * 2))
+tier1=$(python3 -c "print(int($tier0 * $TIER1_RATIO))")
 worker_threads=$(( THREADS / 2 > 0 ? THREADS / 2 : 1 ))
 log "working set ~$ws_tokens tokens ($((ws_tokens * KV_BYTES_PER_TOKEN >> 20)) MiB); tier 0 per worker $((tier0 >> 20)) MiB, tier 1 $((tier1 >> 20)) MiB; $worker_threads thread(s) per worker"
 

@@ -351,7 +351,7 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
 namespace avx512 {
 
 constexpr int kBlockKeys = 16;
-// ReduceToLanes leaves accumulator i's sum in lane kTreeKey[i] (an involution),
+// The shuffle tree in Scores leaves accumulator i's sum in lane kTreeKey[i] (an involution),
 // so accumulating key kTreeKey[i] into accumulator i puts key j in lane j.
 constexpr int kTreeKey[kBlockKeys] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
@@ -444,11 +444,9 @@ KVCACHE_TARGET_AVX512 void PvRows(const float* p, const float* vf, float* const*
   }
 }
 
-// Rows per PvRows call: R x NC accumulators stay within 16 registers.
+// Rows per PvRows call: the R x NC accumulators take at most 16 of the 32 registers.
 template <int NC>
-constexpr int kPvRows = NC >= 8   ? 2
-                        : NC >= 4 ? 4
-                                  : 4;
+constexpr int kPvRows = std::clamp(16 / NC, 1, 4);
 
 template <int NC>
 KVCACHE_TARGET_AVX512 void Pv(const float* p, const float* vf, float* const* o, int n) {
