@@ -503,7 +503,8 @@ void WorkerService::BeginDrain() {
   KV_LOG_INFO("draining: readiness NOT_SERVING, new requests refused");
 }
 
-v1::DrainResponse WorkerService::Drain(const std::vector<std::string>& targets, absl::Duration deadline) {
+v1::DrainResponse WorkerService::DrainAndMigrate(const std::vector<std::string>& targets,
+                                                 absl::Duration deadline) {
   BeginDrain();
   if (!engine_->WaitIdle(deadline))
     KV_LOG_WARN("drain: requests still running after {}", absl::FormatDuration(deadline));
@@ -540,7 +541,7 @@ grpc::ServerUnaryReactor* WorkerService::Drain(grpc::CallbackServerContext* cont
       request->deadline_ms() > 0 ? absl::Milliseconds(request->deadline_ms()) : options_.drain_deadline;
   BeginDrain();
   RunInBackground([this, reactor, response, targets, deadline] {
-    *response = Drain(targets, deadline);
+    *response = DrainAndMigrate(targets, deadline);
     reactor->Finish(grpc::Status::OK);
     request_exit_();
   });

@@ -57,7 +57,7 @@ class WorkerService : public v1::Worker::CallbackService {
   void BeginDrain();
   // Drains: waits for running requests (bounded by `deadline`), then migrates idle
   // sessions to `targets` in turn (offloads them when there are none).
-  v1::DrainResponse Drain(const std::vector<std::string>& targets, absl::Duration deadline);
+  v1::DrainResponse DrainAndMigrate(const std::vector<std::string>& targets, absl::Duration deadline);
 
   // Moves a session to the worker at `target`: pre-copies its pages while it keeps
   // serving, then pauses it for the tail and commits on the target; on success the

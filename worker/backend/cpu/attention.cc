@@ -346,8 +346,10 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
 // ---- AVX-512: blocks of 16 keys, one score per lane ----
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_ps() to their builtins and
 // warn -Wmaybe-uninitialized wherever they are inlined (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 namespace avx512 {
 
 constexpr int kBlockKeys = 16;
@@ -549,7 +551,9 @@ constexpr RunItemFn kRunItem[] = {nullptr,    RunItem<1>, RunItem<2>, RunItem<3>
                                   RunItem<5>, RunItem<6>, RunItem<7>, RunItem<8>};
 
 }  // namespace avx512
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
 // Combines the partial softmax states of one split group into `out`.
 void MergeGroup(const Ctx& c, const SplitGroup& g) {
