@@ -32,6 +32,20 @@ void Directory::RemovePageLocked(const BlockHash& h, const WorkerId& w, uint8_t 
   if (it->second.workers.empty()) pages_.erase(it);
 }
 
+void Directory::PutSessionLocked(const SessionLocation& loc) {
+  auto [it, inserted] = sessions_.try_emplace(loc.session_id, loc);
+  if (!inserted) {
+    --workers_[it->second.worker].sessions;
+    it->second = loc;
+  }
+  ++workers_[loc.worker].sessions;
+}
+
+void Directory::EraseSessionLocked(absl::flat_hash_map<std::string, SessionLocation>::iterator it) {
+  --workers_[it->second.worker].sessions;
+  sessions_.erase(it);
+}
+
 void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<std::string>* lost) {
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (it->second.worker == w) {
@@ -62,7 +76,7 @@ void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& 
     loc.tier = s.state() == v1::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
     loc.tokens = s.tokens_cached();
     loc.tenant = s.tenant();
-    sessions_[s.session_id()] = loc;
+    PutSessionLocked(loc);
   }
   BlockHash h;
   for (const auto& b : snapshot.device_block_hashes()) {
@@ -84,12 +98,14 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
     case v1::CacheEvent::SESSION_PLACED:
     case v1::CacheEvent::SESSION_OFFLOADED:
     case v1::CacheEvent::SESSION_RESTORED: {
-      SessionLocation& loc = sessions_[e.session_id()];
+      auto it = sessions_.find(e.session_id());
+      SessionLocation loc = it != sessions_.end() ? it->second : SessionLocation{};
       loc.session_id = e.session_id();
       loc.worker = worker;
       loc.tier = e.kind() == v1::CacheEvent::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
       if (e.tokens() > 0 || e.kind() == v1::CacheEvent::SESSION_PLACED) loc.tokens = e.tokens();
       if (!e.tenant().empty()) loc.tenant = e.tenant();
+      PutSessionLocked(loc);
       break;
     }
     case v1::CacheEvent::SESSION_TRUNCATED: {
@@ -102,7 +118,7 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
       // Only the holder may drop it: a late event from a former holder must not
       // erase the session's new home.
       auto it = sessions_.find(e.session_id());
-      if (it != sessions_.end() && it->second.worker == worker) sessions_.erase(it);
+      if (it != sessions_.end() && it->second.worker == worker) EraseSessionLocked(it);
       break;
     }
     case v1::CacheEvent::PREFIX_STORED:
@@ -211,6 +227,12 @@ size_t Directory::prefix_entries() const {
   size_t n = 0;
   for (const auto& [h, holders] : pages_) n += holders.workers.size();
   return n;
+}
+
+int64_t Directory::SessionCount(const WorkerId& worker) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker);
+  return it != workers_.end() ? it->second.sessions : 0;
 }
 
 size_t Directory::session_count() const {

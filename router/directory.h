@@ -66,6 +66,8 @@ class Directory {
   // The model id and page geometry the worker reported in its last snapshot.
   std::optional<v1::WorkerSnapshot> Describe(const WorkerId& worker) const;
   std::vector<SessionLocation> SessionsOn(const WorkerId& worker) const;
+  // How many sessions `worker` holds (0 for an unknown worker).
+  int64_t SessionCount(const WorkerId& worker) const;
   // Number of (hash, worker) entries: for tests and metrics.
   size_t prefix_entries() const;
   size_t session_count() const;
@@ -78,6 +80,7 @@ class Directory {
   struct WorkerState {
     v1::WorkerSnapshot info;  // sessions/hashes cleared: kept for model id and shape
     v1::WorkerLoad load;
+    int64_t sessions = 0;  // entries of sessions_ on this worker
   };
 
   void AddPageLocked(const BlockHash& h, const WorkerId& w, uint8_t tier_bit)
@@ -85,6 +88,10 @@ class Directory {
   void RemovePageLocked(const BlockHash& h, const WorkerId& w, uint8_t tier_bit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ForgetWorkerLocked(const WorkerId& w, std::vector<std::string>* lost_sessions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // sessions_[loc.session_id] = loc, keeping the per-worker counts.
+  void PutSessionLocked(const SessionLocation& loc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseSessionLocked(absl::flat_hash_map<std::string, SessionLocation>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;

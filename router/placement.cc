@@ -67,7 +67,9 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
         cand.load.pages_total_device() > 0 ? c.eviction_weight * page_tokens * shortfall : 0;
     const double score = reuse - c.load_weight * load - pressure;
     const uint64_t weight = RendezvousWeight(session_id, cand.worker);
-    if (best == nullptr || score > best_score || (score == best_score && weight > best_weight)) {
+    const bool tie = best != nullptr && score == best_score;
+    if (best == nullptr || score > best_score || (tie && cand.sessions < best->sessions) ||
+        (tie && cand.sessions == best->sessions && weight > best_weight)) {
       best = &cand;
       best_score = score;
       best_weight = weight;

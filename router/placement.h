@@ -13,8 +13,11 @@
 //     among candidates under the bounded-load cap: a worker whose load exceeds
 //     cap_factor * (mean load + cap_slack) is skipped unless every worker is over
 //     it (so one hot prefix cannot herd all traffic onto one worker);
-//  3. ties broken by rendezvous hashing of (session id, worker id), so every
-//     router replica picks the same worker for the same inputs.
+//  3. ties go to the worker holding fewer sessions (so new sessions without a
+//     cached prefix spread over idle workers: the directory hears of each
+//     session before its client does), then by rendezvous hashing of (session
+//     id, worker id), so every router replica picks the same worker for the
+//     same inputs.
 // The decision carries its reason (for the decisions-by-reason metric) and the
 // tokens it expects the worker to reuse (compared later with what it reports).
 //
@@ -50,7 +53,8 @@ struct PlacementConfig {
 struct Candidate {
   WorkerId worker;
   v1::WorkerLoad load;
-  PrefixMatch match;  // leading pages of the request's chain held there
+  PrefixMatch match;     // leading pages of the request's chain held there
+  int64_t sessions = 0;  // sessions the directory places there
 };
 
 enum class PlacementReason { kAffinity, kPrefix, kLoad, kRetry };

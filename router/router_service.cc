@@ -267,6 +267,7 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     c.load = w.load;
     auto m = matches.find(w.address);
     if (m != matches.end()) c.match = m->second;
+    c.sessions = directory_->SessionCount(w.address);
     candidates.push_back(std::move(c));
   }
   // Ties among equals go by rendezvous of the session id (or the prompt's start).

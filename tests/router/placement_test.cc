@@ -75,6 +75,18 @@ TEST(PlacementTest, TiesSpreadByRendezvousAndAreStable) {
   for (const auto& [w, n] : counts) EXPECT_NEAR(n, 1000, 150) << w;
 }
 
+TEST(PlacementTest, TiesGoToTheWorkerWithFewerSessionsFirst) {
+  std::vector<Candidate> cands = {Cand("w0"), Cand("w1")};
+  cands[0].sessions = 3;
+  cands[1].sessions = 2;
+  for (int i = 0; i < 100; ++i) {
+    EXPECT_EQ(Choose({}, absl::StrCat("s", i), "", 16, 0, cands, false)->worker, "w1");
+  }
+  // A better score still wins over fewer sessions.
+  cands[0].match.device_pages = 1;
+  EXPECT_EQ(Choose({}, "s", "", 16, 1, cands, false)->worker, "w0");
+}
+
 TEST(PlacementTest, FullTierZeroCostsEvictions) {
   // "full" holds 5 of the request's 30 pages but has no free page; "empty" has
   // room: pushing 25 pages out of a full tier 0 costs more than recomputing 5.
