@@ -229,10 +229,11 @@ size_t Directory::prefix_entries() const {
   return n;
 }
 
-int64_t Directory::SessionCount(const WorkerId& worker) const {
+absl::flat_hash_map<WorkerId, int64_t> Directory::SessionCounts() const {
   absl::MutexLock lock(&mu_);
-  auto it = workers_.find(worker);
-  return it != workers_.end() ? it->second.sessions : 0;
+  absl::flat_hash_map<WorkerId, int64_t> counts;
+  for (const auto& [worker, state] : workers_) counts[worker] = state.sessions;
+  return counts;
 }
 
 size_t Directory::session_count() const {

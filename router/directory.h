@@ -66,8 +66,8 @@ class Directory {
   // The model id and page geometry the worker reported in its last snapshot.
   std::optional<v1::WorkerSnapshot> Describe(const WorkerId& worker) const;
   std::vector<SessionLocation> SessionsOn(const WorkerId& worker) const;
-  // How many sessions `worker` holds (0 for an unknown worker).
-  int64_t SessionCount(const WorkerId& worker) const;
+  // How many sessions each known worker holds.
+  absl::flat_hash_map<WorkerId, int64_t> SessionCounts() const;
   // Number of (hash, worker) entries: for tests and metrics.
   size_t prefix_entries() const;
   size_t session_count() const;

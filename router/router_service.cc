@@ -260,6 +260,7 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
       cands.front().kv_shape.page_tokens() > 0 ? cands.front().kv_shape.page_tokens() : 16;
   const std::vector<BlockHash> chain = ChainBlockHashes(tokens, page_tokens, cands.front().model_id, tenant);
   const auto matches = directory_->MatchPrefix(chain);
+  const auto session_counts = directory_->SessionCounts();
   std::vector<Candidate> candidates;
   for (const WorkerView& w : cands) {
     Candidate c;
@@ -267,7 +268,7 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     c.load = w.load;
     auto m = matches.find(w.address);
     if (m != matches.end()) c.match = m->second;
-    c.sessions = directory_->SessionCount(w.address);
+    if (auto n = session_counts.find(w.address); n != session_counts.end()) c.sessions = n->second;
     candidates.push_back(std::move(c));
   }
   // Ties among equals go by rendezvous of the session id (or the prompt's start).

@@ -118,6 +118,7 @@ double DecisionsPerSecond() {
     const auto& p = prompts[decisions % prompts.size()];
     const auto chain = ChainBlockHashes(p, page_tokens, "model", "tenant");
     const auto matches = dir.MatchPrefix(chain);
+    const auto session_counts = dir.SessionCounts();
     std::vector<Candidate> cands;
     for (int w = 0; w < workers; ++w) {
       Candidate c;
@@ -126,6 +127,7 @@ double DecisionsPerSecond() {
       c.load.set_pages_free_device(500);
       auto m = matches.find(c.worker);
       if (m != matches.end()) c.match = m->second;
+      if (auto n = session_counts.find(c.worker); n != session_counts.end()) c.sessions = n->second;
       cands.push_back(std::move(c));
     }
     auto placed = router::Choose(config, absl::StrCat("new-", decisions), "", page_tokens,
