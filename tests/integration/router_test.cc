@@ -84,9 +84,11 @@ TEST_F(RouterTest, EveryTurnOfASessionLandsOnTheSameWorker) {
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   std::map<std::string, int> per_worker;
-  // Between idle workers the router breaks ties with a rendezvous hash of the
-  // session id and the worker's address (a random port), so all 12 sessions
-  // landing on one worker has probability 2^-11 (with 6 it was 1 in 32).
+  // Between idle workers a tie goes to the one holding fewer sessions (the
+  // router hears of each session before its client does), so new sessions
+  // alternate rather than follow a hash of the session id and the worker's
+  // address (a random port), which put all six of an earlier version of this
+  // test on one worker 1 time in 32.
   for (int s = 0; s < 12; ++s) {
     const std::string id = "user-" + std::to_string(s);
     std::string home;
