@@ -198,31 +198,6 @@ void DecodeQ6_K(const uint8_t* p, float* y) {
   }
 }
 
-using BlockDecoder = void (*)(const uint8_t*, float*);
-
-BlockDecoder DecoderFor(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ4_0:
-      return DecodeQ4_0;
-    case GgmlType::kQ4_1:
-      return DecodeQ4_1;
-    case GgmlType::kQ5_0:
-      return DecodeQ5_0;
-    case GgmlType::kQ5_1:
-      return DecodeQ5_1;
-    case GgmlType::kQ8_0:
-      return DecodeQ8_0;
-    case GgmlType::kQ4_K:
-      return DecodeQ4_K;
-    case GgmlType::kQ5_K:
-      return DecodeQ5_K;
-    case GgmlType::kQ6_K:
-      return DecodeQ6_K;
-    default:
-      return nullptr;
-  }
-}
-
 absl::Status CheckRow(GgmlType type, int64_t n) {
   const GgmlTypeTraits* t = GetTypeTraits(static_cast<uint32_t>(type));
   if (t == nullptr) {
@@ -446,6 +421,27 @@ void QuantizeQ6_K(const float* x, uint8_t* p) {
   memcpy(p, &b, sizeof(b));
 }
 
+// The block types' codecs: one block of type_size bytes <-> block_size floats.
+struct BlockCodec {
+  GgmlType type;
+  void (*decode)(const uint8_t*, float*);
+  void (*encode)(const float*, uint8_t*);
+};
+
+constexpr BlockCodec kCodecs[] = {
+    {GgmlType::kQ4_0, DecodeQ4_0, QuantizeQ4_0}, {GgmlType::kQ4_1, DecodeQ4_1, QuantizeQ4_1},
+    {GgmlType::kQ5_0, DecodeQ5_0, QuantizeQ5_0}, {GgmlType::kQ5_1, DecodeQ5_1, QuantizeQ5_1},
+    {GgmlType::kQ8_0, DecodeQ8_0, QuantizeQ8_0}, {GgmlType::kQ4_K, DecodeQ4_K, QuantizeQ4_K},
+    {GgmlType::kQ5_K, DecodeQ5_K, QuantizeQ5_K}, {GgmlType::kQ6_K, DecodeQ6_K, QuantizeQ6_K},
+};
+
+const BlockCodec* CodecFor(GgmlType type) {
+  for (const BlockCodec& c : kCodecs) {
+    if (c.type == type) return &c;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 const GgmlTypeTraits* GetTypeTraits(uint32_t raw) {
@@ -495,9 +491,9 @@ absl::Status DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n
       break;
   }
   const GgmlTypeTraits& t = TypeTraits(type);
-  const BlockDecoder decode = DecoderFor(type);
+  const BlockCodec* codec = CodecFor(type);  // every supported block type has one
   for (int64_t b = 0; b < n / t.block_size; ++b) {
-    decode(p + b * t.type_size, dst + b * t.block_size);
+    codec->decode(p + b * t.type_size, dst + b * t.block_size);
   }
   return absl::OkStatus();
 }
@@ -522,7 +518,6 @@ absl::StatusOr<float> VecDot(GgmlType type, const void* row, const float* x, int
 absl::Status QuantizeRow(GgmlType type, const float* src, void* dst, int64_t n) {
   if (absl::Status s = CheckRow(type, n); !s.ok()) return s;
   auto* p = static_cast<uint8_t*>(dst);
-  void (*quantize)(const float*, uint8_t*) = nullptr;
   switch (type) {
     case GgmlType::kF32:
       memcpy(p, src, static_cast<size_t>(n) * sizeof(float));
@@ -533,36 +528,16 @@ absl::Status QuantizeRow(GgmlType type, const float* src, void* dst, int64_t n) 
     case GgmlType::kBF16:
       for (int64_t i = 0; i < n; ++i) StoreU16(p + 2 * i, Fp32ToBf16(src[i]));
       return absl::OkStatus();
-    case GgmlType::kQ4_0:
-      quantize = QuantizeQ4_0;
-      break;
-    case GgmlType::kQ4_1:
-      quantize = QuantizeQ4_1;
-      break;
-    case GgmlType::kQ5_0:
-      quantize = QuantizeQ5_0;
-      break;
-    case GgmlType::kQ5_1:
-      quantize = QuantizeQ5_1;
-      break;
-    case GgmlType::kQ8_0:
-      quantize = QuantizeQ8_0;
-      break;
-    case GgmlType::kQ4_K:
-      quantize = QuantizeQ4_K;
-      break;
-    case GgmlType::kQ5_K:
-      quantize = QuantizeQ5_K;
-      break;
-    case GgmlType::kQ6_K:
-      quantize = QuantizeQ6_K;
-      break;
     default:
-      return absl::UnimplementedError(absl::StrCat("no quantiser for tensor type ", TypeName(type)));
+      break;
+  }
+  const BlockCodec* codec = CodecFor(type);
+  if (codec == nullptr) {
+    return absl::UnimplementedError(absl::StrCat("no quantiser for tensor type ", TypeName(type)));
   }
   const GgmlTypeTraits& t = TypeTraits(type);
   for (int64_t b = 0; b < n / t.block_size; ++b) {
-    quantize(src + b * t.block_size, p + b * t.type_size);
+    codec->encode(src + b * t.block_size, p + b * t.type_size);
   }
   return absl::OkStatus();
 }
