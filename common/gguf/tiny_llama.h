@@ -36,6 +36,22 @@ struct TinyLlamaOptions {
   int n_merges = 64;  // extra merge tokens after the 256 byte tokens
 };
 
+// SmolLM2-135M's shapes (30 layers, 576 wide, 9 query / 3 KV heads, FFN 1536,
+// 8k context, RoPE base 1e5) with synthetic Q4_1 weights: for machines where
+// the real model file cannot go (the GPU device takes at most 64 MiB).
+inline TinyLlamaOptions SmolLM2ShapedOptions() {
+  TinyLlamaOptions o;
+  o.n_layer = 30;
+  o.n_embd = 576;
+  o.n_head = 9;
+  o.n_head_kv = 3;
+  o.n_ff = 1536;
+  o.n_ctx = 8192;
+  o.rope_freq_base = 100000.0;
+  o.weight_type = GgmlType::kQ4_1;
+  return o;
+}
+
 // Token ids of the tiny vocabulary: 0 <|endoftext|>, 1 <|im_start|>,
 // 2 <|im_end|> (control), 3..258 the 256 byte tokens, then merge results.
 constexpr int32_t kTinyEndOfText = 0;

@@ -177,15 +177,7 @@ TEST(CudaRunnerTest, SmolLM2LogitsMatchCpu) {
     return;
   }
   // SmolLM2's shapes with random Q4_1 weights (the model file is not on this machine).
-  gguf::TinyLlamaOptions o;
-  o.n_layer = 30;
-  o.n_embd = 576;
-  o.n_head = 9;
-  o.n_head_kv = 3;
-  o.n_ff = 1536;
-  o.n_ctx = 8192;
-  o.rope_freq_base = 100000.0;
-  o.weight_type = gguf::GgmlType::kQ4_1;
+  gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
   o.weight_scale = 0.06f;
   CompareBackends(*Tiny(o), "synthetic SmolLM2-shaped Q4_1");
 }

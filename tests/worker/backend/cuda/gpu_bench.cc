@@ -243,16 +243,8 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
     m = std::move(*real);
     r.notes["decode_model"] = "SmolLM2-135M-Instruct Q4_1 (real file)";
   } else {
-    gguf::TinyLlamaOptions o;
-    o.n_layer = 30;
-    o.n_embd = 576;
-    o.n_head = 9;
-    o.n_head_kv = 3;
-    o.n_ff = 1536;
-    o.n_ctx = 8192;
-    o.rope_freq_base = 100000.0;
-    o.weight_type = gguf::GgmlType::kQ4_1;
-    auto file = gguf::GgufFile::OpenFromBuffer(std::move(gguf::BuildTinyLlama(o)).value());
+    auto file =
+        gguf::GgufFile::OpenFromBuffer(std::move(gguf::BuildTinyLlama(gguf::SmolLM2ShapedOptions())).value());
     m = std::move(model::LlamaModel::FromFile(std::move(*file))).value();
     r.notes["decode_model"] =
         "synthetic SmolLM2 shapes (30 layers, 576, 9/3 heads, ff 1536, Q4_1) but a " +
