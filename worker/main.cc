@@ -230,7 +230,7 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);  // before any thread starts
+  kvcache::cpu::EnsureOmpWaitSettings(argv);  // before any thread starts
   kvcache::InitProcess(argc, argv, kvcache::kName,
                        "kvcache-worker: KV-cache-centred LLM worker. See --help.");
   return kvcache::Run();

@@ -482,7 +482,7 @@ int Main() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);
+  kvcache::cpu::EnsureOmpWaitSettings(argv);
   absl::ParseCommandLine(argc, argv);
   return kvcache::Main();
 }

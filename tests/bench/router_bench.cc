@@ -214,7 +214,7 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::cpu::EnsurePassiveOmpWaitPolicy(argv);
+  kvcache::cpu::EnsureOmpWaitSettings(argv);
   absl::ParseCommandLine(argc, argv);
   return kvcache::Run();
 }

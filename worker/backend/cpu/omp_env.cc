@@ -6,7 +6,7 @@
 
 namespace kvcache::cpu {
 
-const char* EnsurePassiveOmpWaitPolicy(char** argv) {
+const char* EnsureOmpWaitSettings(char** argv) {
   bool changed = false;
   if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
     setenv("OMP_WAIT_POLICY", "passive", 1);

@@ -27,7 +27,7 @@ namespace kvcache::cpu {
 // Values the caller already chose are kept. When the exec fails, returns and
 // the process carries on as it is. Returns the wait policy in effect ("" when
 // unset after a failed exec).
-const char* EnsurePassiveOmpWaitPolicy(char** argv);
+const char* EnsureOmpWaitSettings(char** argv);
 
 }  // namespace kvcache::cpu
 

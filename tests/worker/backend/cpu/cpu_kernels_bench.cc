@@ -94,7 +94,7 @@ struct Linear {
 int main(int argc, char** argv) {
   using namespace kvcache::cpu;  // NOLINT
   // Passive OpenMP waits, as the worker runs (see omp_env.h): re-execs once.
-  EnsurePassiveOmpWaitPolicy(argv);
+  EnsureOmpWaitSettings(argv);
   absl::ParseCommandLine(argc, argv);
   kvcache::bench::BenchReport report;
   report.benchmark = "cpu_kernels";
