@@ -3,12 +3,21 @@
 // after everything queued has been written.
 //
 // Subclasses override OnClientGone() (client cancelled or a write failed) and
-// OnFinished() (after gRPC's OnDone, just before the object deletes itself).
+// OnFinished() (on gRPC's OnDone).
 //
-// Thread-safety: Push and Close may be called from any thread.
+// Lifetime: the object deletes itself once gRPC has called OnDone and every
+// holder has let go. It starts with one reference, gRPC's, dropped in OnDone. A
+// producer that calls in from its own thread (the engine, a proxy) takes a
+// reference with Ref() before it can reach the object and drops it with Unref()
+// after its last call, so a stream that gRPC finishes early (client gone, write
+// failed) never leaves the producer holding a dangling pointer.
+//
+// Thread-safety: Push, Close, Ref and Unref may be called from any thread.
 #ifndef KVCACHE_COMMON_STREAM_WRITER_H_
 #define KVCACHE_COMMON_STREAM_WRITER_H_
 
+#include <atomic>
+#include <cassert>
 #include <deque>
 
 #include "absl/synchronization/mutex.h"
@@ -88,7 +97,19 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
 
   void OnDone() override {
     OnFinished();
-    delete this;
+    Unref();
+  }
+
+  // REQUIRES: the caller holds a reference already (or is gRPC's handler that
+  // created the object), so the count cannot be 0.
+  void Ref() {
+    const int before = refs_.fetch_add(1, std::memory_order_relaxed);
+    assert(before > 0);
+    (void)before;
+  }
+  // Drops a reference; the last one deletes the object.
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
  protected:
@@ -111,6 +132,7 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
   }
 
   const size_t max_queued_;
+  std::atomic<int> refs_{1};  // gRPC's, until OnDone
   absl::Mutex mu_;
   std::deque<Msg> queue_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;

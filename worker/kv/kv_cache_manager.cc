@@ -6,11 +6,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/kv/session_key.h"
 
 namespace kvcache::kv {
 namespace {
 
-std::string Quote(const std::string& id) { return absl::StrCat("session '", id, "'"); }
+std::string Quote(const std::string& key) { return QuoteSession(key); }
 
 }  // namespace
 
@@ -220,11 +221,14 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
 
 void KvCacheManager::DropTier1(int64_t n, const Session* protect) {
   while (pool_[1].num_free() < n) {
+    // Idle sessions first: a running request whose pages go must recompute them.
     Session* victim = nullptr;
     for (auto& [id, sp] : sessions_) {
       Session& s = *sp;
       if (&s == protect || Pinned(s) || s.tier1_pages == 0) continue;
-      if (victim == nullptr || s.last_use < victim->last_use) victim = &s;
+      if (victim == nullptr || (s.running != victim->running ? !s.running : s.last_use < victim->last_use)) {
+        victim = &s;
+      }
     }
     if (victim == nullptr) return;
     int64_t last = static_cast<int64_t>(victim->pages.size()) - 1;
@@ -399,11 +403,21 @@ void KvCacheManager::CloseLocked(Session& s) {
   }
 }
 
-absl::Status KvCacheManager::CloseSession(const std::string& id) {
+absl::Status KvCacheManager::CloseSession(const std::string& id, int64_t* pages_freed) {
   absl::MutexLock l(&mu_);
   KVCACHE_ASSIGN_OR_RETURN(Session * s, Find(id));
   if (s->in_step || s->export_frozen) {
     return absl::FailedPreconditionError(Quote(id) + " is in a step or export; cannot close");
+  }
+  if (pages_freed != nullptr) {
+    // Tier-1 pages are always private; a tier-0 page is freed when this session
+    // holds its last reference (it may stay cached as an evictable prefix page).
+    int64_t freed = 0;
+    for (int64_t i = s->first_live; i < static_cast<int64_t>(s->pages.size()); ++i) {
+      const PageLoc loc = s->pages[i];
+      freed += loc.tier == 1 || (loc.tier == 0 && pool_[0].ref(loc.id) == 1);
+    }
+    *pages_freed = freed;
   }
   CloseLocked(*s);
   return absl::OkStatus();
@@ -671,6 +685,7 @@ absl::StatusOr<SessionInfo> KvCacheManager::GetSession(const std::string& id) co
   for (const PageLoc& loc : s->pages) {
     info.page_tiers.push_back(loc.tier);
     info.page_ids.push_back(loc.id);
+    if (loc.tier == 0 && pool_[0].ref(loc.id) > 1) ++info.shared_pages;
   }
   return info;
 }

@@ -6,15 +6,18 @@
 //   2. evict an unreferenced cached prefix page, least recently released first
 //   3. offload an idle session (not running, not pinned) to tier 1, least recently used
 //      first; tier-1 room is made by
-//   4. dropping tier-1 pages of the least recently used offloaded session, from its
-//      tail: that session is truncated to its longest still-complete prefix (to empty
-//      when a sliding window already released pages that prefix would need). When
-//      tier 1 cannot take the victim's pages at all, the victim's own tail is dropped.
-//   5. preempt a running session that is not in a step: offload it like (3) and
-//      report it in StepReservation::preempted so the scheduler requeues it.
+//   4. dropping tier-1 pages of the least recently used offloaded session (idle ones
+//      before those with a request running), from its tail: that session is truncated
+//      to its longest still-complete prefix (to empty when a sliding window already
+//      released pages that prefix would need). When tier 1 cannot take the victim's
+//      pages at all, the victim's own tail is dropped.
+//   5. preempt a running session that is not in a step: offload it like (3) (its tail
+//      dropped when tier 1 has no room) and name it in StepReservation::preempted.
 //
 // Losing cached pages costs recompute, never correctness: a session's token list and
-// its pages always agree, and the scheduler learns the new length from the session.
+// its pages always agree, and BeginStep's first_pos is the length the cache holds.
+// The scheduler, which holds every session's tokens, checks first_pos against the
+// length it expects on every step and recomputes what was dropped before going on.
 //
 // Per engine step (plan, then apply):
 //   AttachPrefix(id, prompt)     once, on an empty session: reuse cached pages
@@ -78,7 +81,7 @@ struct StepReservation {
   // kNoPage for pages the sliding window released.
   std::vector<PageId> page_table;
   int64_t restored_pages = 0;          // pages brought back from tier 1 for this step
-  std::vector<std::string> preempted;  // sessions preempted to make room: requeue them
+  std::vector<std::string> preempted;  // running sessions preempted to make room (informational)
 };
 
 struct SessionInfo {
@@ -89,6 +92,7 @@ struct SessionInfo {
   int64_t first_live_page = 0;  // pages before it were released by the sliding window
   int64_t tier0_pages = 0;
   int64_t tier1_pages = 0;
+  int64_t shared_pages = 0;  // tier-0 pages other sessions reference too (forks, prefix hits)
   bool in_step = false;
   bool user_pinned = false;
   bool running = false;
@@ -122,8 +126,10 @@ class KvCacheManager {
   // --- Sessions ---------------------------------------------------------------
   // REQUIRES: id and tenant non-empty; id not in use (else ALREADY_EXISTS).
   absl::Status CreateSession(const std::string& id, const std::string& tenant);
-  // Releases every page. FAILED_PRECONDITION while a step or export holds the session.
-  absl::Status CloseSession(const std::string& id);
+  // Releases every page; `pages_freed` (optional) gets the pages whose last
+  // reference this was (shared pages still referenced elsewhere are not counted).
+  // FAILED_PRECONDITION while a step or export holds the session.
+  absl::Status CloseSession(const std::string& id, int64_t* pages_freed = nullptr);
   // Attaches the longest cached prefix of `prompt` (whole pages, same tenant and model)
   // to an empty session and returns the tokens attached (a multiple of page_tokens).
   // Counts prompt.size() queried and the result hit. Pass prompt minus its last token

@@ -5,13 +5,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/kv/session_key.h"
 
 namespace kvcache::kv {
 namespace {
 
 constexpr int64_t kSegmentOverhead = 32;  // matches KvChunk::ByteSize()
 
-std::string Quote(const std::string& id) { return absl::StrCat("session '", id, "'"); }
+std::string Quote(const std::string& key) { return QuoteSession(key); }
 
 }  // namespace
 

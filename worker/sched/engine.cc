@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "worker/kv/session_key.h"
 
 namespace kvcache::sched {
 
@@ -83,12 +84,21 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options, mo
 
 Engine::~Engine() { Stop(); }
 
-absl::Status Engine::CheckOwner(const std::string& id, const std::string& tenant) const {
-  auto it = sessions_.find(id);
-  if (it == sessions_.end() || it->second.tenant != tenant) {
-    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
-  }
+absl::Status Engine::CheckKnown(const std::string& key, const std::string& id) const {
+  if (!sessions_.contains(key)) return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
   return absl::OkStatus();
+}
+
+void Engine::AddSessionLocked(const std::string& key, SessionState state) {
+  auto [it, inserted] = sessions_.insert_or_assign(key, std::move(state));
+  if (inserted) ++tenant_sessions_[it->second.tenant];
+}
+
+void Engine::EraseSessionLocked(const std::string& key) {
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return;
+  if (--tenant_sessions_[it->second.tenant] <= 0) tenant_sessions_.erase(it->second.tenant);
+  sessions_.erase(it);
 }
 
 absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserver* observer) {
@@ -122,16 +132,14 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   int64_t context = static_cast<int64_t>(request.input.size());
   const std::string& sid = request.session_id;
+  const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   if (!sid.empty()) {
-    if (busy_.contains(sid)) {
+    if (busy_.contains(key)) {
       return absl::AbortedError(absl::StrCat("session '", sid, "' is busy with another request"));
     }
-    auto it = sessions_.find(sid);
     if (request.mode == RequestMode::kAppend) {
-      KVCACHE_RETURN_IF_ERROR(CheckOwner(sid, request.tenant));
-      context += static_cast<int64_t>(it->second.context.size());
-    } else if (it != sessions_.end() && it->second.tenant != request.tenant) {
-      return absl::AlreadyExistsError(absl::StrCat("session id '", sid, "' is in use"));
+      KVCACHE_RETURN_IF_ERROR(CheckKnown(key, sid));
+      context += static_cast<int64_t>(sessions_.find(key)->second.context.size());
     }
   }
   if (context >= options_.max_context) {
@@ -150,12 +158,12 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' has ",
                                                      limits.max_requests, " requests in flight (its limit)"));
   }
-  if (!sid.empty() && !sessions_.contains(sid) && limits.max_sessions > 0) {
-    int held = 0;
-    for (const auto& [id, state] : sessions_) held += state.tenant == request.tenant;
+  if (!sid.empty() && !sessions_.contains(key) && limits.max_sessions > 0) {
+    auto known = tenant_sessions_.find(request.tenant);
+    int held = known == tenant_sessions_.end() ? 0 : known->second;
     for (const auto& r : waiting_) {
       held += r->req.tenant == request.tenant && !r->req.session_id.empty() &&
-              !sessions_.contains(r->req.session_id);
+              !sessions_.contains(kv::SessionKey(r->req.tenant, r->req.session_id));
     }
     if (held >= limits.max_sessions) {
       return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' holds ", held,
@@ -167,7 +175,11 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     KVCACHE_RETURN_IF_ERROR(CheckPinQuota(request.tenant, need));
   }
   const uint64_t id = next_request_id_++;
-  if (!sid.empty()) busy_.insert(sid);
+  live_.insert(id);
+  if (!sid.empty()) {
+    busy_.insert(key);
+    if (auto it = sessions_.find(key); it != sessions_.end()) it->second.last_used = absl::Now();
+  }
   ++inflight_[request.tenant];
   waiting_.push_back(std::make_unique<Request>(id, std::move(request), observer, tokenizer_, max_tokens));
   load_.waiting = static_cast<int>(waiting_.size());
@@ -177,8 +189,14 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
 
 void Engine::Cancel(uint64_t request_id) {
   absl::MutexLock lock(&mu_);
+  if (!live_.contains(request_id)) return;  // done already (or never submitted)
   cancelled_.insert(request_id);
   wake_.Signal();
+}
+
+size_t Engine::tracked_request_ids() const {
+  absl::MutexLock lock(&mu_);
+  return live_.size() + cancelled_.size();
 }
 
 bool Engine::Prepare(Request& r) {
@@ -189,7 +207,7 @@ bool Engine::Prepare(Request& r) {
     r.ephemeral = true;
     r.sid = absl::StrCat("~ephemeral-", ++ephemeral_counter_);
   } else {
-    r.sid = q.session_id;
+    r.sid = kv::SessionKey(q.tenant, q.session_id);
   }
   std::vector<int32_t> known;  // the context the engine holds for the session
   bool exists = false;
@@ -203,7 +221,7 @@ bool Engine::Prepare(Request& r) {
   }
   if (q.mode == RequestMode::kAppend) {
     if (!exists) {  // closed between Submit and now
-      Finish(r, absl::NotFoundError(absl::StrCat("session '", r.sid, "' not found")), std::nullopt);
+      Finish(r, absl::NotFoundError(absl::StrCat("session '", q.session_id, "' not found")), std::nullopt);
       return false;
     }
     r.context = std::move(known);
@@ -244,10 +262,10 @@ bool Engine::Prepare(Request& r) {
     auto attached = kv_->AttachPrefix(r.sid, absl::MakeConstSpan(r.context.data(), r.context.size() - 1));
     cached = attached.ok() ? *attached : 0;
     absl::MutexLock lock(&mu_);
-    sessions_[r.sid] = SessionState{q.tenant, r.context};
+    AddSessionLocked(r.sid, SessionState{q.tenant, r.context, absl::Now()});
   }
   r.pending.assign(r.context.begin() + cached, r.context.end());
-  r.result.session_id = r.sid;
+  r.result.session_id = q.session_id;
   r.result.cached_tokens = cached;
   r.result.prompt_tokens = static_cast<int64_t>(r.context.size());
   return true;
@@ -271,17 +289,75 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
   }
   {
     absl::MutexLock lock(&mu_);
-    if (!r.req.session_id.empty()) busy_.erase(r.req.session_id);
+    if (!r.req.session_id.empty()) busy_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
     cancelled_.erase(r.id);
+    live_.erase(r.id);
     if (--inflight_[r.req.tenant] <= 0) inflight_.erase(r.req.tenant);
     if (r.prepared && r.ephemeral) {
-      sessions_.erase(r.sid);
+      EraseSessionLocked(r.sid);
     } else if (r.prepared) {
       auto it = sessions_.find(r.sid);
-      if (it != sessions_.end()) it->second.context = r.context;
+      if (it != sessions_.end()) {
+        it->second.context = r.context;
+        it->second.last_used = now;
+      }
     }
   }
   r.observer->OnDone(status, r.result);
+}
+
+absl::StatusOr<kv::StepReservation> Engine::Reserve(Request& r, int budget, int64_t* recomputed) {
+  // The engine is the authority on a request's context; the cache holds K/V for
+  // a prefix of it. Pressure (a running session preempted without tier-1 room,
+  // tier-1 pages dropped, a corrupt page on restore) can shorten that prefix
+  // between steps. Every reservation is checked against what the engine expects,
+  // and anything the cache lost is computed again from the context before the
+  // request goes on: it never continues at a position the cache no longer holds.
+  for (int attempt = 0;; ++attempt) {
+    const int64_t expected = static_cast<int64_t>(r.context.size() - r.pending.size());
+    const int n = std::min<int>(budget, static_cast<int>(r.pending.size()));
+    absl::StatusOr<kv::StepReservation> res = kv_->BeginStep(r.sid, n);
+    int64_t held;
+    if (res.ok()) {
+      if (res->first_pos == expected) return res;
+      held = res->first_pos;
+      (void)kv_->AbortStep(r.sid);
+    } else if (absl::IsDataLoss(res.status())) {
+      KV_LOG_WARN("session '{}': {}; recomputing it", r.req.session_id, res.status().ToString());
+      auto info = kv_->GetSession(r.sid);
+      if (!info.ok()) return info.status();
+      held = info->num_tokens;
+    } else {
+      return res.status();
+    }
+    if (held > expected || attempt > 0) {
+      return absl::InternalError(absl::StrCat("session '", r.req.session_id, "': the KV cache holds ", held,
+                                              " tokens where the engine expects ", expected));
+    }
+    KVCACHE_ASSIGN_OR_RETURN(const int64_t lost, Resync(r, held));
+    *recomputed += lost;
+  }
+}
+
+absl::StatusOr<int64_t> Engine::Resync(Request& r, int64_t held) {
+  const int64_t expected = static_cast<int64_t>(r.context.size() - r.pending.size());
+  KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, kv_->GetTokens(r.sid));
+  // What the cache kept must be a prefix of the context (it only ever stores what
+  // the engine committed); keep the part that is, drop the rest.
+  size_t keep = 0;
+  const size_t limit = std::min<size_t>({tokens.size(), static_cast<size_t>(held), r.context.size() - 1});
+  while (keep < limit && tokens[keep] == r.context[keep]) ++keep;
+  if (keep < tokens.size()) KVCACHE_RETURN_IF_ERROR(kv_->Truncate(r.sid, static_cast<int64_t>(keep)));
+  KV_LOG_DEBUG("session '{}': the KV cache lost tokens {}..{}; recomputing them", r.req.session_id, keep,
+               expected);
+  r.pending.assign(r.context.begin() + static_cast<std::ptrdiff_t>(keep), r.context.end());
+  r.decoding = false;  // a prefill again until the pending tokens are in the cache
+  if (!r.started) {
+    r.result.cached_tokens = std::min<int64_t>(r.result.cached_tokens, static_cast<int64_t>(keep));
+  }
+  const int64_t lost = expected - static_cast<int64_t>(keep);
+  r.result.recomputed_tokens += lost;
+  return lost;
 }
 
 bool Engine::Step() {
@@ -294,17 +370,20 @@ bool Engine::Step() {
   };
   std::vector<Planned> plan;
   // Decode first: one token per request past its prompt; then prefill chunks.
+  int64_t recomputed = 0;
+  absl::flat_hash_set<const Request*> planned;  // a decode that must recompute turns into a prefill
   for (int pass = 0; pass < 2 && budget > 0; ++pass) {
     for (auto& rp : active_) {
       Request& r = *rp;
       if (r.done || !r.prepared || r.decoding != (pass == 0) || r.pending.empty() || budget == 0) continue;
-      const int n = std::min<int>(budget, static_cast<int>(r.pending.size()));
-      auto res = kv_->BeginStep(r.sid, n);
+      if (planned.contains(&r)) continue;
+      absl::StatusOr<kv::StepReservation> res = Reserve(r, budget, &recomputed);
       if (!res.ok()) {
         if (res.status().code() == absl::StatusCode::kResourceExhausted) continue;  // wait for room
         Finish(r, res.status(), std::nullopt);
         continue;
       }
+      const int n = static_cast<int>(res->num_new_tokens);
       if (!r.started) {
         r.started = true;
         r.result.queue_time = absl::Now() - r.submitted;
@@ -312,6 +391,7 @@ bool Engine::Step() {
             std::min<int64_t>(res->restored_pages * page_tokens_, r.result.cached_tokens);
       }
       budget -= n;
+      planned.insert(&r);
       plan.push_back(Planned{&r, n, std::move(*res)});
     }
   }
@@ -382,7 +462,7 @@ bool Engine::Step() {
   while (!recent_decode_.empty() && end - recent_decode_.front().first > absl::Seconds(1)) {
     recent_decode_.pop_front();
   }
-  StepStats stats{static_cast<int>(plan.size()), decode_tokens, prefill_tokens, end - start};
+  StepStats stats{static_cast<int>(plan.size()), decode_tokens, prefill_tokens, end - start, recomputed};
   std::function<void(const StepStats&)> cb;
   {
     absl::MutexLock lock(&mu_);
@@ -395,6 +475,7 @@ bool Engine::Step() {
 void Engine::Loop() {
   while (true) {
     std::vector<std::unique_ptr<Request>> admitted;
+    std::vector<std::unique_ptr<Request>> expired;  // left the queue cancelled or late
     absl::flat_hash_set<uint64_t> cancelled;
     bool stopping;
     {
@@ -403,8 +484,23 @@ void Engine::Loop() {
       auto ready = [this, has_active]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stopping_ || has_active || !waiting_.empty();
       };
-      mu_.Await(absl::Condition(&ready));
+      if (options_.session_idle_ttl > absl::ZeroDuration()) {
+        mu_.AwaitWithDeadline(absl::Condition(&ready), next_expiry_);
+      } else {
+        mu_.Await(absl::Condition(&ready));
+      }
       stopping = stopping_;
+      // Queued requests honour cancellation and deadlines at once: they give back
+      // their queue slot, session and tenant quota without waiting for admission.
+      const absl::Time now = absl::Now();
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if (cancelled_.contains((*it)->id) || now > (*it)->req.deadline) {
+          expired.push_back(std::move(*it));
+          it = waiting_.erase(it);
+        } else {
+          ++it;
+        }
+      }
       while (!waiting_.empty() && static_cast<int>(active_.size() + admitted.size()) < options_.max_running) {
         admitted.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
@@ -416,6 +512,18 @@ void Engine::Loop() {
         }
       }
       cancelled = cancelled_;
+    }
+    if (!stopping && options_.session_idle_ttl > absl::ZeroDuration() && absl::Now() >= next_expiry_) {
+      ExpireIdleSessions(absl::Now());
+      next_expiry_ = absl::Now() + std::clamp(options_.session_idle_ttl / 8, absl::Milliseconds(10),
+                                              absl::Seconds(1));
+    }
+    for (auto& r : expired) {
+      const bool was_cancelled = cancelled.contains(r->id);
+      Finish(*r,
+             was_cancelled ? absl::CancelledError("request cancelled while queued")
+                           : absl::DeadlineExceededError("deadline passed while the request was queued"),
+             std::nullopt);
     }
     for (auto& r : admitted) active_.push_back(std::move(r));
     const absl::Time now = absl::Now();
@@ -434,13 +542,24 @@ void Engine::Loop() {
     if (!stopping) {
       const bool progressed = Step();
       if (!progressed) {
-        // Nothing fits: fail the newest request that has not started so that the
-        // others (and future requests) can make progress.
+        // Nothing fits (user-pinned sessions hold tier 0): fail the newest request
+        // that has not sent a token yet, else the newest, so that the others (and
+        // future requests) can make progress.
+        Request* victim = nullptr;
         for (auto it = active_.rbegin(); it != active_.rend(); ++it) {
-          if (!(*it)->done) {
-            Finish(**it, absl::ResourceExhaustedError("no KV cache memory to run the request"), std::nullopt);
+          if ((*it)->done) continue;
+          if (victim == nullptr) victim = it->get();
+          if ((*it)->result.output.empty()) {
+            victim = it->get();
             break;
           }
+        }
+        if (victim != nullptr) {
+          Finish(*victim,
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "no KV cache memory to run the request: tier 0 holds ", kv_->tier_capacity_pages(0),
+                     " pages (--tier0_bytes) and the rest are pinned or in use")),
+                 std::nullopt);
         }
       }
     }
@@ -499,62 +618,64 @@ void Engine::SetStepCallback(std::function<void(const StepStats&)> callback) {
 
 absl::Status Engine::Reserve(const std::string& id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  const bool others = it != sessions_.end() && it->second.tenant != tenant;
+  const std::string key = kv::SessionKey(tenant, id);
   // A session whose first request is still queued is busy before it is known.
-  if (busy_.contains(id) && !others) {
-    return absl::AbortedError(absl::StrCat("session '", id, "' is busy with a request"));
-  }
-  KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));
-  busy_.insert(id);
+  if (busy_.contains(key)) return absl::AbortedError(absl::StrCat("session '", id, "' is busy with a request"));
+  KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
+  busy_.insert(key);
   return absl::OkStatus();
 }
 
 absl::Status Engine::ReserveWait(const std::string& id, const std::string& tenant, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
-  KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));
-  auto free = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_.contains(id); };
+  const std::string key = kv::SessionKey(tenant, id);
+  KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
+  auto free = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_.contains(key); };
   if (!mu_.AwaitWithTimeout(absl::Condition(&free), timeout)) {
     return absl::AbortedError(
         absl::StrCat("session '", id, "' stayed busy for ", absl::FormatDuration(timeout)));
   }
-  KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));  // it may have been closed meanwhile
-  busy_.insert(id);
+  KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));  // it may have been closed meanwhile
+  busy_.insert(key);
   return absl::OkStatus();
 }
 
-void Engine::Release(const std::string& id) {
+void Engine::Release(const std::string& id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  busy_.erase(id);
+  busy_.erase(kv::SessionKey(tenant, id));
 }
 
-absl::Status Engine::CloseSession(const std::string& id, const std::string& tenant) {
+absl::Status Engine::CloseSession(const std::string& id, const std::string& tenant, int64_t* pages_freed) {
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
-  absl::Status st = kv_->CloseSession(id);
+  const std::string key = kv::SessionKey(tenant, id);
+  if (pages_freed != nullptr) *pages_freed = 0;
+  absl::Status st = kv_->CloseSession(key, pages_freed);
   if (st.code() == absl::StatusCode::kNotFound) st = absl::OkStatus();  // cache already lost it
   absl::MutexLock lock(&mu_);
-  busy_.erase(id);
-  if (st.ok()) sessions_.erase(id);
+  busy_.erase(key);
+  if (st.ok()) EraseSessionLocked(key);
   return st;
 }
 
 absl::Status Engine::ForkSession(const std::string& id, const std::string& new_id,
                                  const std::string& tenant) {
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
+  const std::string key = kv::SessionKey(tenant, id);
+  const std::string new_key = kv::SessionKey(tenant, new_id);
   std::vector<int32_t> context;
   absl::Status st;
   {
     absl::MutexLock lock(&mu_);
-    if (sessions_.contains(new_id) || busy_.contains(new_id)) {
+    if (sessions_.contains(new_key) || busy_.contains(new_key)) {
       st = absl::AlreadyExistsError(absl::StrCat("session '", new_id, "' already exists"));
     } else {
-      context = sessions_[id].context;
+      context = sessions_.find(key)->second.context;
     }
   }
-  if (st.ok()) st = kv_->Fork(id, new_id);
+  if (st.ok()) st = kv_->Fork(key, new_key);
   absl::MutexLock lock(&mu_);
-  busy_.erase(id);
-  if (st.ok()) sessions_[new_id] = SessionState{tenant, std::move(context)};
+  busy_.erase(key);
+  if (st.ok()) AddSessionLocked(new_key, SessionState{tenant, std::move(context), absl::Now()});
   return st;
 }
 
@@ -562,9 +683,9 @@ absl::Status Engine::CheckPinQuota(const std::string& tenant, int64_t extra_page
   const int64_t limit = options_.tenant_limits.max_pinned_pages;
   if (limit <= 0) return absl::OkStatus();
   int64_t pinned = 0;
-  for (const auto& [id, state] : sessions_) {
+  for (const auto& [key, state] : sessions_) {
     if (state.tenant != tenant) continue;
-    auto info = kv_->GetSession(id);
+    auto info = kv_->GetSession(key);
     if (info.ok() && info->user_pinned) pinned += info->tier0_pages + info->tier1_pages;
   }
   if (pinned + extra_pages > limit) {
@@ -575,39 +696,53 @@ absl::Status Engine::CheckPinQuota(const std::string& tenant, int64_t extra_page
 }
 
 absl::Status Engine::SetPinned(const std::string& id, const std::string& tenant, bool pinned) {
+  const std::string key = kv::SessionKey(tenant, id);
   if (pinned) {
-    auto info = kv_->GetSession(id);
+    auto info = kv_->GetSession(key);
     absl::MutexLock lock(&mu_);
-    KVCACHE_RETURN_IF_ERROR(CheckOwner(id, tenant));
+    KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
     if (info.ok() && !info->user_pinned) {
       KVCACHE_RETURN_IF_ERROR(CheckPinQuota(tenant, info->tier0_pages + info->tier1_pages));
     }
   }
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
-  absl::Status st = pinned ? kv_->PinSession(id) : kv_->UnpinSession(id);
-  Release(id);
+  absl::Status st = pinned ? kv_->PinSession(key) : kv_->UnpinSession(key);
+  Release(id, tenant);
   return st;
 }
 
 absl::Status Engine::Offload(const std::string& id, const std::string& tenant) {
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
-  absl::Status st = kv_->Offload(id);
-  Release(id);
+  absl::Status st = kv_->Offload(kv::SessionKey(tenant, id));
+  Release(id, tenant);
   return st;
 }
 
 absl::Status Engine::Restore(const std::string& id, const std::string& tenant) {
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
-  absl::Status st = kv_->Restore(id);
-  Release(id);
+  absl::Status st = kv_->Restore(kv::SessionKey(tenant, id));
+  Release(id, tenant);
   return st;
 }
 
-absl::StatusOr<std::vector<int32_t>> Engine::Context(const std::string& id) const {
+absl::StatusOr<std::vector<int32_t>> Engine::Context(const std::string& id, const std::string& tenant) const {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
+  auto it = sessions_.find(kv::SessionKey(tenant, id));
   if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
   return it->second.context;
+}
+
+absl::StatusOr<SessionView> Engine::View(const std::string& id, const std::string& tenant) const {
+  absl::MutexLock lock(&mu_);
+  const std::string key = kv::SessionKey(tenant, id);
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+  SessionView v;
+  v.context_tokens = static_cast<int64_t>(it->second.context.size());
+  v.last_used = it->second.last_used;
+  v.exporting = it->second.exports > 0;
+  v.busy = busy_.contains(key);
+  return v;
 }
 
 absl::Status Engine::AdoptSession(const std::string& id, const std::string& tenant,
@@ -618,19 +753,83 @@ absl::Status Engine::AdoptSession(const std::string& id, const std::string& tena
           absl::StrCat("session '", id, "': context token ", t, " outside the vocabulary"));
     }
   }
-  KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> cached, kv_->GetTokens(id));
+  const std::string key = kv::SessionKey(tenant, id);
+  KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> cached, kv_->GetTokens(key));
   if (cached.size() > context.size() || !std::equal(cached.begin(), cached.end(), context.begin())) {
     return absl::InvalidArgumentError(
         absl::StrCat("session '", id, "': cached tokens are not a prefix of its context"));
   }
   absl::MutexLock lock(&mu_);
-  sessions_[id] = SessionState{tenant, std::move(context)};
+  AddSessionLocked(key, SessionState{tenant, std::move(context), absl::Now()});
   return absl::OkStatus();
 }
 
-void Engine::ForgetSession(const std::string& id) {
+absl::StatusOr<std::unique_ptr<kv::SessionExporter>> Engine::BeginExport(const std::string& id,
+                                                                          const std::string& tenant,
+                                                                          kv::ExportOptions options) {
+  const std::string key = kv::SessionKey(tenant, id);
+  {
+    absl::MutexLock lock(&mu_);
+    KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
+    ++sessions_.find(key)->second.exports;
+  }
+  auto exporter = kv::SessionExporter::Create(kv_, key, options);
+  if (!exporter.ok()) EndExport(id, tenant, /*handed_over=*/false);
+  return exporter;
+}
+
+void Engine::EndExport(const std::string& id, const std::string& tenant, bool handed_over) {
+  const std::string key = kv::SessionKey(tenant, id);
+  if (handed_over) (void)kv_->CloseSession(key);  // the target holds it now
   absl::MutexLock lock(&mu_);
-  sessions_.erase(id);
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return;
+  if (it->second.exports > 0) --it->second.exports;
+  if (handed_over) EraseSessionLocked(key);
+}
+
+std::vector<kv::SessionName> Engine::Sessions() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<kv::SessionName> out;
+  out.reserve(sessions_.size());
+  for (const auto& [key, state] : sessions_) {
+    if (!kv::IsEphemeralKey(key)) out.push_back(kv::SplitSessionKey(key));
+  }
+  return out;
+}
+
+int Engine::ExpireIdleSessions(absl::Time now) {
+  const absl::Duration ttl = options_.session_idle_ttl;
+  if (ttl <= absl::ZeroDuration()) return 0;
+  std::vector<std::string> idle;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, state] : sessions_) {
+      if (now - state.last_used < ttl || state.exports > 0 || busy_.contains(key)) continue;
+      idle.push_back(key);
+      busy_.insert(key);  // nothing runs on it while it goes
+    }
+  }
+  int expired = 0;
+  for (const std::string& key : idle) {
+    auto info = kv_->GetSession(key);
+    const bool pinned = info.ok() && info->user_pinned;
+    if (!pinned) (void)kv_->CloseSession(key);
+    absl::MutexLock lock(&mu_);
+    busy_.erase(key);
+    if (pinned) {
+      sessions_.find(key)->second.last_used = now;  // pinned sessions never expire
+    } else {
+      EraseSessionLocked(key);
+      ++expired;
+    }
+  }
+  if (expired > 0) {
+    absl::MutexLock lock(&mu_);
+    load_.sessions_expired += expired;
+    KV_LOG_INFO("expired {} sessions idle for {}", expired, absl::FormatDuration(ttl));
+  }
+  return expired;
 }
 
 }  // namespace kvcache::sched

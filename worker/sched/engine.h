@@ -43,6 +43,8 @@
 #include "common/tokenizer/streaming_detokenizer.h"
 #include "common/tokenizer/tokenizer.h"
 #include "worker/kv/kv_cache_manager.h"
+#include "worker/kv/kv_transfer.h"
+#include "worker/kv/session_key.h"
 #include "worker/model/model_runner.h"
 #include "worker/model/sampler.h"
 
@@ -63,6 +65,10 @@ struct EngineOptions {
   int64_t max_context = 8192;    // tokens per session (clamped to the model's)
   int default_max_tokens = 256;  // when a request gives 0
   int max_tokens_per_request = 4096;
+  // A named session no request has used for this long is closed (its pages freed,
+  // routers told); pinned sessions and sessions being exported never expire.
+  // Zero or less: never.
+  absl::Duration session_idle_ttl = absl::Hours(4);
   TenantLimits tenant_limits;
 };
 
@@ -92,6 +98,10 @@ struct GenerateResult {
   int64_t cached_tokens = 0;    // of prompt_tokens, served from cached pages
   int64_t restored_tokens = 0;  // of cached_tokens, restored from tier 1 first
   int64_t generated_tokens = 0;
+  // K/V the cache dropped under memory pressure while the request ran (its pages
+  // were preempted without tier-1 room), computed again from the context. Costs
+  // time, never changes a token.
+  int64_t recomputed_tokens = 0;
   absl::Duration queue_time;           // submit -> first step
   absl::Duration time_to_first_token;  // submit -> first token
   absl::Duration total_time;           // submit -> done
@@ -114,6 +124,7 @@ struct StepStats {
   int decode_tokens = 0;
   int prefill_tokens = 0;
   absl::Duration duration;
+  int64_t recomputed_tokens = 0;  // tokens the cache had lost, put back in this step's plan
 };
 
 // Load, for Watch reports and admission decisions.
@@ -122,6 +133,15 @@ struct EngineLoad {
   int waiting = 0;
   int64_t queued_prefill_tokens = 0;
   double decode_tokens_per_second = 0;  // over the last second of steps
+  int64_t sessions_expired = 0;         // since start, by session_idle_ttl
+};
+
+// The engine's view of one named session.
+struct SessionView {
+  int64_t context_tokens = 0;  // see Engine::Context
+  absl::Time last_used;        // submit or end of the last request (or its import or fork)
+  bool exporting = false;      // an export or migration is running
+  bool busy = false;           // a request (or a session call) holds it
 };
 
 class Engine {
@@ -142,12 +162,18 @@ class Engine {
   // RESOURCE_EXHAUSTED (queue full, or the prompt can never fit in tier 0),
   // UNAVAILABLE (stopping). Returns a request id for Cancel.
   absl::StatusOr<uint64_t> Submit(GenerateRequest request, GenerateObserver* observer);
-  // Cancels a request (no-op when already done). Its OnDone reports CANCELLED.
+  // Cancels a request (no-op when already done). Its OnDone reports CANCELLED, at
+  // the next step boundary, also while it is still queued.
   void Cancel(uint64_t request_id);
+  // Request ids the engine still tracks (live or cancelled, not finished); 0 when
+  // idle. For leak tests.
+  size_t tracked_request_ids() const;
 
-  // Session calls. NOT_FOUND for unknown sessions and other tenants' sessions;
+  // Session calls. Sessions are named by (tenant, id): the same id in two tenants
+  // names two sessions, and an unknown id is NOT_FOUND whoever holds it elsewhere.
   // ABORTED while a request runs on the session.
-  absl::Status CloseSession(const std::string& id, const std::string& tenant);
+  // CloseSession: `pages_freed` (optional) gets the pages released for good.
+  absl::Status CloseSession(const std::string& id, const std::string& tenant, int64_t* pages_freed = nullptr);
   absl::Status ForkSession(const std::string& id, const std::string& new_id, const std::string& tenant);
   absl::Status SetPinned(const std::string& id, const std::string& tenant, bool pinned);
   absl::Status Offload(const std::string& id, const std::string& tenant);
@@ -157,17 +183,29 @@ class Engine {
   absl::Status Reserve(const std::string& id, const std::string& tenant);
   // Like Reserve, but waits up to `timeout` for a running request to finish.
   absl::Status ReserveWait(const std::string& id, const std::string& tenant, absl::Duration timeout);
-  void Release(const std::string& id);
+  void Release(const std::string& id, const std::string& tenant);
   // The session's whole context as the engine knows it: every token of its
   // conversation, including the last sampled one (which has no K/V yet) and any
   // the KV cache dropped under pressure (they are recomputed on the next
   // request). NOT_FOUND when unknown. Migration carries it.
-  absl::StatusOr<std::vector<int32_t>> Context(const std::string& id) const;
-  // Registers a session that appeared in the KV cache by import.
-  // REQUIRES: the KV session's tokens are a prefix of `context`.
+  absl::StatusOr<std::vector<int32_t>> Context(const std::string& id, const std::string& tenant) const;
+  absl::StatusOr<SessionView> View(const std::string& id, const std::string& tenant) const;
+  // Registers a session that appeared in the KV cache by import (under
+  // kv::SessionKey(tenant, id)). REQUIRES: its tokens are a prefix of `context`.
   absl::Status AdoptSession(const std::string& id, const std::string& tenant, std::vector<int32_t> context);
-  // Forgets a session that left the KV cache by export (no KV call).
-  void ForgetSession(const std::string& id);
+  // Export: BeginExport marks the session exporting (reported as migrating; it
+  // never expires meanwhile) and returns an exporter over its pages. EndExport
+  // ends that; with `handed_over` the target holds the session now, and it is
+  // closed here. REQUIRES for handed_over: the caller holds it (Reserve).
+  absl::StatusOr<std::unique_ptr<kv::SessionExporter>> BeginExport(const std::string& id,
+                                                                    const std::string& tenant,
+                                                                    kv::ExportOptions options);
+  void EndExport(const std::string& id, const std::string& tenant, bool handed_over);
+  // Every named session (tenant, id), in no particular order.
+  std::vector<kv::SessionName> Sessions() const;
+  // Closes named sessions idle for session_idle_ttl (the engine thread calls it
+  // between steps). Returns how many.
+  int ExpireIdleSessions(absl::Time now);
 
   EngineLoad Load() const;
   // Called after every step on the engine thread (metrics).
@@ -193,8 +231,16 @@ class Engine {
   bool Prepare(Request& r);
   // Runs one step over active_. Returns false when nothing could run.
   bool Step();
+  // BeginStep for up to `budget` of the request's pending tokens, after checking
+  // that the cache still holds every token the engine expects it to; what it lost
+  // is queued for recompute first (added to `recomputed`).
+  absl::StatusOr<kv::StepReservation> Reserve(Request& r, int budget, int64_t* recomputed);
+  // Re-derives the request's pending tokens from what the cache holds (`held`
+  // tokens, a prefix of its context). Returns the tokens to compute again.
+  absl::StatusOr<int64_t> Resync(Request& r, int64_t held);
   void Finish(Request& r, absl::Status status, std::optional<FinishReason> reason);
-  absl::Status CheckOwner(const std::string& id, const std::string& tenant) const
+  // NOT_FOUND naming `id` unless `key` is a known session.
+  absl::Status CheckKnown(const std::string& key, const std::string& id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when pinning `extra_pages` more for `tenant` would pass
   // its quota.
@@ -210,13 +256,20 @@ class Engine {
   mutable absl::Mutex mu_;
   absl::CondVar wake_;
   std::deque<std::unique_ptr<Request>> waiting_ ABSL_GUARDED_BY(mu_);
+  // Sessions by kv::SessionKey(tenant, id), the KV cache's key too.
   absl::flat_hash_set<std::string> busy_ ABSL_GUARDED_BY(mu_);
   struct SessionState {
     std::string tenant;
     std::vector<int32_t> context;  // see Context()
+    absl::Time last_used;
+    int exports = 0;
   };
+  void AddSessionLocked(const std::string& key, SessionState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> tenant_sessions_ ABSL_GUARDED_BY(mu_);  // tenant -> sessions_
+  absl::flat_hash_set<uint64_t> live_ ABSL_GUARDED_BY(mu_);       // submitted, not finished
+  absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);  // subset of live_
   absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);  // tenant -> requests
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
@@ -227,6 +280,7 @@ class Engine {
   std::vector<std::unique_ptr<Request>> active_;
   std::deque<std::pair<absl::Time, int>> recent_decode_;  // (step end, tokens)
   uint64_t ephemeral_counter_ = 0;
+  absl::Time next_expiry_ = absl::InfinitePast();
 
   std::thread thread_;
 };

@@ -1,6 +1,7 @@
 #include "worker/service/chunk_convert.h"
 
 #include "absl/strings/str_cat.h"
+#include "worker/kv/session_key.h"
 
 namespace kvcache::service {
 namespace {
@@ -45,7 +46,7 @@ v1::SessionChunk ToWire(const kv::KvChunk& c, int32_t index, const std::vector<i
   switch (c.kind) {
     case kv::KvChunk::Kind::kBegin: {
       auto* b = w.mutable_begin();
-      b->set_session_id(c.session_id);
+      b->set_session_id(kv::SplitSessionKey(c.session_id).id);  // the wire carries (tenant, id)
       b->set_tenant(c.tenant);
       b->set_model_id(c.model_id);
       *b->mutable_kv_shape() = ShapeToWire(c.shape);
@@ -86,7 +87,7 @@ absl::StatusOr<kv::KvChunk> FromWire(const v1::SessionChunk& w, std::vector<int3
   switch (w.kind_case()) {
     case v1::SessionChunk::kBegin: {
       c.kind = kv::KvChunk::Kind::kBegin;
-      c.session_id = w.begin().session_id();
+      c.session_id = kv::SessionKey(w.begin().tenant(), w.begin().session_id());
       c.tenant = w.begin().tenant();
       c.model_id = w.begin().model_id();
       auto shape = ShapeFromWire(w.begin().kv_shape());

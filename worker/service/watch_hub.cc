@@ -5,12 +5,14 @@
 
 #include "common/logging.h"
 #include "common/stream_writer.h"
+#include "worker/kv/session_key.h"
 
 namespace kvcache::service {
 
 bool ToCacheEvent(const kv::KvEvent& in, v1::CacheEvent* out) {
   out->Clear();
-  out->set_session_id(in.session_id);
+  // KV events name sessions by their (tenant, id) key; the wire carries the pair.
+  if (!in.session_id.empty()) out->set_session_id(kv::SplitSessionKey(in.session_id).id);
   out->set_tenant(in.tenant);
   out->set_tokens(static_cast<int32_t>(in.num_tokens));
   out->set_tier(v1::TIER_DEVICE);
@@ -137,9 +139,9 @@ v1::WorkerSnapshot WatchHub::MakeSnapshot(uint64_t* last_seq) const {
   ks->set_page_tokens(shape.page_tokens);
   ks->set_sliding_window(shape.sliding_window);
   for (const kv::SessionInfo& s : snap.sessions) {
-    if (s.id.rfind("~", 0) == 0) continue;  // ephemeral sessions are not routable
+    if (kv::IsEphemeralKey(s.id)) continue;  // ephemeral sessions are not routable
     v1::SessionInfo* si = out.add_sessions();
-    si->set_session_id(s.id);
+    si->set_session_id(kv::SplitSessionKey(s.id).id);
     si->set_tenant(s.tenant);
     si->set_worker_id(options_.worker_id);
     si->set_tokens_cached(static_cast<int32_t>(s.num_tokens));
@@ -191,7 +193,7 @@ void WatchHub::DeliverEventsLocked() {
     for (const kv::KvEvent& e : batch.events) {
       v1::WatchEvent w;
       if (!ToCacheEvent(e, w.mutable_event())) continue;
-      if (e.session_id.rfind("~", 0) == 0) continue;  // ephemeral sessions
+      if (kv::IsEphemeralKey(e.session_id)) continue;  // ephemeral sessions
       for (auto& [s, unused] : subscribers_) {
         if (e.seq > s->skip_until()) s->Send(w);
       }

@@ -32,14 +32,10 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
       : service_(service), stream_text_(stream_text), started_(absl::Now()) {}
 
   void Start(absl::StatusOr<sched::GenerateRequest> request, absl::Time deadline) {
-    if (!request.ok()) return Fail(request.status());
-    if (service_->draining()) return Fail(absl::UnavailableError("worker is draining"));
-    request->deadline = deadline;
-    auto id = service_->engine_->Submit(std::move(*request), this);
-    if (!id.ok()) return Fail(id.status());
-    absl::MutexLock lock(&mu_);
-    request_id_ = *id;
-    if (cancelled_) service_->engine_->Cancel(request_id_);
+    Ref();  // this call's: the engine may finish the request before Submit returns
+    Ref();  // the engine's, dropped after its OnDone (below when it never gets the request)
+    Submit(std::move(request), deadline);
+    Unref();
   }
 
   // GenerateObserver (engine thread).
@@ -60,7 +56,7 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
       v1::GenerateResponse msg;
       auto* f = msg.mutable_final();
       f->set_finish_reason(ToProto(result.finish));
-      f->set_session_id(result.session_id.rfind("~", 0) == 0 ? "" : result.session_id);
+      f->set_session_id(result.session_id);
       f->set_worker_id(service_->options_.worker_id);
       f->set_predicted_cached_tokens(-1);
       auto* u = f->mutable_usage();
@@ -74,12 +70,26 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
       Push(std::move(msg));
     }
     Close(ToGrpcStatus(status));
+    Unref();  // the engine's last call
   }
 
  private:
+  void Submit(absl::StatusOr<sched::GenerateRequest> request, absl::Time deadline) {
+    if (!request.ok()) return Fail(request.status());
+    if (service_->draining()) return Fail(absl::UnavailableError("worker is draining"));
+    request->deadline = deadline;
+    auto id = service_->engine_->Submit(std::move(*request), this);
+    if (!id.ok()) return Fail(id.status());
+    absl::MutexLock lock(&mu_);
+    request_id_ = *id;
+    if (cancelled_) service_->engine_->Cancel(request_id_);
+  }
+
+  // The engine never got the request: no observer call will come.
   void Fail(const absl::Status& status) {
     service_->metrics_->OnRequestDone(CodeName(status), nullptr);
     Close(ToGrpcStatus(status));
+    Unref();  // the engine's
   }
 
   // Client cancelled, its deadline passed, or a write failed: stop generating; the
@@ -110,12 +120,12 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
     absl::Status st = service_->engine_->Reserve(session_id_, tenant_);
     if (!st.ok()) return Done(st);
     reserved_ = true;
-    auto context = service_->engine_->Context(session_id_);
+    auto context = service_->engine_->Context(session_id_, tenant_);
     if (!context.ok()) return Done(context.status());
     context_ = std::move(*context);
     kv::ExportOptions eo;
     eo.max_chunk_bytes = max_chunk_bytes;
-    auto exporter = kv::SessionExporter::Create(service_->kv_, session_id_, eo);
+    auto exporter = service_->engine_->BeginExport(session_id_, tenant_, eo);
     if (!exporter.ok()) return Done(exporter.status());
     exporter_ = std::move(*exporter);
     Next();
@@ -142,8 +152,9 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
   }
 
   void Done(const absl::Status& st) {
+    if (exporter_ != nullptr) service_->engine_->EndExport(session_id_, tenant_, /*handed_over=*/false);
     exporter_.reset();
-    if (reserved_) service_->engine_->Release(session_id_);
+    if (reserved_) service_->engine_->Release(session_id_, tenant_);
     reserved_ = false;
     Finish(ToGrpcStatus(st));
   }
@@ -187,14 +198,15 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     absl::Status st = importer_->Add(*c);
     if (!st.ok()) return Done(st);
     if (importer_->committed()) {
-      const std::string& id = importer_->session_id();
+      const std::string& key = importer_->session_id();
+      const std::string id = kv::SplitSessionKey(key).id;
       if (context.empty()) {
-        auto tokens = service_->kv_->GetTokens(id);
+        auto tokens = service_->kv_->GetTokens(key);
         if (tokens.ok()) context = *tokens;
       }
       st = service_->engine_->AdoptSession(id, tenant_, std::move(context));
       if (!st.ok()) {
-        (void)service_->kv_->CloseSession(id);
+        (void)service_->kv_->CloseSession(key);
         return Done(st);
       }
       service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_),
@@ -253,11 +265,9 @@ void WorkerService::RunInBackground(std::function<void()> fn) {
 
 absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
                                                         const std::string& tenant) const {
-  auto context = engine_->Context(id);
-  auto info = kv_->GetSession(id);
-  if (!context.ok() || !info.ok() || info->tenant != tenant) {
-    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
-  }
+  auto view = engine_->View(id, tenant);
+  auto info = kv_->GetSession(kv::SessionKey(tenant, id));
+  if (!view.ok() || !info.ok()) return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
   v1::SessionInfo out;
   out.set_session_id(id);
   out.set_tenant(info->tenant);
@@ -265,12 +275,13 @@ absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
   out.set_tokens_cached(static_cast<int32_t>(info->num_tokens));
   out.set_pages_device(static_cast<int32_t>(info->tier0_pages));
   out.set_pages_host(static_cast<int32_t>(info->tier1_pages));
+  out.set_pages_shared(static_cast<int32_t>(info->shared_pages));
   out.set_pinned(info->user_pinned);
-  out.set_state(info->running ? v1::SESSION_RUNNING
-                              : (info->tier1_pages > 0 ? v1::SESSION_OFFLOADED : v1::SESSION_IDLE));
-  // last_use is a logical clock inside the cache; report wall time of this call's
-  // view instead when the session is running.
-  out.set_last_used_unix_ms(absl::ToUnixMillis(absl::Now()));
+  out.set_state(view->exporting  ? v1::SESSION_MIGRATING
+                : info->running  ? v1::SESSION_RUNNING
+                : info->tier1_pages > 0 ? v1::SESSION_OFFLOADED
+                                        : v1::SESSION_IDLE);
+  out.set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
   return out;
 }
 
@@ -293,8 +304,7 @@ grpc::ServerUnaryReactor* WorkerService::GetSession(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* WorkerService::ListSessions(grpc::CallbackServerContext* context,
                                                       const v1::ListSessionsRequest* request,
                                                       v1::ListSessionsResponse* response) {
-  for (const kv::SessionInfo& s : kv_->Snapshot().sessions) {
-    if (s.id.rfind("~", 0) == 0) continue;
+  for (const kv::SessionName& s : engine_->Sessions()) {
     if (!request->tenant().empty() && s.tenant != request->tenant()) continue;
     auto info = Describe(s.id, s.tenant);
     if (info.ok()) *response->add_sessions() = *info;
@@ -306,14 +316,9 @@ grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContex
                                                       const v1::SessionRequest* request,
                                                       v1::CloseSessionResponse* response) {
   const std::string tenant = TenantOf(request->tenant());
-  auto before = kv_->GetStats();
-  absl::Status st = engine_->CloseSession(request->session_id(), tenant);
-  if (st.ok()) {
-    auto after = kv_->GetStats();
-    response->set_pages_freed(
-        static_cast<int32_t>(std::max<int64_t>(0, after.tier[0].free_pages - before.tier[0].free_pages +
-                                                      after.tier[1].free_pages - before.tier[1].free_pages)));
-  }
+  int64_t freed = 0;
+  absl::Status st = engine_->CloseSession(request->session_id(), tenant, &freed);
+  if (st.ok()) response->set_pages_freed(static_cast<int32_t>(freed));
   return Answer(context, st);
 }
 
@@ -399,7 +404,7 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
                                                                   const std::string& tenant,
                                                                   const std::string& target) {
   const absl::Time start = absl::Now();
-  KVCACHE_RETURN_IF_ERROR(engine_->Context(session_id).status());
+  KVCACHE_RETURN_IF_ERROR(engine_->Context(session_id, tenant).status());
   auto channel = grpc::CreateChannel(
       target, options_.peer_credentials ? options_.peer_credentials : grpc::InsecureChannelCredentials());
   auto stub = v1::Worker::NewStub(channel);
@@ -411,13 +416,16 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   int64_t bytes = 0;
   kv::ExportOptions eo;
   eo.max_chunk_bytes = options_.max_chunk_bytes;
-  KVCACHE_ASSIGN_OR_RETURN(auto exporter, kv::SessionExporter::Create(kv_, session_id, eo));
+  KVCACHE_ASSIGN_OR_RETURN(std::unique_ptr<kv::SessionExporter> exporter,
+                           engine_->BeginExport(session_id, tenant, eo));
   auto send = [&](const kv::KvChunk& chunk, const std::vector<int32_t>& context) {
     v1::SessionChunk msg = ToWire(chunk, index++, context);
     bytes += static_cast<int64_t>(msg.ByteSizeLong());
     return writer->Write(msg);
   };
   auto fail = [&](absl::Status why) -> absl::Status {
+    exporter.reset();
+    engine_->EndExport(session_id, tenant, /*handed_over=*/false);
     ctx.TryCancel();
     grpc::Status remote = writer->Finish();
     if (!remote.ok() && why.code() == absl::StatusCode::kUnavailable) why = FromGrpcStatus(remote);
@@ -436,20 +444,20 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   absl::Status st = engine_->ReserveWait(session_id, tenant, options_.drain_deadline);
   if (!st.ok()) return fail(st);
   const absl::Time pause_start = absl::Now();
-  auto context = engine_->Context(session_id);
+  auto context = engine_->Context(session_id, tenant);
   if (!context.ok()) {
-    engine_->Release(session_id);
+    engine_->Release(session_id, tenant);
     return fail(context.status());
   }
   while (true) {
     auto more = exporter->NextFinal(&chunk);
     if (!more.ok()) {
-      engine_->Release(session_id);
+      engine_->Release(session_id, tenant);
       return fail(more.status());
     }
     if (!*more) break;
     if (!send(chunk, chunk.kind == kv::KvChunk::Kind::kCommit ? *context : std::vector<int32_t>{})) {
-      engine_->Release(session_id);
+      engine_->Release(session_id, tenant);
       return fail(absl::UnavailableError("target closed the import stream"));
     }
   }
@@ -457,15 +465,15 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   grpc::Status remote = writer->Finish();
   exporter.reset();
   if (!remote.ok()) {
-    engine_->Release(session_id);
+    engine_->EndExport(session_id, tenant, /*handed_over=*/false);
+    engine_->Release(session_id, tenant);
     return absl::Status(static_cast<absl::StatusCode>(remote.error_code()),
                         absl::StrCat("target ", target, " refused session '", session_id,
                                      "': ", remote.error_message(), "; the session stays here"));
   }
   // The target holds it now: drop our copy.
-  (void)kv_->CloseSession(session_id);
-  engine_->ForgetSession(session_id);
-  engine_->Release(session_id);
+  engine_->EndExport(session_id, tenant, /*handed_over=*/true);
+  engine_->Release(session_id, tenant);
   const absl::Time end = absl::Now();
   hub_->Flush();
   metrics_->OnMigration(/*outgoing=*/true, bytes, end - start);
@@ -510,8 +518,7 @@ v1::DrainResponse WorkerService::DrainAndMigrate(const std::vector<std::string>&
     KV_LOG_WARN("drain: requests still running after {}", absl::FormatDuration(deadline));
   v1::DrainResponse out;
   size_t next = 0;
-  for (const kv::SessionInfo& s : kv_->Snapshot().sessions) {
-    if (s.id.rfind("~", 0) == 0) continue;
+  for (const kv::SessionName& s : engine_->Sessions()) {
     bool moved = false;
     for (size_t tries = 0; tries < targets.size() && !moved; ++tries) {
       const std::string& target = targets[next++ % targets.size()];

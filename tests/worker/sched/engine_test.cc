@@ -1,106 +1,16 @@
-// Engine scheduling tests against a pure-logic model: the "model" writes each
-// token id into its KV slot and predicts the next token from every id it reads
-// back through the page table, so a wrong page table, position or cache reuse
-// changes the output. The reference computes the same function on the true
-// token list.
+// Engine scheduling tests against the pure-logic model of fake_runner.h.
 #include "worker/sched/engine.h"
 
 #include <cstring>
 
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
-#include "common/gguf/gguf_reader.h"
-#include "common/gguf/tiny_llama.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/worker/sched/fake_runner.h"
 
 namespace kvcache::sched {
 namespace {
-
-constexpr int kFirstByteToken = 3;
-
-// Next token after `context`: a byte token chosen by a position-weighted sum.
-int32_t Reference(const std::vector<int32_t>& context) {
-  uint64_t h = 0;
-  for (size_t p = 0; p < context.size(); ++p) h += (p + 1) * static_cast<uint64_t>(context[p]);
-  return kFirstByteToken + static_cast<int32_t>('a' + h % 26);  // printable letters
-}
-
-class FakeRunner : public model::ModelRunner {
- public:
-  FakeRunner(kv::KvCacheManager* kv, int64_t vocab) : kv_(kv) {
-    hp_.n_vocab = vocab;
-    hp_.n_ctx_train = 512;
-  }
-  const gguf::LlamaHparams& hparams() const override { return hp_; }
-  int max_batch_tokens() const override { return 64; }
-
-  absl::Status Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) override {
-    if (gate_ != nullptr) gate_->WaitForNotification();
-    max_sequences_ = std::max(max_sequences_, static_cast<int>(batch.size()));
-    ++steps_;
-    const kv::KvShape& s = kv_->shape();
-    logits->clear();
-    for (const auto& seq : batch) {
-      // Write the new tokens into their slots (layer 0, K, element 0).
-      for (size_t i = 0; i < seq.tokens.size(); ++i) {
-        const int64_t pos = seq.first_pos + static_cast<int64_t>(i);
-        float v = static_cast<float>(seq.tokens[i]);
-        std::memcpy(Slot(seq, pos), &v, sizeof(v));
-      }
-      if (!seq.want_logits) continue;
-      // Read every position back through the page table.
-      std::vector<int32_t> context;
-      const int64_t n = seq.first_pos + static_cast<int64_t>(seq.tokens.size());
-      for (int64_t pos = 0; pos < n; ++pos) {
-        float v;
-        std::memcpy(&v, Slot(seq, pos), sizeof(v));
-        context.push_back(static_cast<int32_t>(v));
-      }
-      std::vector<float> row(static_cast<size_t>(hp_.n_vocab), 0.0f);
-      row[Reference(context)] = 1.0f;
-      logits->insert(logits->end(), row.begin(), row.end());
-    }
-    (void)s;
-    return absl::OkStatus();
-  }
-
-  absl::Notification* gate_ = nullptr;
-  int max_sequences_ = 0;
-  int steps_ = 0;
-
- private:
-  uint8_t* Slot(const model::SequenceStep& seq, int64_t pos) {
-    const kv::KvShape& s = kv_->shape();
-    const kv::PageId page = seq.page_table[pos / s.page_tokens];
-    return kv_->Tier0PageData(page) + kv::KOffset(s, 0, static_cast<int>(pos % s.page_tokens));
-  }
-
-  kv::KvCacheManager* kv_;
-  gguf::LlamaHparams hp_;
-};
-
-// Collects what the engine streams for one request.
-class Collector : public GenerateObserver {
- public:
-  void OnToken(int32_t id, absl::string_view text) override {
-    tokens.push_back(id);
-    text_.append(text.data(), text.size());
-  }
-  void OnDone(const absl::Status& s, const GenerateResult& r) override {
-    status = s;
-    result = r;
-    done.Notify();
-  }
-  const GenerateResult& Wait() {
-    done.WaitForNotification();
-    return result;
-  }
-  std::vector<int32_t> tokens;
-  std::string text_;
-  absl::Status status;
-  GenerateResult result;
-  absl::Notification done;
-};
 
 class EngineTest : public ::testing::Test {
  protected:
@@ -108,25 +18,12 @@ class EngineTest : public ::testing::Test {
 
   void Build(int tier0_pages, int tier1_pages, EngineOptions options = {}) {
     engine_.reset();
-    auto bytes = gguf::BuildTinyLlama({});
-    ASSERT_TRUE(bytes.ok()) << bytes.status();
-    auto file = gguf::GgufFile::OpenFromBuffer(*bytes);
-    ASSERT_TRUE(file.ok());
-    auto tok = tok::Tokenizer::FromGguf(**file);
-    ASSERT_TRUE(tok.ok()) << tok.status();
-    tokenizer_ = std::move(*tok);
-    kv::KvCacheOptions ko;
-    ko.shape = kv::KvShape{1, 1, 4, kv::KvDtype::kF32, 16, 0};
-    ko.model_id = "fake";
-    ko.tier0_bytes = tier0_pages * ko.shape.page_bytes();
-    ko.tier1_bytes = tier1_pages * ko.shape.page_bytes();
-    auto kv = kv::KvCacheManager::Create(ko);
-    ASSERT_TRUE(kv.ok()) << kv.status();
-    kv_ = std::move(*kv);
-    runner_ = std::make_unique<FakeRunner>(kv_.get(), tokenizer_->n_vocab());
-    auto e = Engine::Create(options, runner_.get(), kv_.get(), tokenizer_.get());
-    ASSERT_TRUE(e.ok()) << e.status();
-    engine_ = std::move(*e);
+    auto bed = MakeEngineBed(tier0_pages, tier1_pages, options);
+    ASSERT_TRUE(bed.ok()) << bed.status();
+    tokenizer_ = std::move(bed->tokenizer);
+    kv_ = std::move(bed->kv);
+    runner_ = std::move(bed->runner);
+    engine_ = std::move(bed->engine);
   }
 
   void TearDown() override {
@@ -337,6 +234,51 @@ TEST_F(EngineTest, CancelFreesPages) {
   EXPECT_EQ(stats.tier[0].session_private_pages, 0);
 }
 
+TEST_F(EngineTest, QueuedRequestsHonourCancelAndDeadlineAtOnce) {
+  EngineOptions o;
+  o.max_running = 1;
+  o.tenant_limits.max_requests = 3;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  runner_->LimitSteps(1);
+  Collector running, cancelled, late, after;
+  ASSERT_TRUE(engine_->Submit(Req("a", RequestMode::kFullContext, Prompt(5), 50), &running).ok());
+  auto queued = engine_->Submit(Req("b", RequestMode::kFullContext, Prompt(6), 5), &cancelled);
+  ASSERT_TRUE(queued.ok());
+  GenerateRequest soon = Req("c", RequestMode::kFullContext, Prompt(7), 5);
+  soon.deadline = absl::Now();  // passes while it waits behind the first request
+  ASSERT_TRUE(engine_->Submit(soon, &late).ok());
+  engine_->Cancel(*queued);
+  runner_->AllowSteps(1);  // one step boundary, while "a" still has 48 tokens to go
+  cancelled.Wait();
+  late.Wait();
+  EXPECT_EQ(cancelled.status.code(), absl::StatusCode::kCancelled) << cancelled.status;
+  EXPECT_EQ(late.status.code(), absl::StatusCode::kDeadlineExceeded) << late.status;
+  EXPECT_FALSE(running.done.HasBeenNotified());
+  EXPECT_TRUE(cancelled.tokens.empty());
+  // Their tenant quota and session ids are free again.
+  ASSERT_TRUE(engine_->Submit(Req("b", RequestMode::kFullContext, Prompt(6), 2), &after).ok());
+  runner_->LimitSteps(-1);
+  running.Wait();
+  after.Wait();
+  EXPECT_TRUE(running.status.ok());
+  EXPECT_TRUE(after.status.ok());
+  ASSERT_TRUE(engine_->WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(engine_->tracked_request_ids(), 0u);
+}
+
+TEST_F(EngineTest, CancellingFinishedRequestsLeaksNothing) {
+  for (int i = 0; i < 200; ++i) {
+    Collector c;
+    auto id = engine_->Submit(Req("", RequestMode::kFullContext, Prompt(3, i), 1), &c);
+    ASSERT_TRUE(id.ok());
+    c.Wait();
+    engine_->Cancel(*id);  // too late: a no-op that must not be remembered
+    engine_->Cancel(*id + 1000000);
+  }
+  ASSERT_TRUE(engine_->WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(engine_->tracked_request_ids(), 0u);
+}
+
 TEST_F(EngineTest, DeadlineEndsTheRequest) {
   Collector c;
   GenerateRequest r = Req("", RequestMode::kFullContext, Prompt(5), 100);
@@ -443,6 +385,75 @@ TEST_F(EngineTest, TenantLimitsAnswerResourceExhausted) {
   EXPECT_TRUE(engine_->SetPinned("s2", "t1", true).ok());
 }
 
+TEST_F(EngineTest, TenantsAreSeparateNamespaces) {
+  // The same id in two tenants: two sessions with their own contexts.
+  Collector a, b;
+  const auto pa = Prompt(20, 1), pb = Prompt(24, 2);
+  ASSERT_TRUE(engine_->Submit(Req("same", RequestMode::kFullContext, pa, 3, "t1"), &a).ok());
+  ASSERT_TRUE(engine_->Submit(Req("same", RequestMode::kFullContext, pb, 3, "t2"), &b).ok());
+  a.Wait();
+  b.Wait();
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  ASSERT_TRUE(b.status.ok()) << b.status;
+  EXPECT_EQ(a.result.session_id, "same");
+  Collector a2, b2;
+  ASSERT_TRUE(engine_->Submit(Req("same", RequestMode::kAppend, Prompt(3, 9), 4, "t1"), &a2).ok());
+  ASSERT_TRUE(engine_->Submit(Req("same", RequestMode::kAppend, Prompt(3, 9), 4, "t2"), &b2).ok());
+  a2.Wait();
+  b2.Wait();
+  auto full = [](std::vector<int32_t> p, const std::vector<int32_t>& out, const std::vector<int32_t>& more) {
+    p.insert(p.end(), out.begin(), out.end());
+    p.insert(p.end(), more.begin(), more.end());
+    return p;
+  };
+  EXPECT_EQ(a2.tokens, Expected(full(pa, a.tokens, Prompt(3, 9)), 4));
+  EXPECT_EQ(b2.tokens, Expected(full(pb, b.tokens, Prompt(3, 9)), 4));
+  // Closing one leaves the other; another tenant's id answers exactly like an
+  // unknown one.
+  ASSERT_TRUE(engine_->CloseSession("same", "t1").ok());
+  EXPECT_TRUE(engine_->Context("same", "t2").ok());
+  const absl::Status theirs = engine_->CloseSession("same", "t1");
+  const absl::Status unknown = engine_->CloseSession("nobody", "t1");
+  EXPECT_EQ(theirs.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Reserve("same", "t3").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(std::string(theirs.message()), absl::StrReplaceAll(unknown.message(), {{"nobody", "same"}}));
+  // Forks and quotas stay inside the tenant too.
+  EXPECT_TRUE(engine_->ForkSession("same", "copy", "t2").ok());
+  EXPECT_EQ(engine_->ForkSession("same", "copy", "t1").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Sessions().size(), 2u);
+  EXPECT_TRUE(kv_->CheckInvariants().ok());
+}
+
+TEST_F(EngineTest, IdleSessionsExpireExceptPinnedOnes) {
+  EngineOptions o;
+  o.session_idle_ttl = absl::Hours(1);  // the engine's own sweep stays out of the way
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  for (const char* id : {"idle", "pinned"}) {
+    Collector c;
+    ASSERT_TRUE(engine_->Submit(Req(id, RequestMode::kFullContext, Prompt(20), 2), &c).ok());
+    c.Wait();
+  }
+  ASSERT_TRUE(engine_->SetPinned("pinned", "t", true).ok());
+  EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Minutes(30)), 0);  // not idle long enough
+  const uint64_t seq = kv_->ReadEvents(0, 0).last_seq;
+  EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Hours(2)), 1);
+  EXPECT_EQ(engine_->Context("idle", "t").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(kv_->GetSession(kv::SessionKey("t", "idle")).ok());
+  EXPECT_TRUE(engine_->Context("pinned", "t").ok());
+  EXPECT_EQ(engine_->Load().sessions_expired, 1);
+  // Routers hear of it as a closed session.
+  bool closed = false;
+  for (const kv::KvEvent& e : kv_->ReadEvents(seq).events) {
+    closed |= e.type == kv::KvEventType::kSessionClosed && e.session_id == kv::SessionKey("t", "idle");
+  }
+  EXPECT_TRUE(closed);
+  // A session in use is never expired under its request.
+  ASSERT_TRUE(engine_->Reserve("pinned", "t").ok());
+  ASSERT_TRUE(engine_->SetPinned("pinned", "t", false).code() == absl::StatusCode::kAborted);
+  EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Hours(5)), 0);
+  engine_->Release("pinned", "t");
+}
+
 TEST_F(EngineTest, ForkCopiesContext) {
   Collector a;
   auto p = Prompt(30);
@@ -450,7 +461,7 @@ TEST_F(EngineTest, ForkCopiesContext) {
   a.Wait();
   ASSERT_TRUE(engine_->ForkSession("a", "b", "t").ok());
   EXPECT_EQ(engine_->ForkSession("a", "b", "t").code(), absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(*engine_->Context("b"), *engine_->Context("a"));
+  EXPECT_EQ(*engine_->Context("b", "t"), *engine_->Context("a", "t"));
   Collector x, y;
   ASSERT_TRUE(engine_->Submit(Req("a", RequestMode::kAppend, Prompt(3, 1), 4), &x).ok());
   x.Wait();
