@@ -47,6 +47,8 @@ ABSL_FLAG(int32_t, max_tokens_per_request, 4096, "Largest max_tokens a request m
 ABSL_FLAG(int32_t, tenant_max_sessions, 0, "Named sessions one tenant may hold (0: unlimited)");
 ABSL_FLAG(int64_t, tenant_max_pinned_pages, 0, "KV pages one tenant may keep pinned (0: unlimited)");
 ABSL_FLAG(int32_t, tenant_max_requests, 0, "Requests one tenant may have queued or running (0: unlimited)");
+ABSL_FLAG(absl::Duration, session_idle_ttl, absl::Hours(4),
+          "Named sessions unused this long are closed (pinned ones excepted; 0: never)");
 ABSL_FLAG(absl::Duration, load_report_interval, absl::Seconds(1), "Watch load report period");
 ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30), "How long a drain waits for running streams");
 
@@ -162,6 +164,7 @@ int Run() {
   eo.tenant_limits.max_sessions = absl::GetFlag(FLAGS_tenant_max_sessions);
   eo.tenant_limits.max_pinned_pages = absl::GetFlag(FLAGS_tenant_max_pinned_pages);
   eo.tenant_limits.max_requests = absl::GetFlag(FLAGS_tenant_max_requests);
+  eo.session_idle_ttl = absl::GetFlag(FLAGS_session_idle_ttl);
   auto engine = sched::Engine::Create(eo, runner->get(), kv->get(), tokenizer->get());
   if (!engine.ok()) DieWith(kName, engine.status(), 1);
 

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/gguf/model_path.h"
 #include "common/gguf/tiny_llama.h"
@@ -322,6 +323,110 @@ TEST_F(WorkerTest, SessionCallsAndWatchEvents) {
   v1::CloseSessionResponse closed;
   ASSERT_TRUE(call(&v1::Worker::Stub::CloseSession, sr, &closed).ok());
   EXPECT_EQ(call(&v1::Worker::Stub::GetSession, sr, &info).error_code(), grpc::NOT_FOUND);
+}
+
+TEST_F(WorkerTest, SessionFieldsTellTheTruthAndTenantsAreSeparate) {
+  auto w = StartWorker({"--page_tokens=16"});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  auto call = [&](auto method, auto req, auto* resp) {
+    grpc::ClientContext c;
+    return (stub.get()->*method)(&c, req, resp);
+  };
+  auto session = [](const std::string& id, const std::string& tenant) {
+    v1::SessionRequest r;
+    r.set_session_id(id);
+    r.set_tenant(tenant);
+    return r;
+  };
+  const int64_t before_ms = absl::ToUnixMillis(absl::Now());
+  v1::GenerateRequest req = Text("s", std::string(70, 'q'), 5);
+  Turn t = Generate(stub.get(), req);
+  ASSERT_TRUE(t.status.ok()) << t.status.error_message();
+  const int64_t after_ms = absl::ToUnixMillis(absl::Now());
+  v1::SessionInfo info;
+  ASSERT_TRUE(call(&v1::Worker::Stub::GetSession, session("s", ""), &info).ok());
+  EXPECT_GE(info.last_used_unix_ms(), before_ms);
+  EXPECT_LE(info.last_used_unix_ms(), after_ms);
+  EXPECT_EQ(info.pages_shared(), 0);
+  const int tokens = info.tokens_cached();
+  const int full_pages = tokens / 16;
+  ASSERT_GT(full_pages, 0);
+
+  // A fork shares every full page; closing it frees only its private tail.
+  v1::ForkSessionRequest fr;
+  fr.set_session_id("s");
+  fr.set_new_session_id("f");
+  ASSERT_TRUE(call(&v1::Worker::Stub::ForkSession, fr, &info).ok());
+  EXPECT_EQ(info.pages_shared(), full_pages);
+  ASSERT_TRUE(call(&v1::Worker::Stub::GetSession, session("s", ""), &info).ok());
+  EXPECT_EQ(info.pages_shared(), full_pages);
+  EXPECT_LE(info.last_used_unix_ms(), after_ms);  // a read does not count as use
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(call(&v1::Worker::Stub::CloseSession, session("f", ""), &closed).ok());
+  EXPECT_EQ(closed.pages_freed(), tokens % 16 == 0 ? 0 : 1);
+  ASSERT_TRUE(call(&v1::Worker::Stub::GetSession, session("s", ""), &info).ok());
+  EXPECT_EQ(info.pages_shared(), 0);
+  ASSERT_TRUE(call(&v1::Worker::Stub::CloseSession, session("s", ""), &closed).ok());
+  EXPECT_EQ(closed.pages_freed(), (tokens + 15) / 16);
+
+  // The same id in two tenants: two sessions; a third tenant learns nothing.
+  for (const char* tenant : {"acme", "globex"}) {
+    v1::GenerateRequest r = Text("shared-id", std::string("tenant ") + tenant + " says hello", 4);
+    r.set_tenant(tenant);
+    Turn turn = Generate(stub.get(), r);
+    ASSERT_TRUE(turn.status.ok()) << tenant << ": " << turn.status.error_message();
+  }
+  ASSERT_TRUE(call(&v1::Worker::Stub::CloseSession, session("shared-id", "acme"), &closed).ok());
+  ASSERT_TRUE(call(&v1::Worker::Stub::GetSession, session("shared-id", "globex"), &info).ok());
+  EXPECT_EQ(info.tenant(), "globex");
+  const grpc::Status theirs = call(&v1::Worker::Stub::GetSession, session("shared-id", "initech"), &info);
+  const grpc::Status unknown = call(&v1::Worker::Stub::GetSession, session("no-such-id", "initech"), &info);
+  EXPECT_EQ(theirs.error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(unknown.error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(theirs.error_message(), absl::StrReplaceAll(unknown.error_message(), {{"no-such-id", "shared-id"}}));
+  v1::GenerateRequest append = Text("shared-id", " more", 2, v1::APPEND);
+  append.set_tenant("initech");
+  Turn refused = Generate(stub.get(), append);
+  EXPECT_EQ(refused.status.error_code(), grpc::NOT_FOUND);
+}
+
+TEST_F(WorkerTest, IdleSessionsExpireAndTheWatchSaysSo) {
+  auto w = StartWorker({"--session_idle_ttl=300ms"});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  grpc::ClientContext wctx;
+  wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto watch = stub->Watch(&wctx, v1::WatchRequest());
+  v1::WatchEvent ev;
+  ASSERT_TRUE(watch->Read(&ev));
+  ASSERT_TRUE(Generate(stub.get(), Text("goes", "an idle conversation", 3)).status.ok());
+  ASSERT_TRUE(Generate(stub.get(), Text("stays", "a pinned conversation", 3)).status.ok());
+  v1::PinSessionRequest pin;
+  pin.set_session_id("stays");
+  pin.set_pinned(true);
+  v1::SessionInfo info;
+  {
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub->PinSession(&c, pin, &info).ok());
+  }
+  bool dropped = false;
+  while (!dropped && watch->Read(&ev)) {
+    dropped = ev.has_event() && ev.event().kind() == v1::CacheEvent::SESSION_DROPPED &&
+              ev.event().session_id() == "goes";
+    EXPECT_FALSE(ev.has_event() && ev.event().kind() == v1::CacheEvent::SESSION_DROPPED &&
+                 ev.event().session_id() == "stays");
+  }
+  EXPECT_TRUE(dropped);
+  wctx.TryCancel();
+  watch->Finish();
+  v1::SessionRequest sr;
+  sr.set_session_id("goes");
+  grpc::ClientContext c1;
+  EXPECT_EQ(stub->GetSession(&c1, sr, &info).error_code(), grpc::NOT_FOUND);
+  sr.set_session_id("stays");
+  grpc::ClientContext c2;
+  EXPECT_TRUE(stub->GetSession(&c2, sr, &info).ok());
 }
 
 TEST_F(WorkerTest, OffloadUnderPressureKeepsOutputIdentical) {

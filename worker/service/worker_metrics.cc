@@ -62,6 +62,17 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                         .Help("Running sessions offloaded to make room")
                         .Register(r)
                         .Add({})),
+      recomputed_tokens_(&BuildCounter()
+                              .Name("kvcache_recomputed_tokens_total")
+                              .Help("Tokens whose K/V a running request lost under memory pressure and computed "
+                                    "again (same tokens, more time)")
+                              .Register(r)
+                              .Add({})),
+      sessions_expired_(&BuildCounter()
+                             .Name("kvcache_sessions_expired_total")
+                             .Help("Named sessions closed after --session_idle_ttl without a request")
+                             .Register(r)
+                             .Add({})),
       migration_bytes_(BuildCounter()
                            .Name("kvcache_migration_bytes_total")
                            .Help("Session bytes migrated, by direction")
@@ -162,13 +173,16 @@ void WorkerMetrics::Refresh(const kv::KvStats& kv, int64_t page_bytes, const sch
   bump(offload_bytes_, kv.offload_bytes, last_.offload_bytes);
   bump(restore_bytes_, kv.restore_bytes, last_.restore_bytes);
   bump(preemptions_, kv.preemptions, last_.preemptions);
+  bump(sessions_expired_, load.sessions_expired, last_expired_);
   last_ = kv;
+  last_expired_ = load.sessions_expired;
 }
 
 void WorkerMetrics::OnStep(const sched::StepStats& step) {
   step_->Observe(absl::ToDoubleSeconds(step.duration));
   batch_size_->Observe(step.sequences);
   batch_tokens_->Observe(step.decode_tokens + step.prefill_tokens);
+  if (step.recomputed_tokens > 0) recomputed_tokens_->Increment(static_cast<double>(step.recomputed_tokens));
 }
 
 void WorkerMetrics::OnRequestDone(const std::string& code, const sched::GenerateResult* result) {

@@ -51,6 +51,8 @@ class WorkerMetrics {
   prometheus::Counter* offload_bytes_;
   prometheus::Counter* restore_bytes_;
   prometheus::Counter* preemptions_;
+  prometheus::Counter* recomputed_tokens_;
+  prometheus::Counter* sessions_expired_;
   prometheus::Family<prometheus::Counter>& migration_bytes_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Counter* prompt_tokens_;
@@ -68,6 +70,7 @@ class WorkerMetrics {
 
   absl::Mutex mu_;
   kv::KvStats last_ ABSL_GUARDED_BY(mu_);  // counters already exported
+  int64_t last_expired_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvcache::service

@@ -454,6 +454,25 @@ TEST_F(EngineTest, IdleSessionsExpireExceptPinnedOnes) {
   engine_->Release("pinned", "t");
 }
 
+TEST_F(EngineTest, ExportMarksTheSessionAndHandingOverForgetsIt) {
+  Collector c;
+  ASSERT_TRUE(engine_->Submit(Req("m", RequestMode::kFullContext, Prompt(40), 3), &c).ok());
+  c.Wait();
+  EXPECT_FALSE(engine_->View("m", "t")->exporting);
+  auto exporter = engine_->BeginExport("m", "t", kv::ExportOptions{});
+  ASSERT_TRUE(exporter.ok()) << exporter.status();
+  EXPECT_TRUE(engine_->View("m", "t")->exporting);
+  EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Hours(100)), 0);  // never while exported
+  exporter->reset();
+  engine_->EndExport("m", "t", /*handed_over=*/false);
+  EXPECT_FALSE(engine_->View("m", "t")->exporting);
+  ASSERT_TRUE(engine_->Reserve("m", "t").ok());
+  engine_->EndExport("m", "t", /*handed_over=*/true);
+  engine_->Release("m", "t");
+  EXPECT_EQ(engine_->View("m", "t").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(kv_->GetSession(kv::SessionKey("t", "m")).ok());
+}
+
 TEST_F(EngineTest, ForkCopiesContext) {
   Collector a;
   auto p = Prompt(30);
