@@ -23,6 +23,7 @@
 #include "common/gguf/model_path.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
+#include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
 #include "worker/model/llama_model.h"
 #include "worker/model/sampler.h"
@@ -204,6 +205,43 @@ TEST_F(LlamaReferenceTest, ServingPathGapsNearFloat64) {
     std::printf("%-13s serving path vs float64: max gap diff %.3f\n", name.c_str(), worst_gap);
     EXPECT_LE(worst_gap, kServingTolerance);
     ASSERT_TRUE(kv_->CloseSession(id).ok());
+  }
+}
+
+// How much the chunking of a context changes its logits. The engine splits
+// prefill into chunks as the step budget allows, decodes one token a step, and
+// recomputes what the KV cache dropped under memory pressure as a prefill: the
+// same context can reach the model cut in different ways, and the kernels' float
+// rounding differs between one-token steps and larger chunks (README,
+// "Exactness"). The difference is printed at the machine's kernel level and
+// bounded by the serving path's own error against float64.
+TEST_F(LlamaReferenceTest, ChunkingChangesLogitsOnlyByRounding) {
+  std::vector<int32_t> context;
+  for (int i = 0; i < 120; ++i) context.push_back(100 + (i * 37) % 5000);
+  auto run = [&](const std::string& id, const std::vector<int>& chunks) {
+    EXPECT_TRUE(kv_->CreateSession(id, "t").ok());
+    std::vector<float> logits;
+    size_t pos = 0;
+    for (int n : chunks) {
+      logits = Step(id, std::vector<int32_t>(context.begin() + pos, context.begin() + pos + n));
+      pos += n;
+    }
+    EXPECT_EQ(pos, context.size());
+    EXPECT_TRUE(kv_->CloseSession(id).ok());
+    return logits;
+  };
+  const std::vector<float> whole = run("whole", {120});
+  std::vector<int> decoded = {112};
+  decoded.resize(9, 1);
+  const std::vector<std::pair<std::string, std::vector<int>>> cuts = {
+      {"60+60", {60, 60}}, {"5+64+51", {5, 64, 51}}, {"112 then 8 single steps", decoded}};
+  for (const auto& [name, chunks] : cuts) {
+    const std::vector<float> other = run(name, chunks);
+    float worst = 0.0f;
+    for (size_t i = 0; i < whole.size(); ++i) worst = std::max(worst, std::fabs(whole[i] - other[i]));
+    std::printf("kernel level %s: logits of 120 tokens in one chunk vs %s: max |diff| %.3f\n",
+                cpu::CpuKernelLevelName(cpu::GetCpuKernelLevel()), name.c_str(), worst);
+    EXPECT_LE(worst, kServingTolerance) << name;
   }
 }
 
