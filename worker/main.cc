@@ -49,6 +49,8 @@ ABSL_FLAG(int64_t, tenant_max_pinned_pages, 0, "KV pages one tenant may keep pin
 ABSL_FLAG(int32_t, tenant_max_requests, 0, "Requests one tenant may have queued or running (0: unlimited)");
 ABSL_FLAG(absl::Duration, session_idle_ttl, absl::Hours(4),
           "Named sessions unused this long are closed (pinned ones excepted; 0: never)");
+ABSL_FLAG(int32_t, watch_snapshot_part, 4096,
+          "Sessions and block hashes per Watch snapshot message (larger snapshots come in parts)");
 ABSL_FLAG(absl::Duration, load_report_interval, absl::Seconds(1), "Watch load report period");
 ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30), "How long a drain waits for running streams");
 
@@ -188,6 +190,7 @@ int Run() {
   ho.worker_id = worker_id;
   ho.model_id = so.model_id;
   ho.load_interval = absl::GetFlag(FLAGS_load_report_interval);
+  ho.snapshot_part_entries = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_watch_snapshot_part)));
   service::WatchHub hub(ho, kv->get(), engine->get(),
                         [&service_ptr] { return service_ptr != nullptr && service_ptr->draining(); });
   ServerProcess* proc = process->get();

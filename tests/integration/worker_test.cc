@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -427,6 +428,38 @@ TEST_F(WorkerTest, IdleSessionsExpireAndTheWatchSaysSo) {
   sr.set_session_id("stays");
   grpc::ClientContext c2;
   EXPECT_TRUE(stub->GetSession(&c2, sr, &info).ok());
+}
+
+TEST_F(WorkerTest, LargeSnapshotsComeInParts) {
+  auto w = StartWorker({"--watch_snapshot_part=3"});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  for (int i = 0; i < 7; ++i) {
+    ASSERT_TRUE(Generate(stub.get(), Text("part-" + std::to_string(i), std::string(40, 'a' + i), 2)).status.ok());
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto reader = stub->Watch(&ctx, v1::WatchRequest());
+  std::set<std::string> sessions;
+  int parts = 0, hashes = 0;
+  uint64_t seq = 0;
+  v1::WatchEvent ev;
+  while (reader->Read(&ev)) {
+    ASSERT_TRUE(ev.has_snapshot()) << "an event before the last snapshot part";
+    EXPECT_EQ(ev.sequence(), ++seq);
+    const v1::WorkerSnapshot& part = ev.snapshot();
+    EXPECT_LE(part.sessions_size() + part.device_block_hashes_size(), 3);
+    if (parts == 0) EXPECT_FALSE(part.model_id().empty());
+    ++parts;
+    for (const auto& s : part.sessions()) sessions.insert(s.session_id());
+    hashes += part.device_block_hashes_size();
+    if (!part.more()) break;
+  }
+  ctx.TryCancel();
+  reader->Finish();
+  EXPECT_EQ(sessions.size(), 7u);
+  EXPECT_GE(hashes, 7);  // every 40-token prompt fills at least two pages
+  EXPECT_EQ(parts, (7 + hashes + 2) / 3);
 }
 
 TEST_F(WorkerTest, OffloadUnderPressureKeepsOutputIdentical) {

@@ -77,23 +77,45 @@ absl::StatusOr<std::string> ChildProcess::WaitForLine(const std::string& needle,
       scanned_ = pos + 1;
       if (absl::StrContains(line, needle)) return line;
     }
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
+    absl::Status st = ReadSome(deadline);
+    if (absl::IsDeadlineExceeded(st)) {
       return absl::DeadlineExceededError(absl::StrCat("no line with '", needle, "' from pid ", pid_));
     }
-    pollfd pfd{stdout_fd_, POLLIN, 0};
-    int n = poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
-    if (n < 0 && errno != EINTR) return absl::InternalError(strerror(errno));
-    if (n <= 0) continue;
-    char buf[4096];
-    ssize_t got = read(stdout_fd_, buf, sizeof(buf));
-    if (got > 0) {
-      output_.append(buf, static_cast<size_t>(got));
-    } else if (got == 0) {
+    if (absl::IsFailedPrecondition(st)) {
       return absl::FailedPreconditionError(
           absl::StrCat("pid ", pid_, " closed stdout before printing '", needle, "'"));
     }
+    if (!st.ok()) return st;
   }
+}
+
+absl::Status ChildProcess::ReadSome(absl::Time deadline) {
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return absl::DeadlineExceededError("timed out");
+  pollfd pfd{stdout_fd_, POLLIN, 0};
+  int n = poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
+  if (n < 0 && errno != EINTR) return absl::InternalError(strerror(errno));
+  if (n <= 0) return absl::OkStatus();
+  char buf[4096];
+  ssize_t got = read(stdout_fd_, buf, sizeof(buf));
+  if (got > 0) {
+    output_.append(buf, static_cast<size_t>(got));
+  } else if (got == 0) {
+    return absl::FailedPreconditionError("stdout closed");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ChildProcess::WaitForOutput(size_t bytes, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (output_.size() < bytes) {
+    absl::Status st = ReadSome(deadline);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("pid ", pid_, " printed ", output_.size(), " of ", bytes,
+                                                  " bytes: ", st.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void ChildProcess::Signal(int sig) {

@@ -36,6 +36,10 @@ class ChildProcess {
   // process exits, or `timeout` passes.
   absl::StatusOr<std::string> WaitForLine(const std::string& needle, absl::Duration timeout);
 
+  // Reads stdout until at least `bytes` bytes arrived in all, the process closes
+  // it, or `timeout` passes.
+  absl::Status WaitForOutput(size_t bytes, absl::Duration timeout);
+
   // Sends `sig` (e.g. SIGTERM, SIGKILL, SIGSTOP).
   void Signal(int sig);
 
@@ -52,6 +56,9 @@ class ChildProcess {
 
  private:
   ChildProcess() = default;
+  // One poll + read of stdout into output_ (OK when nothing came in time left);
+  // DEADLINE_EXCEEDED past `deadline`, FAILED_PRECONDITION once stdout closed.
+  absl::Status ReadSome(absl::Time deadline);
   pid_t pid_ = -1;
   int stdout_fd_ = -1;
   bool exited_ = false;

@@ -1,5 +1,6 @@
 #include "worker/service/watch_hub.h"
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
@@ -124,23 +125,36 @@ v1::WorkerLoad WatchHub::CurrentLoad() const {
   return load;
 }
 
-v1::WorkerSnapshot WatchHub::MakeSnapshot(uint64_t* last_seq) const {
+std::vector<v1::WorkerSnapshot> WatchHub::MakeSnapshot(uint64_t* last_seq) const {
   const kv::KvSnapshot snap = kv_->Snapshot();
   *last_seq = snap.last_seq;
-  v1::WorkerSnapshot out;
-  out.set_worker_id(options_.worker_id);
-  out.set_model_id(options_.model_id);
+  const size_t per_part = std::max<size_t>(1, options_.snapshot_part_entries);
+  std::vector<v1::WorkerSnapshot> parts(1);
+  size_t in_part = 0;
+  auto room = [&]() -> v1::WorkerSnapshot& {
+    if (in_part == per_part) {
+      parts.back().set_more(true);
+      parts.emplace_back();
+      in_part = 0;
+    }
+    ++in_part;
+    return parts.back();
+  };
+  v1::WorkerSnapshot& head = parts.front();
+  head.set_worker_id(options_.worker_id);
+  head.set_model_id(options_.model_id);
   const kv::KvShape& shape = kv_->shape();
-  v1::KvShape* ks = out.mutable_kv_shape();
+  v1::KvShape* ks = head.mutable_kv_shape();
   ks->set_layers(shape.layers);
   ks->set_kv_heads(shape.kv_heads);
   ks->set_head_dim(shape.head_dim);
   ks->set_dtype(kv::DtypeName(shape.dtype));
   ks->set_page_tokens(shape.page_tokens);
   ks->set_sliding_window(shape.sliding_window);
+  *head.mutable_load() = CurrentLoad();
   for (const kv::SessionInfo& s : snap.sessions) {
     if (kv::IsEphemeralKey(s.id)) continue;  // ephemeral sessions are not routable
-    v1::SessionInfo* si = out.add_sessions();
+    v1::SessionInfo* si = room().add_sessions();
     si->set_session_id(kv::SplitSessionKey(s.id).id);
     si->set_tenant(s.tenant);
     si->set_worker_id(options_.worker_id);
@@ -152,24 +166,27 @@ v1::WorkerSnapshot WatchHub::MakeSnapshot(uint64_t* last_seq) const {
                             : (s.tier1_pages > 0 ? v1::SESSION_OFFLOADED : v1::SESSION_IDLE));
   }
   for (const BlockHash& h : snap.prefix_hashes) {
-    out.add_device_block_hashes(std::string(h.bytes.begin(), h.bytes.end()));
+    room().add_device_block_hashes(std::string(h.bytes.begin(), h.bytes.end()));
   }
-  *out.mutable_load() = CurrentLoad();
-  return out;
+  return parts;
 }
 
 grpc::ServerWriteReactor<v1::WatchEvent>* WatchHub::Subscribe(grpc::CallbackServerContext* /*context*/) {
   absl::MutexLock lock(&mu_);
   uint64_t snap_seq = 0;
-  v1::WatchEvent first;
-  *first.mutable_snapshot() = MakeSnapshot(&snap_seq);
-  auto* s = new Subscriber(this, snap_seq, options_.max_queued);
+  std::vector<v1::WorkerSnapshot> parts = MakeSnapshot(&snap_seq);
+  // Room for the whole snapshot on top of the usual backlog.
+  auto* s = new Subscriber(this, snap_seq, options_.max_queued + parts.size());
   if (stopping_) {
     s->Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is shutting down"));
     return s;
   }
   subscribers_[s] = true;
-  s->Send(std::move(first));
+  for (v1::WorkerSnapshot& part : parts) {
+    v1::WatchEvent ev;
+    *ev.mutable_snapshot() = std::move(part);
+    s->Send(std::move(ev));
+  }
   return s;
 }
 

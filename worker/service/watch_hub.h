@@ -3,7 +3,8 @@
 // A pump thread reads the KV cache's event log and, every report interval, the
 // engine's load, converts them to WatchEvents and hands them to subscribers.
 // Each subscriber first gets a snapshot (taken under the same sequence number as
-// the events that follow, so none is missed or repeated), then events in order.
+// the events that follow, so none is missed or repeated; in parts when large,
+// see WorkerSnapshot.more), then events in order.
 // A subscriber that falls too far behind, or any event-log gap, ends the stream
 // with UNAVAILABLE: the router reconnects and gets a fresh snapshot.
 //
@@ -16,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
@@ -33,6 +35,7 @@ struct WatchHubOptions {
   absl::Duration load_interval = absl::Seconds(1);
   absl::Duration poll_interval = absl::Milliseconds(20);  // event-log polling
   size_t max_queued = 10000;                              // per subscriber, before it is cut off
+  size_t snapshot_part_entries = 4096;  // sessions + block hashes per snapshot message
 };
 
 class WatchHub {
@@ -61,7 +64,8 @@ class WatchHub {
   class Subscriber;
   void Pump();
   void DeliverEventsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::WorkerSnapshot MakeSnapshot(uint64_t* last_seq) const;
+  // The snapshot in parts (WorkerSnapshot.more), each under the gRPC message limit.
+  std::vector<v1::WorkerSnapshot> MakeSnapshot(uint64_t* last_seq) const;
   void Remove(Subscriber* s);
 
   const WatchHubOptions options_;

@@ -67,6 +67,7 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
       u->set_time_to_first_token_us(absl::ToInt64Microseconds(result.time_to_first_token));
       u->set_total_time_us(absl::ToInt64Microseconds(result.total_time));
       u->set_queue_time_us(absl::ToInt64Microseconds(result.queue_time));
+      u->set_recomputed_tokens(static_cast<int32_t>(result.recomputed_tokens));
       Push(std::move(msg));
     }
     Close(ToGrpcStatus(status));
