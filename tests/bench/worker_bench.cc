@@ -9,10 +9,17 @@
 //  migration_total_ms, migration_pause_ms: moving a 4,000-token session between
 //                            two worker processes (pause = the final phase,
 //                            when the session cannot decode)
+//  rss_growth_after_churn    resident memory of the worker and of a router
+//                            watching it after --churn_rounds rounds of opening
+//                            and closing --churn_sessions sessions, divided by
+//                            after the first round (the larger of the two; both
+//                            are in metrics)
 // Each figure is the median of --reps runs, taken in this one run.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -32,6 +39,8 @@ ABSL_FLAG(int, reps, 3, "Repetitions per figure (median kept)");
 ABSL_FLAG(int, history_tokens, 2000, "History length for the time-to-first-token comparison");
 ABSL_FLAG(int, migrate_tokens, 4000, "Length of the migrated session");
 ABSL_FLAG(int, decode_tokens, 256, "Tokens generated for the streaming comparison");
+ABSL_FLAG(int, churn_sessions, 10000, "Sessions opened and closed per churn round");
+ABSL_FLAG(int, churn_rounds, 10, "Churn rounds");
 
 namespace kvcache {
 namespace {
@@ -142,6 +151,51 @@ absl::StatusOr<double> InProcessDecode(int threads, int n_tokens, const std::vec
   return Median(rates);
 }
 
+// Resident set size of a process in bytes (VmRSS), or 0.
+double RssBytes(pid_t pid) {
+  std::FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/status").c_str(), "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmRSS: %lf kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb * 1024;
+}
+
+// Opens `n` sessions (forks of `sources`, one client thread per source: a
+// source is busy while it is forked) and closes them again. False on any error.
+bool ChurnRound(v1::Worker::Stub* stub, const std::vector<std::string>& sources, const std::string& tenant,
+                int n) {
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  const int k = static_cast<int>(sources.size());
+  for (int t = 0; t < k; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = t; i < n; i += k) {
+        v1::ForkSessionRequest fr;
+        fr.set_session_id(sources[t]);
+        fr.set_tenant(tenant);
+        fr.set_new_session_id(absl::StrCat("churn-", i));
+        v1::SessionInfo info;
+        grpc::ClientContext c1;
+        failures += !stub->ForkSession(&c1, fr, &info).ok();
+      }
+      for (int i = t; i < n; i += k) {
+        v1::SessionRequest sr;
+        sr.set_session_id(absl::StrCat("churn-", i));
+        sr.set_tenant(tenant);
+        v1::CloseSessionResponse closed;
+        grpc::ClientContext c2;
+        failures += !stub->CloseSession(&c2, sr, &closed).ok();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  return failures.load() == 0;
+}
+
 int Run() {
   bench::BenchReport report;
   report.benchmark = "worker";
@@ -226,6 +280,54 @@ int Run() {
   report.metrics["migration_pause_ms"] = Median(pause);
   report.metrics["migration_bytes"] = Median(bytes);
   report.metrics["migration_gb_per_s"] = Median(bytes) / (Median(total) / 1e3) / 1e9;
+
+  // 4. Bounded state: resident memory after session churn, worker and router.
+  {
+    auto router = testing::ServerUnderTest::Start(
+        testing::BinaryPath("router/kvcache-router"),
+        {"--workers=" + (*w1)->grpc_address(), "--model=" + gguf::DefaultModelPath(), "--rebalance_interval=0s",
+         "--min_ready_workers=1"});
+    if (!router.ok()) {
+      std::fprintf(stderr, "cannot start the router: %s\n", router.status().ToString().c_str());
+      return 1;
+    }
+    std::vector<std::string> sources;
+    for (int t = 0; t < 4; ++t) {
+      sources.push_back(absl::StrCat("churn-src-", t));
+      if (!Call(stub.get(), TokensRequest(sources.back(), "churn", History(32, 90 + t), 1, v1::FULL_CONTEXT))
+               .status.ok()) {
+        return 1;
+      }
+    }
+    const int rounds = std::max(2, absl::GetFlag(FLAGS_churn_rounds));
+    const int per_round = absl::GetFlag(FLAGS_churn_sessions);
+    double worker_first = 0, router_first = 0, worker_last = 0, router_last = 0;
+    const absl::Time churn_start = absl::Now();
+    for (int round = 0; round < rounds; ++round) {
+      if (!ChurnRound(stub.get(), sources, "churn", per_round)) {
+        std::fprintf(stderr, "churn round %d failed\n", round);
+        return 1;
+      }
+      worker_last = RssBytes((*w1)->process().pid());
+      router_last = RssBytes((*router)->process().pid());
+      if (round == 0) {
+        worker_first = worker_last;
+        router_first = router_last;
+      }
+    }
+    const double churn_s = absl::ToDoubleSeconds(absl::Now() - churn_start);
+    report.metrics["worker_rss_after_first_churn_round_mb"] = worker_first / 1e6;
+    report.metrics["worker_rss_after_last_churn_round_mb"] = worker_last / 1e6;
+    report.metrics["router_rss_after_first_churn_round_mb"] = router_first / 1e6;
+    report.metrics["router_rss_after_last_churn_round_mb"] = router_last / 1e6;
+    report.metrics["rss_growth_after_churn_worker"] = worker_last / worker_first;
+    report.metrics["rss_growth_after_churn_router"] = router_last / router_first;
+    report.metrics["rss_growth_after_churn"] = std::max(worker_last / worker_first, router_last / router_first);
+    report.metrics["churn_sessions_per_s"] = 2.0 * rounds * per_round / churn_s;
+    report.notes["churn"] = absl::StrCat(rounds, " rounds of ", per_round,
+                                         " forks then closes of 32-token sessions (4 client threads), a router "
+                                         "watching; RSS from /proc/PID/status VmRSS after each round");
+  }
   w1->reset();
   w2->reset();
 
