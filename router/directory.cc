@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
+
 namespace kvcache::router {
 namespace {
 
@@ -33,7 +35,7 @@ void Directory::RemovePageLocked(const BlockHash& h, const WorkerId& w, uint8_t 
 }
 
 void Directory::PutSessionLocked(const SessionLocation& loc) {
-  auto [it, inserted] = sessions_.try_emplace(loc.session_id, loc);
+  auto [it, inserted] = sessions_.try_emplace(loc.key(), loc);
   if (!inserted) {
     --workers_[it->second.worker].sessions;
     it->second = loc;
@@ -41,12 +43,12 @@ void Directory::PutSessionLocked(const SessionLocation& loc) {
   ++workers_[loc.worker].sessions;
 }
 
-void Directory::EraseSessionLocked(absl::flat_hash_map<std::string, SessionLocation>::iterator it) {
+void Directory::EraseSessionLocked(absl::flat_hash_map<SessionKey, SessionLocation>::iterator it) {
   --workers_[it->second.worker].sessions;
   sessions_.erase(it);
 }
 
-void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<std::string>* lost) {
+void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost) {
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (it->second.worker == w) {
       if (lost != nullptr) lost->push_back(it->first);
@@ -93,23 +95,26 @@ void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& 
 }
 
 void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
+  // Workers name every session event's tenant; an event without one is keyed
+  // under the empty tenant, which no caller has.
+  const SessionKey key{e.tenant(), e.session_id()};
   absl::MutexLock lock(&mu_);
   switch (e.kind()) {
     case v1::CacheEvent::SESSION_PLACED:
     case v1::CacheEvent::SESSION_OFFLOADED:
     case v1::CacheEvent::SESSION_RESTORED: {
-      auto it = sessions_.find(e.session_id());
+      auto it = sessions_.find(key);
       SessionLocation loc = it != sessions_.end() ? it->second : SessionLocation{};
       loc.session_id = e.session_id();
+      loc.tenant = e.tenant();
       loc.worker = worker;
       loc.tier = e.kind() == v1::CacheEvent::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
       if (e.tokens() > 0 || e.kind() == v1::CacheEvent::SESSION_PLACED) loc.tokens = e.tokens();
-      if (!e.tenant().empty()) loc.tenant = e.tenant();
       PutSessionLocked(loc);
       break;
     }
     case v1::CacheEvent::SESSION_TRUNCATED: {
-      auto it = sessions_.find(e.session_id());
+      auto it = sessions_.find(key);
       if (it != sessions_.end() && it->second.worker == worker) it->second.tokens = e.tokens();
       break;
     }
@@ -117,7 +122,7 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
     case v1::CacheEvent::SESSION_EXPORTED: {
       // Only the holder may drop it: a late event from a former holder must not
       // erase the session's new home.
-      auto it = sessions_.find(e.session_id());
+      auto it = sessions_.find(key);
       if (it != sessions_.end() && it->second.worker == worker) EraseSessionLocked(it);
       break;
     }
@@ -144,27 +149,41 @@ void Directory::ApplyLoad(const WorkerId& worker, const v1::WorkerLoad& load) {
   workers_[worker].load = load;
 }
 
-std::vector<std::string> Directory::RemoveWorker(const WorkerId& worker) {
+std::vector<SessionKey> Directory::RemoveWorker(const WorkerId& worker) {
   absl::MutexLock lock(&mu_);
-  std::vector<std::string> lost;
+  std::vector<SessionKey> lost;
   ForgetWorkerLocked(worker, &lost);
   return lost;
 }
 
-std::optional<SessionLocation> Directory::FindSession(const std::string& session_id) const {
+std::optional<SessionLocation> Directory::FindSession(const SessionKey& key) const {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
+  auto it = sessions_.find(key);
   if (it == sessions_.end()) return std::nullopt;
   return it->second;
 }
 
-std::optional<SessionLocation> Directory::AwaitSession(const std::string& session_id,
-                                                       absl::Duration timeout) const {
+std::optional<SessionLocation> Directory::AwaitSession(const SessionKey& key, absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  auto known = [this, &session_id]()
-                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(session_id); };
+  auto known = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(key); };
   if (!mu_.AwaitWithTimeout(absl::Condition(&known), timeout)) return std::nullopt;
-  return sessions_.at(session_id);
+  return sessions_.at(key);
+}
+
+absl::StatusOr<SessionLocation> Directory::Lookup(const SessionKey& key, absl::Duration timeout) const {
+  std::optional<SessionLocation> loc =
+      timeout > absl::ZeroDuration() ? AwaitSession(key, timeout) : FindSession(key);
+  if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
+  return *std::move(loc);
+}
+
+std::vector<SessionLocation> Directory::SessionsNamed(const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<SessionLocation> out;
+  for (const auto& [key, loc] : sessions_) {
+    if (key.session_id == session_id) out.push_back(loc);
+  }
+  return out;
 }
 
 absl::flat_hash_map<WorkerId, PrefixMatch> Directory::MatchPrefix(absl::Span<const BlockHash> chain) const {

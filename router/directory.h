@@ -2,6 +2,11 @@
 // streams: which worker holds each session (and in which tier), which workers
 // hold each prefix page hash (and in which tier), and each worker's load.
 //
+// Sessions are keyed by (tenant, session id), as the workers key them: the same
+// id in two tenants names two independent sessions, and a lookup answers only
+// about the caller's own tenant (another tenant's session by that id is as
+// absent as one that never existed).
+//
 // Every router replica fed the same streams builds the same directory: the
 // worker is the authority on what it holds, and the directory never guesses.
 // A snapshot replaces everything previously known about that worker, so a
@@ -14,9 +19,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -27,6 +34,20 @@ namespace kvcache::router {
 
 using WorkerId = std::string;
 
+// A session's name: its tenant and its id within the tenant.
+struct SessionKey {
+  std::string tenant;
+  std::string session_id;
+
+  friend bool operator==(const SessionKey& a, const SessionKey& b) {
+    return a.tenant == b.tenant && a.session_id == b.session_id;
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const SessionKey& k) {
+    return H::combine(std::move(h), k.tenant, k.session_id);
+  }
+};
+
 // Where a session lives according to its worker.
 struct SessionLocation {
   std::string session_id;
@@ -34,6 +55,8 @@ struct SessionLocation {
   v1::Tier tier = v1::TIER_DEVICE;
   int32_t tokens = 0;
   std::string tenant;
+
+  SessionKey key() const { return SessionKey{tenant, session_id}; }
 };
 
 // How many leading pages of a hash chain one worker holds.
@@ -52,12 +75,19 @@ class Directory {
   void ApplyLoad(const WorkerId& worker, const v1::WorkerLoad& load);
   // Forgets a worker (it went down or left the fleet): its sessions and pages
   // are no longer anywhere. Returns the sessions that were lost with it.
-  std::vector<std::string> RemoveWorker(const WorkerId& worker);
+  std::vector<SessionKey> RemoveWorker(const WorkerId& worker);
 
-  std::optional<SessionLocation> FindSession(const std::string& session_id) const;
+  std::optional<SessionLocation> FindSession(const SessionKey& key) const;
   // FindSession, waiting up to `timeout` for the session to appear (a worker's
   // placement event may trail the reply that created the session).
-  std::optional<SessionLocation> AwaitSession(const std::string& session_id, absl::Duration timeout) const;
+  std::optional<SessionLocation> AwaitSession(const SessionKey& key, absl::Duration timeout) const;
+  // AwaitSession as callers see it: NOT_FOUND "session 'ID' not found" when
+  // the tenant holds no session by that id, whether or not another tenant does
+  // (the same code, message and wait either way). Blocks up to `timeout`.
+  absl::StatusOr<SessionLocation> Lookup(const SessionKey& key, absl::Duration timeout) const;
+  // Every tenant's session with this id: for operators (admin calls name a
+  // session by id alone), never for a tenant's own calls.
+  std::vector<SessionLocation> SessionsNamed(const std::string& session_id) const;
   // For each worker holding at least the first page: how many leading pages of
   // `chain` it holds, tier-aware (a page counts in the deepest tier that has it
   // on that worker: device if present there, else host).
@@ -87,15 +117,15 @@ class Directory {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemovePageLocked(const BlockHash& h, const WorkerId& w, uint8_t tier_bit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ForgetWorkerLocked(const WorkerId& w, std::vector<std::string>* lost_sessions)
+  void ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost_sessions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // sessions_[loc.session_id] = loc, keeping the per-worker counts.
+  // sessions_[loc.key()] = loc, keeping the per-worker counts.
   void PutSessionLocked(const SessionLocation& loc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EraseSessionLocked(absl::flat_hash_map<std::string, SessionLocation>::iterator it)
+  void EraseSessionLocked(absl::flat_hash_map<SessionKey, SessionLocation>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, SessionLocation> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<SessionKey, SessionLocation> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BlockHash, PageHolders> pages_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WorkerId, WorkerState> workers_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,6 +1,8 @@
 #include "router/router_service.h"
 
 #include <chrono>
+#include <functional>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -41,135 +43,243 @@ absl::StatusOr<PlacementMode> ParsePlacementMode(const std::string& s) {
       absl::StrCat("--placement='", s, "': want affinity, round_robin or random"));
 }
 
-// One client Generate: places it, proxies the worker's stream, and retries or
-// continues elsewhere as the header comment says. Runs on its own thread.
+// One client Generate: places it, proxies the worker's stream through a
+// callback call (WorkerCall), and retries or continues elsewhere as the header
+// comment says. No thread is its own: each step runs on the gRPC thread that
+// delivered the event before it, or on the executor for an APPEND's wait.
+//
+// Steps never overlap: Start, then per attempt a placement, the worker call's
+// reads and its OnDone, which starts the next attempt or finishes; each step's
+// last action hands over to the next. So the proxy's own state needs no lock
+// (gRPC orders one callback after the next). Only OnClientGone, which gRPC may
+// call at any time, meets them, through mu_.
+//
+// References (StreamWriter's rule): the proxy holds one from Generate until its
+// last call, in Finish; every WorkerCall runs inside that span.
 class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
  public:
-  ProxyReactor(RouterService* router, grpc::CallbackServerContext* context, v1::GenerateRequest request)
-      : router_(router), context_(context), request_(std::move(request)), start_(absl::Now()) {}
+  ProxyReactor(RouterService* router, v1::GenerateRequest request,
+               std::chrono::system_clock::time_point deadline)
+      : router_(router), request_(std::move(request)), deadline_(deadline), start_(absl::Now()) {}
 
-  void Run() {
-    const grpc::Status st = Proxy();
-    router_->metrics_->OnRequestDone(CodeName(st));
-    Close(st);
-  }
-
- private:
-  grpc::Status Proxy() {
-    auto principal = router_->auth_->Authenticate(*context_, /*need_admin=*/false);
-    if (!principal.ok()) return ToGrpcStatus(principal.status());
+  // REQUIRES: the caller took the proxy's reference (Ref()) and counted the
+  // call (BeginCall()); Finish releases both. `context` is only read here.
+  void Start(const grpc::CallbackServerContext& context) {
+    auto principal = router_->auth_->Authenticate(context, /*need_admin=*/false);
+    if (!principal.ok()) return Finish(ToGrpcStatus(principal.status()));
     request_.set_tenant(principal->tenant);
-    const bool append = request_.mode() == v1::APPEND;
-    if (append && request_.session_id().empty()) {
-      return grpc::Status(grpc::INVALID_ARGUMENT, "APPEND mode needs a session_id");
+    append_ = request_.mode() == v1::APPEND;
+    if (append_ && request_.session_id().empty()) {
+      return Finish(grpc::Status(grpc::INVALID_ARGUMENT, "APPEND mode needs a session_id"));
     }
     // The router's own tokenisation: for prefix hashes, and to continue a lost
     // stream elsewhere from exactly what the client has.
-    auto tokens = TokenizeInput(request_.input(), append, *router_->tokenizer_, router_->chat_template_);
-    if (!tokens.ok()) return ToGrpcStatus(tokens.status());
-
-    std::vector<WorkerId> tried;
-    grpc::Status last(grpc::UNAVAILABLE, "no healthy worker");
-    for (int attempt = 0; attempt < router_->options_.max_attempts; ++attempt) {
-      auto placement = router_->Place(request_.session_id(), request_.tenant(), append, *tokens, tried);
-      if (!placement.ok()) return tried.empty() ? ToGrpcStatus(placement.status()) : last;
-      if (attempt > 0) {
-        placement->reason = PlacementReason::kRetry;
-        router_->metrics_->OnRetry();
-      }
-      router_->metrics_->OnDecision(
-          router_->options_.mode == PlacementMode::kAffinity
-              ? PlacementReasonName(placement->reason)
-              : (router_->options_.mode == PlacementMode::kRoundRobin ? "round_robin" : "random"));
-      tried.push_back(placement->worker);
-
-      v1::GenerateRequest req = request_;
-      if (!emitted_.empty()) {
-        // Continue from what the client already received.
-        std::vector<int32_t> input = *tokens;
-        input.insert(input.end(), emitted_.begin(), emitted_.end());
-        req.mutable_input()->mutable_tokens()->mutable_ids()->Assign(input.begin(), input.end());
-        req.set_mode(v1::FULL_CONTEXT);
-        const int32_t max = request_.sampling().max_tokens();
-        if (max > 0)
-          req.mutable_sampling()->set_max_tokens(
-              std::max<int32_t>(1, max - static_cast<int32_t>(emitted_.size())));
-      }
-      const size_t before = emitted_.size();
-      continued_from_ = before;
-      last = Attempt(*placement, req);
-      if (last.ok()) return last;
-      if (client_gone_.load()) return grpc::Status(grpc::CANCELLED, "client cancelled");
-      const bool first_token_sent = !emitted_.empty();
-      const bool lost_midstream =
-          emitted_.size() > before || (first_token_sent && last.error_code() == grpc::UNAVAILABLE);
-      if (last.error_code() == grpc::UNAVAILABLE) router_->pool_->MarkSuspect(placement->worker);
-      if (append && (lost_midstream || last.error_code() == grpc::UNAVAILABLE)) {
-        return grpc::Status(
-            grpc::UNAVAILABLE,
-            absl::StrCat("session '", request_.session_id(), "' was lost with worker ", placement->worker,
-                         " (", last.error_message(), "); resend the whole conversation with FULL_CONTEXT"));
-      }
-      if (!Retryable(last.error_code())) return last;
-      KV_LOG_WARN("request on worker {} failed ({}); trying another worker", placement->worker,
-                  last.error_message());
-    }
-    return last;
+    auto tokens = TokenizeInput(request_.input(), append_, *router_->tokenizer_, router_->chat_template_);
+    if (!tokens.ok()) return Finish(ToGrpcStatus(tokens.status()));
+    tokens_ = std::move(*tokens);
+    NextAttempt();
   }
 
-  // One worker call. Streams tokens to the client as they come.
-  grpc::Status Attempt(const Placement& placement, const v1::GenerateRequest& req) {
-    auto channel = router_->pool_->Channel(placement.worker);
-    if (channel == nullptr) return grpc::Status(grpc::UNAVAILABLE, "worker left the pool");
-    auto stub = v1::Worker::NewStub(channel);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(context_->deadline());
+ private:
+  // One attempt: the worker's Generate stream, read through gRPC's callback API
+  // (a read is always pending until the stream ends, so no thread waits on it).
+  // It deletes itself once gRPC has called OnDone and no one else holds it
+  // (OnClientGone holds it while it cancels).
+  class WorkerCall final : public grpc::ClientReadReactor<v1::GenerateResponse> {
+   public:
+    WorkerCall(ProxyReactor* proxy, std::shared_ptr<grpc::Channel> channel, v1::GenerateRequest request,
+               std::chrono::system_clock::time_point deadline)
+        : proxy_(proxy), stub_(v1::Worker::NewStub(channel)), request_(std::move(request)) {
+      ctx_.set_deadline(deadline);
+    }
+
+    void Start() {
+      stub_->async()->Generate(&ctx_, &request_, this);
+      StartRead(&msg_);
+      StartCall();
+    }
+
+    void Cancel() { ctx_.TryCancel(); }
+
+    void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+    void Unref() {
+      if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+    }
+
+    void OnReadDone(bool ok) override {
+      if (!ok) return;  // the stream ended: OnDone follows
+      proxy_->OnWorkerMessage(&msg_);
+      StartRead(&msg_);
+    }
+
+    void OnDone(const grpc::Status& status) override {
+      proxy_->OnAttemptDone(this, status);  // may start the next attempt or finish the proxy
+      Unref();
+    }
+
+   private:
+    ProxyReactor* const proxy_;
+    std::unique_ptr<v1::Worker::Stub> stub_;
+    grpc::ClientContext ctx_;
+    v1::GenerateRequest request_;
+    v1::GenerateResponse msg_;
+    // The creator's until Start, then gRPC's until OnDone; OnClientGone adds one
+    // while it cancels.
+    std::atomic<int> refs_{1};
+  };
+
+  // Places the next attempt and starts it, or finishes when none is left.
+  void NextAttempt() {
+    if (attempts_ >= router_->options_.max_attempts) return Finish(last_);
+    if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
+    // An APPEND whose session the directory has not heard of yet waits a moment
+    // for the worker's placement event (it may trail the reply that created the
+    // session). That wait blocks, so it runs on the executor.
+    if (append_ &&
+        !router_->directory_->FindSession({request_.tenant(), request_.session_id()}).has_value()) {
+      if (!router_->executor_.Schedule([this] { Attempt(router_->options_.session_lookup_wait); })) {
+        Finish(grpc::Status(grpc::RESOURCE_EXHAUSTED, "the router is overloaded; retry later"));
+      }
+      return;
+    }
+    Attempt(absl::ZeroDuration());
+  }
+
+  void Attempt(absl::Duration session_wait) {
+    auto placement =
+        router_->Place(request_.session_id(), request_.tenant(), append_, tokens_, tried_, session_wait);
+    if (!placement.ok()) return Finish(tried_.empty() ? ToGrpcStatus(placement.status()) : last_);
+    if (attempts_ > 0) {
+      placement->reason = PlacementReason::kRetry;
+      router_->metrics_->OnRetry();
+    }
+    router_->metrics_->OnDecision(
+        router_->options_.mode == PlacementMode::kAffinity
+            ? PlacementReasonName(placement->reason)
+            : (router_->options_.mode == PlacementMode::kRoundRobin ? "round_robin" : "random"));
+    tried_.push_back(placement->worker);
+    ++attempts_;
+    placement_ = *placement;
+
+    v1::GenerateRequest req = request_;
+    if (!emitted_.empty()) {
+      // Continue from what the client already received.
+      std::vector<int32_t> input = tokens_;
+      input.insert(input.end(), emitted_.begin(), emitted_.end());
+      req.mutable_input()->mutable_tokens()->mutable_ids()->Assign(input.begin(), input.end());
+      req.set_mode(v1::FULL_CONTEXT);
+      const int32_t max = request_.sampling().max_tokens();
+      if (max > 0)
+        req.mutable_sampling()->set_max_tokens(
+            std::max<int32_t>(1, max - static_cast<int32_t>(emitted_.size())));
+    }
+    continued_from_ = emitted_.size();
+
+    auto channel = router_->pool_->Channel(placement_.worker);
+    if (channel == nullptr)
+      return OnAttemptDone(nullptr, grpc::Status(grpc::UNAVAILABLE, "worker left the pool"));
+    auto* call = new WorkerCall(this, std::move(channel), std::move(req), deadline_);
+    bool gone;
     {
       absl::MutexLock lock(&mu_);
-      if (client_gone_.load()) return grpc::Status(grpc::CANCELLED, "client cancelled");
-      call_ = &ctx;
+      gone = client_gone_.load();
+      if (!gone) call_ = call;
     }
-    auto reader = stub->Generate(&ctx, req);
-    v1::GenerateResponse msg;
-    while (reader->Read(&msg)) {
-      if (msg.has_token()) {
-        if (emitted_.empty()) router_->metrics_->OnFirstToken(absl::ToDoubleSeconds(absl::Now() - start_));
-        emitted_.push_back(msg.token().id());
-        Push(msg);
-      } else if (msg.has_final()) {
-        auto* f = msg.mutable_final();
-        f->set_predicted_cached_tokens(placement.predicted_cached_tokens);
-        router_->metrics_->OnCachedTokens(placement.predicted_cached_tokens, f->usage().cached_tokens());
-        // Report the client's view: after a continuation elsewhere, the worker's
-        // prompt included the tokens the client had already received.
-        f->mutable_usage()->set_prompt_tokens(f->usage().prompt_tokens() -
-                                              static_cast<int32_t>(continued_from_));
-        f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(emitted_.size()));
-        f->mutable_usage()->set_total_time_us(absl::ToInt64Microseconds(absl::Now() - start_));
-        Push(msg);
-      }
+    if (gone) {
+      call->Unref();  // never started
+      return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     }
-    grpc::Status st = reader->Finish();
-    absl::MutexLock lock(&mu_);
-    call_ = nullptr;
-    return st;
+    call->Start();  // last: its callbacks may run at once, on other threads
   }
 
+  // A message of the current attempt's stream (gRPC thread, one at a time).
+  void OnWorkerMessage(v1::GenerateResponse* msg) {
+    if (msg->has_token()) {
+      if (emitted_.empty()) router_->metrics_->OnFirstToken(absl::ToDoubleSeconds(absl::Now() - start_));
+      emitted_.push_back(msg->token().id());
+      Push(std::move(*msg));
+    } else if (msg->has_final()) {
+      auto* f = msg->mutable_final();
+      f->set_predicted_cached_tokens(placement_.predicted_cached_tokens);
+      router_->metrics_->OnCachedTokens(placement_.predicted_cached_tokens, f->usage().cached_tokens());
+      // Report the client's view: after a continuation elsewhere, the worker's
+      // prompt included the tokens the client had already received.
+      f->mutable_usage()->set_prompt_tokens(f->usage().prompt_tokens() -
+                                            static_cast<int32_t>(continued_from_));
+      f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(emitted_.size()));
+      f->mutable_usage()->set_total_time_us(absl::ToInt64Microseconds(absl::Now() - start_));
+      Push(std::move(*msg));
+    }
+  }
+
+  // The current attempt ended with `st` (`call` is null when it never started).
+  void OnAttemptDone(WorkerCall* call, const grpc::Status& st) {
+    if (call != nullptr) {
+      absl::MutexLock lock(&mu_);
+      if (call_ == call) call_ = nullptr;
+    }
+    last_ = st;
+    if (st.ok()) return Finish(st);
+    if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
+    const bool first_token_sent = !emitted_.empty();
+    const bool lost_midstream =
+        emitted_.size() > continued_from_ || (first_token_sent && st.error_code() == grpc::UNAVAILABLE);
+    if (st.error_code() == grpc::UNAVAILABLE) router_->pool_->MarkSuspect(placement_.worker);
+    if (append_ && (lost_midstream || st.error_code() == grpc::UNAVAILABLE)) {
+      return Finish(grpc::Status(
+          grpc::UNAVAILABLE,
+          absl::StrCat("session '", request_.session_id(), "' was lost with worker ", placement_.worker, " (",
+                       st.error_message(), "); resend the whole conversation with FULL_CONTEXT")));
+    }
+    if (!Retryable(st.error_code())) return Finish(st);
+    KV_LOG_WARN("request on worker {} failed ({}); trying another worker", placement_.worker,
+                st.error_message());
+    NextAttempt();
+  }
+
+  // The proxy's last call: answers the client and lets go of the object and of
+  // the service.
+  void Finish(const grpc::Status& st) {
+    router_->metrics_->OnRequestDone(CodeName(st));
+    Close(st);
+    router_->EndCall();
+    Unref();
+  }
+
+  // Client cancelled, its deadline passed, or a write failed: cancel the worker
+  // call. TryCancel may run the call's callbacks inline, so it is called with no
+  // lock held, on a reference that keeps the call alive.
   void OnClientGone() override {
-    absl::MutexLock lock(&mu_);
-    client_gone_ = true;
-    if (call_ != nullptr) call_->TryCancel();
+    WorkerCall* call = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      client_gone_ = true;
+      call = call_;
+      if (call != nullptr) call->Ref();
+    }
+    if (call != nullptr) {
+      call->Cancel();
+      call->Unref();
+    }
   }
 
   RouterService* const router_;
-  grpc::CallbackServerContext* const context_;
   v1::GenerateRequest request_;
+  const std::chrono::system_clock::time_point deadline_;  // the client's
   const absl::Time start_;
-  std::vector<int32_t> emitted_;  // proxy thread only
+  // The proxy's steps only (see the class comment).
+  bool append_ = false;
+  std::vector<int32_t> tokens_;   // the router's tokenisation of the input
+  std::vector<int32_t> emitted_;  // tokens the client has been sent
   size_t continued_from_ = 0;     // tokens already streamed when the current attempt began
+  std::vector<WorkerId> tried_;
+  int attempts_ = 0;
+  Placement placement_;  // the current attempt's
+  grpc::Status last_{grpc::UNAVAILABLE, "no healthy worker"};
+
   std::atomic<bool> client_gone_{false};
   absl::Mutex mu_;
-  grpc::ClientContext* call_ ABSL_GUARDED_BY(mu_) = nullptr;
+  WorkerCall* call_ ABSL_GUARDED_BY(mu_) = nullptr;  // the attempt in flight, to cancel it
 };
 
 RouterService::RouterService(RouterOptions options, WorkerPool* pool, Directory* directory,
@@ -181,7 +291,8 @@ RouterService::RouterService(RouterOptions options, WorkerPool* pool, Directory*
       tokenizer_(tokenizer),
       chat_template_(chat_template),
       auth_(auth),
-      metrics_(metrics) {
+      metrics_(metrics),
+      executor_(std::max(1, options_.executor_threads), options_.executor_max_queued) {
   if (options_.rebalance_interval > absl::ZeroDuration()) {
     rebalancer_ = std::thread([this] {
       while (!stop_.WaitForNotificationWithTimeout(options_.rebalance_interval)) Rebalance();
@@ -198,41 +309,46 @@ void RouterService::Shutdown() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (rebalancer_.joinable()) rebalancer_.join();
   if (evacuator_.joinable()) evacuator_.join();
-  std::vector<std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
     shutting_down_ = true;
-    threads.swap(threads_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return calls_in_flight_ == 0; };
+    mu_.Await(absl::Condition(&idle));
   }
-  for (auto& t : threads) t.join();
+  executor_.Shutdown();
 }
 
-void RouterService::RunInBackground(std::function<void()> fn) {
+bool RouterService::BeginCall() {
   absl::MutexLock lock(&mu_);
-  // Reap finished threads now and then so a long-running router does not grow.
-  if (threads_.size() > 256) {
-    std::vector<std::thread> done;
-    done.swap(threads_);
-    for (auto& t : done) t.join();
-  }
-  threads_.emplace_back(std::move(fn));
+  if (shutting_down_) return false;
+  ++calls_in_flight_;
+  return true;
+}
+
+void RouterService::EndCall() {
+  absl::MutexLock lock(&mu_);
+  --calls_in_flight_;
 }
 
 absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, const std::string& tenant,
                                                bool append, const std::vector<int32_t>& tokens,
-                                               const std::vector<WorkerId>& exclude) {
+                                               const std::vector<WorkerId>& exclude, absl::Duration wait) {
   std::vector<WorkerView> healthy = pool_->Healthy();
   auto excluded = [&exclude](const WorkerId& w) {
     return std::find(exclude.begin(), exclude.end(), w) != exclude.end();
   };
+  // Sessions are the tenant's own: another tenant's session by this id is not
+  // found, exactly like one that never existed.
+  const SessionKey session{tenant, session_id};
   std::optional<SessionLocation> loc;
-  if (!session_id.empty()) {
-    loc = append ? directory_->AwaitSession(session_id, options_.session_lookup_wait)
-                 : directory_->FindSession(session_id);
-    if (loc.has_value() && loc->tenant != tenant && !loc->tenant.empty()) loc.reset();  // not yours
+  if (append) {
+    auto found = directory_->Lookup(session, wait);
+    if (!found.ok()) return found.status();
+    loc = *std::move(found);
+  } else if (!session_id.empty()) {
+    loc = directory_->FindSession(session);
   }
   if (append) {
-    if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", session_id, "' not found"));
     for (const WorkerView& w : healthy) {
       if (w.address == loc->worker && !excluded(w.address)) {
         return Placement{w.address, PlacementReason::kAffinity, loc->tokens, 0};
@@ -283,43 +399,127 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(grpc::CallbackServerContext* context,
                                                                         const v1::GenerateRequest* request) {
-  auto* reactor = new ProxyReactor(this, context, *request);
-  {
-    absl::MutexLock lock(&mu_);
-    if (shutting_down_) {
-      reactor->Close(grpc::Status(grpc::UNAVAILABLE, "router is shutting down"));
-      return reactor;
-    }
+  auto* reactor = new ProxyReactor(this, *request, context->deadline());
+  if (!BeginCall()) {
+    reactor->Close(grpc::Status(grpc::UNAVAILABLE, "router is shutting down"));
+    return reactor;
   }
-  RunInBackground([reactor] { reactor->Run(); });
+  reactor->Ref();  // the proxy's; its Finish drops it after its last call
+  reactor->Start(*context);
   return reactor;
 }
 
-// Session calls go to the worker holding the session, on a background thread.
-#define KVCACHE_FORWARD_TO_SESSION(METHOD, REQ_TYPE, RESP_TYPE)                                         \
-  grpc::ServerUnaryReactor* RouterService::METHOD(grpc::CallbackServerContext* context,                 \
-                                                  const REQ_TYPE* request, RESP_TYPE* response) {       \
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();                                      \
-    auto principal = auth_->Authenticate(*context, false);                                              \
-    if (!principal.ok()) {                                                                              \
-      reactor->Finish(ToGrpcStatus(principal.status()));                                                \
-      return reactor;                                                                                   \
-    }                                                                                                   \
-    REQ_TYPE req = *request;                                                                            \
-    req.set_tenant(principal->tenant);                                                                  \
-    RunInBackground([this, reactor, context, req, response] {                                           \
-      auto loc = directory_->AwaitSession(req.session_id(), options_.session_lookup_wait);              \
-      auto channel = loc.has_value() ? pool_->Channel(loc->worker) : nullptr;                           \
-      if (channel == nullptr) {                                                                         \
-        reactor->Finish(                                                                                \
-            grpc::Status(grpc::NOT_FOUND, absl::StrCat("session '", req.session_id(), "' not found"))); \
-        return;                                                                                         \
-      }                                                                                                 \
-      grpc::ClientContext ctx;                                                                          \
-      ctx.set_deadline(DeadlineFor(context, absl::Seconds(60)));                                        \
-      reactor->Finish(v1::Worker::NewStub(channel)->METHOD(&ctx, req, response));                       \
-    });                                                                                                 \
-    return reactor;                                                                                     \
+namespace {
+
+// A worker method through gRPC's callback API, e.g.
+// &v1::Worker::StubInterface::async_interface::GetSession.
+template <typename Req, typename Resp>
+using AsyncUnary = void (v1::Worker::StubInterface::async_interface::*)(grpc::ClientContext*, const Req*,
+                                                                        Resp*,
+                                                                        std::function<void(grpc::Status)>);
+
+// One unary call to a worker through the callback API: no thread waits for the
+// answer. `done(status, response)` runs once, on a gRPC thread. What the call
+// needs lives on the heap until then.
+template <typename Req, typename Resp>
+void CallWorker(std::shared_ptr<grpc::Channel> channel, std::chrono::system_clock::time_point deadline,
+                AsyncUnary<Req, Resp> method, Req request,
+                absl::AnyInvocable<void(const grpc::Status&, Resp*) &&> done) {
+  struct Call {
+    std::unique_ptr<v1::Worker::Stub> stub;
+    grpc::ClientContext ctx;
+    Req request;
+    Resp response;
+    absl::AnyInvocable<void(const grpc::Status&, Resp*) &&> done;
+  };
+  auto* call = new Call{v1::Worker::NewStub(channel), {}, std::move(request), {}, std::move(done)};
+  call->ctx.set_deadline(deadline);
+  (call->stub->async()->*method)(&call->ctx, &call->request, &call->response, [call](grpc::Status st) {
+    std::move(call->done)(st, &call->response);
+    delete call;
+  });
+}
+
+}  // namespace
+
+// One session call (GetSession, CloseSession, ForkSession, PinSession) on the
+// worker that holds the session, as the client call's reactor: a client that
+// cancels cancels the worker call. It deletes itself once gRPC is done with it
+// (OnDone) and it has answered (Answer).
+template <typename Req, typename Resp>
+class RouterService::SessionForward final : public grpc::ServerUnaryReactor {
+ public:
+  SessionForward(RouterService* router, AsyncUnary<Req, Resp> method, Req request, Resp* response,
+                 std::chrono::system_clock::time_point deadline)
+      : router_(router), method_(method), request_(std::move(request)), response_(response) {
+    ctx_.set_deadline(deadline);
+  }
+
+  // REQUIRES: the caller counted the call (BeginCall()); Answer ends it.
+  void Start() {
+    // The caller's own session only (the request carries its tenant).
+    const SessionKey key{request_.tenant(), request_.session_id()};
+    auto loc = router_->directory_->Lookup(key, absl::ZeroDuration());
+    if (loc.ok()) return Forward(loc);
+    // Not known yet: the worker's placement event may trail the reply that
+    // created the session. Waiting for it blocks, so it runs on the executor.
+    const bool queued = router_->executor_.Schedule(
+        [this, key] { Forward(router_->directory_->Lookup(key, router_->options_.session_lookup_wait)); });
+    if (!queued) Answer(grpc::Status(grpc::RESOURCE_EXHAUSTED, "the router is overloaded; retry later"));
+  }
+
+  void OnCancel() override { ctx_.TryCancel(); }  // before the call starts, it never starts
+  void OnDone() override { Unref(); }
+
+ private:
+  void Forward(const absl::StatusOr<SessionLocation>& loc) {
+    if (!loc.ok()) return Answer(ToGrpcStatus(loc.status()));
+    auto channel = router_->pool_->Channel(loc->worker);
+    if (channel == nullptr) {  // its worker left the pool since: the session is gone with it
+      return Answer(
+          grpc::Status(grpc::NOT_FOUND, absl::StrCat("session '", request_.session_id(), "' not found")));
+    }
+    stub_ = v1::Worker::NewStub(channel);
+    (stub_->async()->*method_)(&ctx_, &request_, response_, [this](grpc::Status st) { Answer(st); });
+  }
+
+  void Answer(const grpc::Status& st) {
+    RouterService* const router = router_;
+    Finish(st);
+    router->EndCall();
+    Unref();
+  }
+
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  RouterService* const router_;
+  const AsyncUnary<Req, Resp> method_;
+  const Req request_;
+  Resp* const response_;  // gRPC's, valid until Finish
+  std::unique_ptr<v1::Worker::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::atomic<int> refs_{2};  // gRPC's (until OnDone) and the forward's (until Answer)
+};
+
+#define KVCACHE_FORWARD_TO_SESSION(METHOD, REQ_TYPE, RESP_TYPE)                                   \
+  grpc::ServerUnaryReactor* RouterService::METHOD(grpc::CallbackServerContext* context,           \
+                                                  const REQ_TYPE* request, RESP_TYPE* response) { \
+    auto principal = auth_->Authenticate(*context, false);                                        \
+    if (!principal.ok() || !BeginCall()) {                                                        \
+      grpc::ServerUnaryReactor* reactor = context->DefaultReactor();                              \
+      reactor->Finish(principal.ok() ? grpc::Status(grpc::UNAVAILABLE, "router is shutting down") \
+                                     : ToGrpcStatus(principal.status()));                         \
+      return reactor;                                                                             \
+    }                                                                                             \
+    REQ_TYPE req = *request;                                                                      \
+    req.set_tenant(principal->tenant);                                                            \
+    auto* reactor = new SessionForward<REQ_TYPE, RESP_TYPE>(                                      \
+        this, &v1::Worker::StubInterface::async_interface::METHOD, std::move(req), response,      \
+        DeadlineFor(context, absl::Seconds(60)));                                                 \
+    reactor->Start();                                                                             \
+    return reactor;                                                                               \
   }
 
 KVCACHE_FORWARD_TO_SESSION(GetSession, v1::SessionRequest, v1::SessionInfo)
@@ -337,23 +537,41 @@ grpc::ServerUnaryReactor* RouterService::ListSessions(grpc::CallbackServerContex
     reactor->Finish(ToGrpcStatus(principal.status()));
     return reactor;
   }
-  const std::string tenant = principal->tenant;
-  RunInBackground([this, reactor, context, tenant, response] {
-    for (const WorkerView& w : pool_->Workers()) {
-      if (!w.connected) continue;
-      auto channel = pool_->Channel(w.address);
-      if (channel == nullptr) continue;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(DeadlineFor(context, absl::Seconds(10)));
-      v1::ListSessionsRequest req;
-      req.set_tenant(tenant);
-      v1::ListSessionsResponse part;
-      if (v1::Worker::NewStub(channel)->ListSessions(&ctx, req, &part).ok()) {
-        for (auto& s : *part.mutable_sessions()) *response->add_sessions() = std::move(s);
-      }
+  if (!BeginCall()) {
+    reactor->Finish(grpc::Status(grpc::UNAVAILABLE, "router is shutting down"));
+    return reactor;
+  }
+  // Asks every connected worker at once; the last answer (the last reference
+  // to `gather`) finishes the call. A worker that fails is left out, as before.
+  struct Gather {
+    RouterService* router;
+    grpc::ServerUnaryReactor* reactor;
+    absl::Mutex mu;
+    v1::ListSessionsResponse* response ABSL_PT_GUARDED_BY(mu);
+    ~Gather() {
+      reactor->Finish(grpc::Status::OK);
+      router->EndCall();
     }
-    reactor->Finish(grpc::Status::OK);
-  });
+  };
+  auto gather = std::make_shared<Gather>();
+  gather->router = this;
+  gather->reactor = reactor;
+  gather->response = response;
+  const auto deadline = DeadlineFor(context, absl::Seconds(10));
+  for (const WorkerView& w : pool_->Workers()) {
+    if (!w.connected) continue;
+    auto channel = pool_->Channel(w.address);
+    if (channel == nullptr) continue;
+    v1::ListSessionsRequest req;
+    req.set_tenant(principal->tenant);
+    CallWorker<v1::ListSessionsRequest, v1::ListSessionsResponse>(
+        std::move(channel), deadline, &v1::Worker::StubInterface::async_interface::ListSessions,
+        std::move(req), [gather](const grpc::Status& st, v1::ListSessionsResponse* part) {
+          if (!st.ok()) return;
+          absl::MutexLock lock(&gather->mu);
+          for (auto& s : *part->mutable_sessions()) *gather->response->add_sessions() = std::move(s);
+        });
+  }
   return reactor;
 }
 
@@ -372,42 +590,87 @@ absl::StatusOr<v1::ListWorkersResponse> RouterService::ListWorkers() const {
   return out;
 }
 
-absl::StatusOr<v1::MigrateSessionResponse> RouterService::Migrate(const std::string& session_id,
-                                                                  const std::string& target,
-                                                                  const char* reason) {
-  auto loc = directory_->FindSession(session_id);
-  if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", session_id, "' not found"));
+void RouterService::MigrateByIdAsync(const std::string& session_id, const std::string& target,
+                                     Done<v1::MigrateSessionResponse> done) {
+  const std::vector<SessionLocation> named = directory_->SessionsNamed(session_id);
+  if (named.empty()) {
+    return std::move(done)(absl::NotFoundError(absl::StrCat("session '", session_id, "' not found")));
+  }
+  if (named.size() > 1) {
+    return std::move(done)(
+        absl::FailedPreconditionError(absl::StrCat("session id '", session_id, "' is used by ", named.size(),
+                                                   " tenants; the admin API cannot tell which one to move")));
+  }
+  MigrateAsync(named.front().key(), target, "admin", std::move(done));
+}
+
+void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
+                                 Done<v1::MigrateSessionResponse> done) {
+  const std::string& session_id = key.session_id;
+  auto loc = directory_->FindSession(key);
+  if (!loc.has_value()) {
+    return std::move(done)(absl::NotFoundError(absl::StrCat("session '", session_id, "' not found")));
+  }
   WorkerId dest;
   if (!target.empty()) {
     auto w = pool_->Find(target);
-    if (!w.has_value()) return absl::NotFoundError(absl::StrCat("worker '", target, "' not found"));
-    if (!w->healthy)
-      return absl::FailedPreconditionError(absl::StrCat("worker '", target, "' is not healthy"));
+    if (!w.has_value())
+      return std::move(done)(absl::NotFoundError(absl::StrCat("worker '", target, "' not found")));
+    if (!w->healthy) {
+      return std::move(done)(
+          absl::FailedPreconditionError(absl::StrCat("worker '", target, "' is not healthy")));
+    }
     dest = w->address;
   } else {
     auto p = Place("", loc->tenant, false, {}, {loc->worker});
-    if (!p.ok()) return p.status();
+    if (!p.ok()) return std::move(done)(p.status());
     dest = p->worker;
   }
-  if (dest == loc->worker) return absl::FailedPreconditionError("the session already lives on that worker");
+  if (dest == loc->worker) {
+    return std::move(done)(absl::FailedPreconditionError("the session already lives on that worker"));
+  }
   auto channel = pool_->Channel(loc->worker);
-  if (channel == nullptr) return absl::UnavailableError(absl::StrCat("worker ", loc->worker, " is gone"));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(5));
+  if (channel == nullptr) {
+    return std::move(done)(absl::UnavailableError(absl::StrCat("worker ", loc->worker, " is gone")));
+  }
+  if (!BeginCall()) return std::move(done)(absl::UnavailableError("router is shutting down"));
   v1::MigrateSessionRequest req;
   req.set_session_id(session_id);
   req.set_target_address(dest);
   req.set_tenant(loc->tenant);
-  v1::MigrateSessionResponse resp;
-  grpc::Status st = v1::Worker::NewStub(channel)->MigrateSession(&ctx, req, &resp);
-  if (!st.ok()) return FromGrpcStatus(st);
-  metrics_->OnMigration(reason);
-  return resp;
+  CallWorker<v1::MigrateSessionRequest, v1::MigrateSessionResponse>(
+      std::move(channel), std::chrono::system_clock::now() + std::chrono::minutes(5),
+      &v1::Worker::StubInterface::async_interface::MigrateSession, std::move(req),
+      [this, reason, done = std::move(done)](const grpc::Status& st,
+                                             v1::MigrateSessionResponse* resp) mutable {
+        if (st.ok()) {
+          metrics_->OnMigration(reason);
+          std::move(done)(std::move(*resp));
+        } else {
+          std::move(done)(FromGrpcStatus(st));
+        }
+        EndCall();
+      });
 }
 
-absl::StatusOr<v1::DrainResponse> RouterService::DrainWorker(const std::string& worker, int32_t deadline_ms) {
+absl::StatusOr<v1::MigrateSessionResponse> RouterService::Migrate(const SessionKey& key,
+                                                                  const std::string& target,
+                                                                  const char* reason) {
+  absl::Notification answered;
+  absl::StatusOr<v1::MigrateSessionResponse> result;
+  MigrateAsync(key, target, reason, [&](absl::StatusOr<v1::MigrateSessionResponse> r) {
+    result = std::move(r);
+    answered.Notify();
+  });
+  answered.WaitForNotification();
+  return result;
+}
+
+void RouterService::DrainWorkerAsync(const std::string& worker, int32_t deadline_ms,
+                                     Done<v1::DrainResponse> done) {
   auto w = pool_->Find(worker);
-  if (!w.has_value()) return absl::NotFoundError(absl::StrCat("worker '", worker, "' not found"));
+  if (!w.has_value())
+    return std::move(done)(absl::NotFoundError(absl::StrCat("worker '", worker, "' not found")));
   pool_->SetDraining(w->address);
   v1::DrainRequest req;
   for (const WorkerView& other : pool_->Healthy()) {
@@ -415,14 +678,20 @@ absl::StatusOr<v1::DrainResponse> RouterService::DrainWorker(const std::string& 
   }
   req.set_deadline_ms(deadline_ms);
   auto channel = pool_->Channel(w->address);
-  if (channel == nullptr) return absl::UnavailableError("worker is gone");
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
-  v1::DrainResponse resp;
-  grpc::Status st = v1::Worker::NewStub(channel)->Drain(&ctx, req, &resp);
-  if (!st.ok()) return FromGrpcStatus(st);
-  for (int i = 0; i < resp.sessions_migrated(); ++i) metrics_->OnMigration("drain");
-  return resp;
+  if (channel == nullptr) return std::move(done)(absl::UnavailableError("worker is gone"));
+  if (!BeginCall()) return std::move(done)(absl::UnavailableError("router is shutting down"));
+  CallWorker<v1::DrainRequest, v1::DrainResponse>(
+      std::move(channel), std::chrono::system_clock::now() + std::chrono::minutes(10),
+      &v1::Worker::StubInterface::async_interface::Drain, std::move(req),
+      [this, done = std::move(done)](const grpc::Status& st, v1::DrainResponse* resp) mutable {
+        if (st.ok()) {
+          for (int i = 0; i < resp->sessions_migrated(); ++i) metrics_->OnMigration("drain");
+          std::move(done)(std::move(*resp));
+        } else {
+          std::move(done)(FromGrpcStatus(st));
+        }
+        EndCall();
+      });
 }
 
 void RouterService::EvacuateDraining() {
@@ -430,7 +699,7 @@ void RouterService::EvacuateDraining() {
     // An admin drain moves its own sessions (worker Drain with targets).
     if (!w.connected || !w.draining || w.admin_draining) continue;
     for (const SessionLocation& s : directory_->SessionsOn(w.address)) {
-      auto r = Migrate(s.session_id, "", "drain");
+      auto r = Migrate(s.key(), "", "drain");
       if (r.ok()) {
         KV_LOG_INFO("worker {} is draining: moved session '{}' to {}", w.address, s.session_id,
                     r->session().worker_id());
@@ -462,7 +731,7 @@ void RouterService::Rebalance() {
       if (moved >= options_.rebalance_batch) break;
       // Moving bytes beats recomputing only for sessions of some length.
       if (s.tier != v1::TIER_DEVICE || s.tokens < options_.rebalance_min_tokens) continue;
-      auto r = Migrate(s.session_id, cold->address, "rebalance");
+      auto r = Migrate(s.key(), cold->address, "rebalance");
       if (r.ok()) {
         ++moved;
         KV_LOG_INFO("rebalance: moved session '{}' ({} tokens) {} -> {}", s.session_id, s.tokens, hot.address,
@@ -474,20 +743,19 @@ void RouterService::Rebalance() {
 
 namespace {
 
-// An admin call: authenticates as admin, then runs `call` (which returns
-// StatusOr<Resp>) on a background thread, since it may block on workers.
-template <typename Resp, typename Call>
+// An admin call: authenticates as admin, then `start(done)` begins the work,
+// which answers through `done` (from any thread; none blocks on a worker).
+template <typename Resp, typename Start>
 grpc::ServerUnaryReactor* AdminCall(RouterService* router, grpc::CallbackServerContext* context,
-                                    Resp* response, Call call) {
+                                    Resp* response, Start start) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto principal = router->auth().Authenticate(*context, /*need_admin=*/true);
   if (!principal.ok()) {
     reactor->Finish(ToGrpcStatus(principal.status()));
     return reactor;
   }
-  router->RunInBackground([reactor, response, call] {
-    auto r = call();
-    if (r.ok()) *response = *r;
+  start([reactor, response](absl::StatusOr<Resp> r) {
+    if (r.ok()) *response = std::move(*r);
     reactor->Finish(ToGrpcStatus(r.status()));
   });
   return reactor;
@@ -498,22 +766,25 @@ grpc::ServerUnaryReactor* AdminCall(RouterService* router, grpc::CallbackServerC
 grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext* context,
                                                     const v1::ListWorkersRequest* /*request*/,
                                                     v1::ListWorkersResponse* response) {
-  return AdminCall(router_, context, response, [this] { return router_->ListWorkers(); });
+  return AdminCall(router_, context, response, [this](RouterService::Done<v1::ListWorkersResponse> done) {
+    std::move(done)(router_->ListWorkers());
+  });
 }
 
 grpc::ServerUnaryReactor* AdminService::MigrateSession(grpc::CallbackServerContext* context,
                                                        const v1::AdminMigrateRequest* request,
                                                        v1::MigrateSessionResponse* response) {
-  return AdminCall(router_, context, response, [this, request] {
-    return router_->Migrate(request->session_id(), request->target_worker(), "admin");
-  });
+  return AdminCall(
+      router_, context, response, [this, request](RouterService::Done<v1::MigrateSessionResponse> done) {
+        router_->MigrateByIdAsync(request->session_id(), request->target_worker(), std::move(done));
+      });
 }
 
 grpc::ServerUnaryReactor* AdminService::DrainWorker(grpc::CallbackServerContext* context,
                                                     const v1::DrainWorkerRequest* request,
                                                     v1::DrainResponse* response) {
-  return AdminCall(router_, context, response, [this, request] {
-    return router_->DrainWorker(request->worker(), request->deadline_ms());
+  return AdminCall(router_, context, response, [this, request](RouterService::Done<v1::DrainResponse> done) {
+    router_->DrainWorkerAsync(request->worker(), request->deadline_ms(), std::move(done));
   });
 }
 

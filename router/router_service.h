@@ -13,19 +13,28 @@
 // duplicated tokens. An APPEND request whose worker is lost fails with
 // UNAVAILABLE naming the session.
 //
-// Thread-safety: handlers run on gRPC threads; each Generate proxies on its own
-// thread (joined at shutdown). Shared state is in the thread-safe directory,
-// pool and metrics.
+// Threads: none per request. Generate proxies the worker's stream through gRPC's
+// callback client API, so a live stream is two reactors and no thread; calls to
+// workers on behalf of session and admin calls are callback unary calls. The
+// only step that blocks (an APPEND or session call waiting up to
+// `session_lookup_wait` for a session the directory has not heard of yet) runs
+// on a small fixed executor. Rebalancing and evacuation have a thread each.
+//
+// Thread-safety: handlers and callbacks run on gRPC and executor threads; shared
+// state is in the thread-safe directory, pool and metrics, and the service's own
+// under its mutex.
 #ifndef KVCACHE_ROUTER_ROUTER_SERVICE_H_
 #define KVCACHE_ROUTER_ROUTER_SERVICE_H_
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/tokenizer/chat_template.h"
@@ -33,6 +42,7 @@
 #include "kvcache/v1/router.grpc.pb.h"
 #include "router/auth.h"
 #include "router/directory.h"
+#include "router/executor.h"
 #include "router/placement.h"
 #include "router/router_metrics.h"
 #include "router/worker_pool.h"
@@ -60,6 +70,10 @@ struct RouterOptions {
   double rebalance_high_free = 0.50;
   int rebalance_batch = 4;
   int rebalance_min_tokens = 64;
+  // The executor for the waits above: its threads, and how many waits may
+  // queue for them before a request is refused with RESOURCE_EXHAUSTED.
+  int executor_threads = 4;
+  size_t executor_max_queued = 4096;
 };
 
 class RouterService final : public v1::KvCache::CallbackService {
@@ -70,7 +84,8 @@ class RouterService final : public v1::KvCache::CallbackService {
                 const Authenticator* auth, RouterMetrics* metrics);
   ~RouterService() override;  // Shutdown()
 
-  // Ends the rebalancer and waits for proxy threads.
+  // Ends the rebalancer and the evacuator, refuses new calls (UNAVAILABLE),
+  // waits until every call in flight has answered, and joins the executor.
   void Shutdown();
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
@@ -90,23 +105,46 @@ class RouterService final : public v1::KvCache::CallbackService {
                                          const v1::ListSessionsRequest* request,
                                          v1::ListSessionsResponse* response) override;
 
-  // Admin operations (the KvCacheAdmin service forwards here).
+  // Admin operations (the KvCacheAdmin service forwards here). The *Async forms
+  // call `done` exactly once: inline for an error found before any worker call,
+  // else on a gRPC thread when the worker answers. None blocks.
+  template <typename T>
+  using Done = absl::AnyInvocable<void(absl::StatusOr<T>) &&>;
   absl::StatusOr<v1::ListWorkersResponse> ListWorkers() const;
-  absl::StatusOr<v1::MigrateSessionResponse> Migrate(const std::string& session_id, const std::string& target,
+  // Moves session `key` to worker `target` (address or id; empty: wherever
+  // placement puts a new session).
+  void MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
+                    Done<v1::MigrateSessionResponse> done);
+  // The admin API names a session by id alone (AdminMigrateRequest carries no
+  // tenant): moves whichever tenant's session has that id, and refuses with
+  // FAILED_PRECONDITION when several tenants use it.
+  void MigrateByIdAsync(const std::string& session_id, const std::string& target,
+                        Done<v1::MigrateSessionResponse> done);
+  void DrainWorkerAsync(const std::string& worker, int32_t deadline_ms, Done<v1::DrainResponse> done);
+  // MigrateAsync, waiting for the answer: for the router's own threads
+  // (evacuation, rebalancing), never for a gRPC callback.
+  absl::StatusOr<v1::MigrateSessionResponse> Migrate(const SessionKey& key, const std::string& target,
                                                      const char* reason);
-  absl::StatusOr<v1::DrainResponse> DrainWorker(const std::string& worker, int32_t deadline_ms);
 
   const Authenticator& auth() const { return *auth_; }
-  // Runs `fn` on a thread that Shutdown joins (calls that block on workers).
-  void RunInBackground(std::function<void()> fn);
 
  private:
   class ProxyReactor;
+  template <typename Req, typename Resp>
+  class SessionForward;
+
+  // Every call the service answers asynchronously is counted from its start to
+  // its last use of the service, so that Shutdown can wait for it. BeginCall is
+  // false once Shutdown began (the caller answers UNAVAILABLE).
+  bool BeginCall();
+  void EndCall();
 
   // The worker for a request, or why there is none. `exclude` holds workers
-  // already tried.
+  // already tried. `wait`: how long an APPEND's session may take to appear in
+  // the directory; anything but zero blocks, so only the executor passes it.
   absl::StatusOr<Placement> Place(const std::string& session_id, const std::string& tenant, bool append,
-                                  const std::vector<int32_t>& tokens, const std::vector<WorkerId>& exclude);
+                                  const std::vector<int32_t>& tokens, const std::vector<WorkerId>& exclude,
+                                  absl::Duration wait = absl::ZeroDuration());
   void Rebalance();
   // Moves the sessions of workers that report `draining` (SIGTERM) elsewhere.
   void EvacuateDraining();
@@ -120,9 +158,11 @@ class RouterService final : public v1::KvCache::CallbackService {
   RouterMetrics* const metrics_;
   std::atomic<uint64_t> round_robin_{0};
 
+  Executor executor_;
+
   absl::Mutex mu_;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){12345};
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  int64_t calls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification stop_;
   std::thread rebalancer_;

@@ -1,6 +1,7 @@
 #include "router/worker_pool.h"
 
 #include <netdb.h>
+#include <pthread.h>
 #include <sys/socket.h>
 
 #include "absl/container/flat_hash_set.h"
@@ -72,8 +73,6 @@ void WorkerPool::Stop() {
       all.push_back(std::move(w));
     }
     workers_.clear();
-    for (auto& w : retired_) all.push_back(std::move(w));
-    retired_.clear();
   }
   stop_.Notify();
   for (auto& w : all) {
@@ -91,12 +90,24 @@ void WorkerPool::AddLocked(const std::string& address) {
       address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials());
   Worker* raw = w.get();
   workers_[address] = std::move(w);
-  raw->thread = std::thread([this, raw] { Watch(raw); });
+  raw->thread = std::thread([this, raw] {
+    pthread_setname_np(pthread_self(), "kv-watch");  // one per worker: visible in top -H and tests
+    Watch(raw);
+  });
   KV_LOG_INFO("watching worker {}", address);
 }
 
+void WorkerPool::Retire(std::vector<std::unique_ptr<Worker>> retired) {
+  // Join first: a Watch thread still running could apply one more snapshot for
+  // the worker after the directory forgot it.
+  for (auto& w : retired) {
+    if (w->thread.joinable()) w->thread.join();
+  }
+  for (auto& w : retired) directory_->RemoveWorker(w->address);
+}
+
 void WorkerPool::SetAddresses(const std::vector<std::string>& addresses) {
-  std::vector<WorkerId> removed;
+  std::vector<std::unique_ptr<Worker>> retired;
   {
     absl::MutexLock lock(&mu_);
     absl::flat_hash_set<std::string> keep(addresses.begin(), addresses.end());
@@ -108,16 +119,15 @@ void WorkerPool::SetAddresses(const std::vector<std::string>& addresses) {
       if (!keep.contains(it->first) && static_.contains(it->first)) {
         it->second->stop.Notify();
         if (it->second->stream != nullptr) it->second->stream->TryCancel();
-        removed.push_back(it->first);
         static_.erase(it->first);
-        retired_.push_back(std::move(it->second));
+        retired.push_back(std::move(it->second));
         workers_.erase(it++);
       } else {
         ++it;
       }
     }
   }
-  for (const auto& a : removed) directory_->RemoveWorker(a);
+  Retire(std::move(retired));
 }
 
 void WorkerPool::AddDnsName(const std::string& name_and_port) {
@@ -160,7 +170,7 @@ void WorkerPool::Resolve() {
     }
     freeaddrinfo(res);
   }
-  std::vector<WorkerId> removed;
+  std::vector<std::unique_ptr<Worker>> retired;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& a : found) AddLocked(a);
@@ -169,15 +179,14 @@ void WorkerPool::Resolve() {
       if (!static_.contains(it->first) && !found.contains(it->first)) {
         it->second->stop.Notify();
         if (it->second->stream != nullptr) it->second->stream->TryCancel();
-        removed.push_back(it->first);
-        retired_.push_back(std::move(it->second));
+        retired.push_back(std::move(it->second));
         workers_.erase(it++);
       } else {
         ++it;
       }
     }
   }
-  for (const auto& a : removed) directory_->RemoveWorker(a);
+  Retire(std::move(retired));
 }
 
 void WorkerPool::Watch(Worker* w) {
@@ -194,6 +203,8 @@ void WorkerPool::Watch(Worker* w) {
     auto reader = stub->Watch(&ctx, req);
     v1::WatchEvent ev;
     uint64_t expected = 1;
+    v1::WorkerSnapshot parts;  // a snapshot in parts, gathered until the last one
+    bool gathering = false;
     while (reader->Read(&ev)) {
       if (ev.sequence() != expected) {
         KV_LOG_WARN("worker {}: watch sequence {} after {}; resyncing", w->address, ev.sequence(),
@@ -202,7 +213,24 @@ void WorkerPool::Watch(Worker* w) {
       }
       ++expected;
       if (ev.has_snapshot()) {
+        if (!gathering) {
+          parts = std::move(*ev.mutable_snapshot());
+          gathering = true;
+        } else {
+          v1::WorkerSnapshot& part = *ev.mutable_snapshot();
+          for (auto& s : *part.mutable_sessions()) *parts.add_sessions() = std::move(s);
+          for (auto& h : *part.mutable_device_block_hashes()) parts.add_device_block_hashes(std::move(h));
+          for (auto& h : *part.mutable_host_block_hashes()) parts.add_host_block_hashes(std::move(h));
+          parts.set_more(part.more());
+        }
+        if (parts.more()) continue;  // applied whole, once the last part is in
+        gathering = false;
+        *ev.mutable_snapshot() = std::move(parts);
+        parts.Clear();
         directory_->ApplySnapshot(w->address, ev.snapshot());
+      } else if (gathering) {
+        KV_LOG_WARN("worker {}: watch message inside a snapshot; resyncing", w->address);
+        break;
       } else if (ev.has_event()) {
         directory_->ApplyEvent(w->address, ev.event());
       } else if (ev.has_load()) {

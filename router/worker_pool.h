@@ -80,13 +80,16 @@ class WorkerPool {
   void Watch(Worker* w);
   void Resolve();
   void AddLocked(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Joins the Watch threads of workers that left the membership (already told
+  // to stop), then removes them from the directory, so that a retired worker
+  // holds no thread and leaves nothing behind.
+  void Retire(std::vector<std::unique_ptr<Worker>> retired) ABSL_LOCKS_EXCLUDED(mu_);
   WorkerView ViewLocked(const Worker& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const WorkerPoolOptions options_;
   Directory* const directory_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<WorkerId, std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<Worker>> retired_ ABSL_GUARDED_BY(mu_);  // joined in Stop
   std::vector<std::string> dns_names_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WorkerId, bool> static_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

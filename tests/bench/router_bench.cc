@@ -4,6 +4,13 @@
 //                             p50 straight to the worker (same requests, loopback)
 //  router_vs_direct_tokens    decode tokens/s streamed through the router ÷
 //                             straight from the worker
+//  router_added_p99_ms_256_streams
+//                             with 256 streams open at once: p99 of each call's
+//                             path time (client-observed time to first token
+//                             minus the worker's own, so the worker's queue,
+//                             full at that load, is left out) through the
+//                             router, minus the same p99 straight to the worker
+//                             (alternating rounds in the same run)
 //  decisions_per_second       placement decisions (hash a 512-token prompt's
 //                             pages, match them in a directory of 10,000
 //                             sessions on 8 workers, score, choose) per second,
@@ -16,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/bench_json.h"
 #include "common/block_hash.h"
 #include "common/gguf/model_path.h"
@@ -29,6 +37,9 @@
 ABSL_FLAG(int, requests, 40, "Requests per path for the time-to-first-token comparison");
 ABSL_FLAG(int, decode_tokens, 200, "Tokens generated for the throughput comparison");
 ABSL_FLAG(int, threads, 2, "Worker compute threads");
+ABSL_FLAG(int, concurrent_streams, 256, "Streams open at once for the concurrent-latency comparison");
+ABSL_FLAG(int, concurrent_calls, 256, "Calls per path per round of the concurrent-latency comparison");
+ABSL_FLAG(int, concurrent_rounds, 2, "Rounds per path (alternating direct / router) of that comparison");
 
 namespace kvcache {
 namespace {
@@ -79,6 +90,106 @@ Timing Measure(Stub* stub, const std::vector<int32_t>& prompt, int max_tokens) {
   t.worker_ttft_ms = t_worker_ms;
   t.tokens_per_s = n > 1 ? (n - 1) / absl::ToDoubleSeconds(last - first) : 0;
   return t;
+}
+
+// What one call of a concurrent run took, in ms.
+struct CallTimes {
+  double latency_ms = 0;  // call start to end of stream
+  double path_ms = 0;     // client-observed time to first token minus the worker's own
+};
+
+// Keeps `streams` Generate calls open at once on `stub` (a Worker or a KvCache
+// stub) until `calls` have been made, through gRPC's callback API so that the
+// client needs no thread per stream. Returns each call's times, or nothing when
+// any call failed.
+template <typename Stub>
+std::vector<CallTimes> ConcurrentCalls(Stub* stub, int streams, int calls, int seed_base, int prompt_tokens,
+                                       int max_tokens) {
+  struct Run {
+    absl::Mutex mu;
+    int started ABSL_GUARDED_BY(mu) = 0;
+    int finished ABSL_GUARDED_BY(mu) = 0;
+    bool failed ABSL_GUARDED_BY(mu) = false;
+    std::vector<CallTimes> times ABSL_GUARDED_BY(mu);
+  } run;
+  class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
+   public:
+    Call(Stub* stub, Run* run, int calls, int seed_base, int prompt_tokens, int max_tokens)
+        : stub_(stub),
+          run_(run),
+          calls_(calls),
+          seed_base_(seed_base),
+          prompt_tokens_(prompt_tokens),
+          max_tokens_(max_tokens) {}
+    // Starts the next call of the run, if one is left; false otherwise.
+    bool StartNext() {
+      int seed;
+      {
+        absl::MutexLock lock(&run_->mu);
+        if (run_->started == calls_) return false;
+        seed = seed_base_ + run_->started++;
+      }
+      ctx_ = std::make_unique<grpc::ClientContext>();
+      ctx_->set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(5));
+      const std::vector<int32_t> prompt = Prompt(seed, prompt_tokens_);
+      req_.Clear();
+      req_.mutable_input()->mutable_tokens()->mutable_ids()->Assign(prompt.begin(), prompt.end());
+      req_.mutable_sampling()->set_max_tokens(max_tokens_);
+      req_.mutable_sampling()->set_ignore_eos(true);
+      tokens_ = 0;
+      start_ = absl::Now();
+      stub_->async()->Generate(ctx_.get(), &req_, this);
+      StartRead(&msg_);
+      StartCall();
+      return true;
+    }
+    void OnReadDone(bool ok) override {
+      if (!ok) return;
+      if (msg_.has_token() && tokens_++ == 0) first_ = absl::Now();
+      if (msg_.has_final()) worker_ttft_ms_ = msg_.final().usage().time_to_first_token_us() / 1e3;
+      StartRead(&msg_);
+    }
+    void OnDone(const grpc::Status& st) override {
+      CallTimes t;
+      t.latency_ms = absl::ToDoubleMilliseconds(absl::Now() - start_);
+      t.path_ms = absl::ToDoubleMilliseconds(first_ - start_) - worker_ttft_ms_;
+      // A reactor serves one call: this stream's next call is a fresh reactor,
+      // started before this one counts as finished, so that the waiter cannot
+      // return (and `run_` go away) while it still starts.
+      auto* next = new Call(stub_, run_, calls_, seed_base_, prompt_tokens_, max_tokens_);
+      if (!next->StartNext()) delete next;
+      {
+        absl::MutexLock lock(&run_->mu);  // the last use of run_
+        if (!st.ok() || tokens_ != max_tokens_) {
+          if (!run_->failed) std::fprintf(stderr, "call failed: %s\n", st.error_message().c_str());
+          run_->failed = true;
+        }
+        run_->times.push_back(t);
+        ++run_->finished;
+      }
+      delete this;
+    }
+
+   private:
+    Stub* const stub_;
+    Run* const run_;
+    const int calls_, seed_base_, prompt_tokens_, max_tokens_;
+    std::unique_ptr<grpc::ClientContext> ctx_;
+    v1::GenerateRequest req_;
+    v1::GenerateResponse msg_;
+    int tokens_ = 0;
+    double worker_ttft_ms_ = 0;
+    absl::Time start_, first_;
+  };
+  for (int i = 0; i < streams; ++i) {
+    auto* c = new Call(stub, &run, calls, seed_base, prompt_tokens, max_tokens);
+    if (!c->StartNext()) delete c;
+  }
+  absl::MutexLock lock(&run.mu);
+  auto all_done = [&run, calls]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run.mu) { return run.finished == calls; };
+  run.mu.Await(absl::Condition(&all_done));
+  if (run.failed) return {};
+  return run.times;
 }
 
 double DecisionsPerSecond() {
@@ -199,12 +310,43 @@ int Run() {
   report.metrics["router_tokens_per_s"] = Percentile(tps_routed, 0.5);
   report.baseline["direct_tokens_per_s"] = Percentile(tps_direct, 0.5);
   report.ratio["router_vs_direct_tokens"] = Percentile(tps_routed, 0.5) / Percentile(tps_direct, 0.5);
+
+  // Many streams at once: what the router adds to the tail. At this load the
+  // worker's queue (its --max_running) dominates a call's latency in both paths
+  // and varies from run to run, so the figure is the path time, which leaves
+  // it out; the latencies themselves are reported beside it. Rounds alternate
+  // the paths; distinct prompts so that no call gets a cache hit.
+  const int streams = absl::GetFlag(FLAGS_concurrent_streams), calls = absl::GetFlag(FLAGS_concurrent_calls);
+  std::vector<double> lat_direct, lat_routed, cpath_direct, cpath_routed;
+  for (int round = 0; round < absl::GetFlag(FLAGS_concurrent_rounds); ++round) {
+    const int seed = 100000 + 2 * round * calls;
+    auto d = ConcurrentCalls(direct.get(), streams, calls, seed, 16, 4);
+    auto r = ConcurrentCalls(routed.get(), streams, calls, seed + calls, 16, 4);
+    if (d.empty() || r.empty()) return 1;
+    for (const CallTimes& t : d) {
+      lat_direct.push_back(t.latency_ms);
+      cpath_direct.push_back(t.path_ms);
+    }
+    for (const CallTimes& t : r) {
+      lat_routed.push_back(t.latency_ms);
+      cpath_routed.push_back(t.path_ms);
+    }
+  }
+  report.metrics["path_p99_ms_256_streams_router"] = Percentile(cpath_routed, 0.99);
+  report.baseline["path_p99_ms_256_streams_direct"] = Percentile(cpath_direct, 0.99);
+  report.metrics["router_added_p99_ms_256_streams"] =
+      Percentile(cpath_routed, 0.99) - Percentile(cpath_direct, 0.99);
+  report.metrics["latency_p99_ms_256_streams_router"] = Percentile(lat_routed, 0.99);
+  report.baseline["latency_p99_ms_256_streams_direct"] = Percentile(lat_direct, 0.99);
   report.metrics["decisions_per_second"] = DecisionsPerSecond();
   report.notes["method"] = absl::StrCat(
       "one SmolLM2 worker and one router on loopback; ", n,
       " single-token requests of 24-token prompts per path alternating direct/router (TTFT p50), 3 x ",
-      absl::GetFlag(FLAGS_decode_tokens),
-      "-token streams per path (median tokens/s); decisions: "
+      absl::GetFlag(FLAGS_decode_tokens), "-token streams per path (median tokens/s); ",
+      absl::GetFlag(FLAGS_concurrent_rounds), " rounds x ", calls,
+      " calls per path of 16-token prompts and 4 tokens with ", streams,
+      " streams open at once (callback client), alternating direct/router (p99 of client-observed minus "
+      "worker-reported time to first token; and p99 latency); decisions: "
       "SHA-256 chain of a 512-token prompt + directory match (10,000 sessions, 8 workers) + scoring, "
       "in-process, 2 s");
   return bench::Finish(report).ok() ? 0 : 1;

@@ -146,6 +146,7 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   ASSERT_TRUE(reader->Read(&msg));
   got.push_back(msg.token().id());
   // Find and kill the worker serving it.
+  int victim = -1;
   {
     auto admin = v1::KvCache::NewStub(router->channel());
     grpc::ClientContext c;
@@ -153,7 +154,7 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
     sr.set_session_id("victim");
     v1::SessionInfo info;
     ASSERT_TRUE(admin->GetSession(&c, sr, &info).ok());
-    const int victim = info.worker_id() == "w0" ? 0 : 1;
+    victim = info.worker_id() == "w0" ? 0 : 1;
     workers_[victim]->process().Signal(SIGKILL);
   }
   v1::GenerateResponse::Final final;
@@ -166,12 +167,19 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   EXPECT_EQ(got, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
   EXPECT_EQ(final.usage().generated_tokens(), 300);
 
-  // An APPEND to a session that lived only on a dead worker fails clearly.
+  EXPECT_EQ(final.worker_id(), victim == 0 ? "w1" : "w0");
+
+  // The session was not lost with its worker: the continuation was a
+  // FULL_CONTEXT request for the same session id, so the survivor now holds the
+  // whole conversation (prompt and all 300 tokens; it announced the session on
+  // its Watch stream when the continuation began), and an APPEND continues it
+  // there from cache. (An APPEND to a session that lived only on a dead worker
+  // fails naming it: AppendOnALostWorkerNamesTheSession.)
   Reply r = Generate(stub.get(), Text("victim", " more", 3, v1::APPEND));
-  if (!r.status.ok()) {
-    EXPECT_THAT(r.status.error_code(), ::testing::AnyOf(grpc::UNAVAILABLE, grpc::NOT_FOUND));
-    EXPECT_THAT(r.status.error_message(), HasSubstr("victim"));
-  }
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), final.worker_id());
+  EXPECT_EQ(r.tokens.size(), 3u);
+  EXPECT_GE(r.final.usage().cached_tokens(), 300) << "the conversation was recomputed, not continued";
 }
 
 TEST_F(RouterTest, AppendOnALostWorkerNamesTheSession) {
@@ -190,6 +198,54 @@ TEST_F(RouterTest, AppendOnALostWorkerNamesTheSession) {
   // FULL_CONTEXT of the same conversation recomputes on the survivor.
   Reply again = Generate(stub.get(), Text("gone", "remember this what was it?", 3));
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
+}
+
+TEST_F(RouterTest, ClientCancelCancelsTheWorkerStream) {
+  // A model with room for a stream far longer than the cancel takes to arrive.
+  const std::string model = ::testing::TempDir() + "/kvcache_router_test_cancel.gguf";
+  gguf::TinyLlamaOptions o;
+  o.n_ctx = 8192;
+  ASSERT_TRUE(gguf::WriteTinyLlama(o, model).ok());
+  auto w = testing::ServerUnderTest::Start(
+      testing::BinaryPath("worker/kvcache-worker"),
+      {"--model=" + model, "--worker_id=w0", "--threads=1", "--load_report_interval=100ms",
+       "--max_context=8192", "--max_tokens_per_request=8000"});
+  ASSERT_TRUE(w.ok()) << w.status();
+  workers_.push_back(std::move(*w));
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto reader = stub->Generate(&ctx, Text("", "a very long answer, please", 8000));
+    v1::GenerateResponse msg;
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+    ctx.TryCancel();
+    while (reader->Read(&msg)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
+  }
+  // The worker's stream ends as cancelled, not as 8,000 tokens generated for no
+  // one. Its load reports (every 100 ms) are the clock: once it runs nothing,
+  // its request counter says how the stream ended.
+  grpc::ClientContext watch_ctx;
+  watch_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto watch = v1::Worker::NewStub(workers_[0]->channel())->Watch(&watch_ctx, v1::WatchRequest());
+  v1::WatchEvent ev;
+  std::string metrics;
+  while (watch->Read(&ev)) {
+    const v1::WorkerLoad& load = ev.has_snapshot() ? ev.snapshot().load() : ev.load();
+    if (!ev.has_snapshot() && !ev.has_load()) continue;
+    if (load.running_requests() + load.waiting_requests() > 0) continue;
+    metrics = testing::HttpGet(workers_[0]->metrics_port(), "/metrics").value_or("");
+    if (metrics.find("kvcache_requests_total{code=") != std::string::npos) break;
+  }
+  watch_ctx.TryCancel();
+  watch->Finish();
+  EXPECT_THAT(metrics, HasSubstr("kvcache_requests_total{code=\"CANCELLED\"} 1"));
+  EXPECT_THAT(metrics, ::testing::Not(HasSubstr("kvcache_requests_total{code=\"OK\"}")));
+  std::remove(model.c_str());
 }
 
 TEST_F(RouterTest, TwoReplicasAgree) {
@@ -325,6 +381,46 @@ TEST_F(RouterTest, TokensMapToTenantsAndTenantsAreIsolated) {
     v1::ListWorkersResponse lw;
     EXPECT_TRUE(admin->ListWorkers(&c, lr, &lw).ok());
     EXPECT_EQ(lw.workers_size(), 1);
+  }
+  std::remove(tokens.c_str());
+}
+
+TEST_F(RouterTest, TwoTenantsUseTheSameSessionIdIndependently) {
+  // The directory keys sessions by (tenant, id): tenant B naming a session as
+  // tenant A did neither takes A's entry over nor finds A's session.
+  StartWorkers(2);
+  const std::string tokens = ::testing::TempDir() + "/kvcache_tokens_same_id.txt";
+  std::ofstream(tokens) << "alpha-secret tenant-a\nbeta-secret tenant-b\n";
+  auto router = StartRouter({"--auth_tokens_file=" + tokens});
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  Reply a =
+      Generate(stub.get(), Text("same", std::string(120, 'a') + " alpha's question", 2), "alpha-secret");
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  Reply b = Generate(stub.get(), Text("same", std::string(40, 'b') + " beta's question", 2), "beta-secret");
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  for (int turn = 0; turn < 2; ++turn) {
+    Reply a2 = Generate(stub.get(), Text("same", " and then?", 2, v1::APPEND), "alpha-secret");
+    ASSERT_TRUE(a2.status.ok()) << a2.status.error_message();
+    EXPECT_EQ(a2.final.worker_id(), a.final.worker_id());
+    EXPECT_GT(a2.final.usage().cached_tokens(), 100) << "alpha's own conversation, not beta's";
+    Reply b2 = Generate(stub.get(), Text("same", " and then?", 2, v1::APPEND), "beta-secret");
+    ASSERT_TRUE(b2.status.ok()) << b2.status.error_message();
+    EXPECT_EQ(b2.final.worker_id(), b.final.worker_id());
+    EXPECT_GT(b2.final.usage().cached_tokens(), 30);
+    EXPECT_LT(b2.final.usage().cached_tokens(), 100) << "beta's own conversation, not alpha's";
+  }
+  // Each tenant's session calls reach its own session.
+  for (const auto& [token, home] : {std::pair<std::string, std::string>{"alpha-secret", a.final.worker_id()},
+                                    {"beta-secret", b.final.worker_id()}}) {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer " + token);
+    v1::SessionRequest sr;
+    sr.set_session_id("same");
+    v1::SessionInfo info;
+    ASSERT_TRUE(stub->GetSession(&c, sr, &info).ok()) << token;
+    EXPECT_EQ(info.worker_id(), home) << token;
+    EXPECT_EQ(info.tenant(), token == "alpha-secret" ? "tenant-a" : "tenant-b");
   }
   std::remove(tokens.c_str());
 }

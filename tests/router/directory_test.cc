@@ -1,5 +1,7 @@
 #include "router/directory.h"
 
+#include <thread>
+
 #include "gtest/gtest.h"
 
 namespace kvcache::router {
@@ -21,13 +23,19 @@ v1::CacheEvent Prefix(v1::CacheEvent::Kind kind, v1::Tier tier, std::initializer
   return e;
 }
 
-v1::CacheEvent SessionEvent(v1::CacheEvent::Kind kind, const std::string& id, int tokens = 0) {
+constexpr char kTenant[] = "t";
+
+v1::CacheEvent SessionEvent(v1::CacheEvent::Kind kind, const std::string& id, int tokens = 0,
+                            const std::string& tenant = kTenant) {
   v1::CacheEvent e;
   e.set_kind(kind);
   e.set_session_id(id);
+  e.set_tenant(tenant);
   e.set_tokens(tokens);
   return e;
 }
+
+SessionKey K(const std::string& id, const std::string& tenant = kTenant) { return SessionKey{tenant, id}; }
 
 int64_t Count(const Directory& d, const WorkerId& w) {
   const auto counts = d.SessionCounts();
@@ -38,17 +46,17 @@ int64_t Count(const Directory& d, const WorkerId& w) {
 TEST(DirectoryTest, SessionsFollowEvents) {
   Directory d;
   d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 40));
-  ASSERT_TRUE(d.FindSession("s1").has_value());
-  EXPECT_EQ(d.FindSession("s1")->worker, "a");
-  EXPECT_EQ(d.FindSession("s1")->tokens, 40);
+  ASSERT_TRUE(d.FindSession(K("s1")).has_value());
+  EXPECT_EQ(d.FindSession(K("s1"))->worker, "a");
+  EXPECT_EQ(d.FindSession(K("s1"))->tokens, 40);
   d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_OFFLOADED, "s1"));
-  EXPECT_EQ(d.FindSession("s1")->tier, v1::TIER_HOST);
-  EXPECT_EQ(d.FindSession("s1")->tokens, 40);
+  EXPECT_EQ(d.FindSession(K("s1"))->tier, v1::TIER_HOST);
+  EXPECT_EQ(d.FindSession(K("s1"))->tokens, 40);
   // Migrated to b: b's placement arrives, then a's late export must not erase it.
   d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 40));
   d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_EXPORTED, "s1"));
-  ASSERT_TRUE(d.FindSession("s1").has_value());
-  EXPECT_EQ(d.FindSession("s1")->worker, "b");
+  ASSERT_TRUE(d.FindSession(K("s1")).has_value());
+  EXPECT_EQ(d.FindSession(K("s1"))->worker, "b");
   EXPECT_EQ(Count(d, "a"), 0);
   EXPECT_EQ(Count(d, "b"), 1);
   d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_RESTORED, "s1"));
@@ -56,7 +64,7 @@ TEST(DirectoryTest, SessionsFollowEvents) {
   EXPECT_EQ(Count(d, "a"), 1);
   EXPECT_EQ(Count(d, "b"), 1);
   d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "s1"));
-  EXPECT_FALSE(d.FindSession("s1").has_value());
+  EXPECT_FALSE(d.FindSession(K("s1")).has_value());
   EXPECT_EQ(Count(d, "b"), 0);
   EXPECT_EQ(Count(d, "nobody"), 0);
 }
@@ -91,23 +99,24 @@ TEST(DirectoryTest, SnapshotReplacesAndRemoveWorkerForgets) {
   snap.add_host_block_hashes(Bytes(H(8)));
   auto* s = snap.add_sessions();
   s->set_session_id("new");
+  s->set_tenant(kTenant);
   s->set_tokens_cached(99);
   s->set_state(v1::SESSION_IDLE);
   snap.mutable_load()->set_running_requests(3);
   EXPECT_EQ(Count(d, "a"), 1);
   d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "new", 50));  // then found on a
   d.ApplySnapshot("a", snap);
-  EXPECT_FALSE(d.FindSession("old").has_value());
+  EXPECT_FALSE(d.FindSession(K("old")).has_value());
   EXPECT_EQ(Count(d, "a"), 1);
   EXPECT_EQ(Count(d, "b"), 0);
-  EXPECT_EQ(d.FindSession("new")->tokens, 99);
+  EXPECT_EQ(d.FindSession(K("new"))->tokens, 99);
   EXPECT_EQ(d.prefix_entries(), 2u);
   EXPECT_TRUE(d.MatchPrefix(std::vector<BlockHash>{H(1)}).empty());
   EXPECT_EQ(d.Load("a")->running_requests(), 3);
   EXPECT_EQ(d.Describe("a")->model_id(), "m");
 
   auto lost = d.RemoveWorker("a");
-  EXPECT_EQ(lost, std::vector<std::string>{"new"});
+  EXPECT_EQ(lost, std::vector<SessionKey>{K("new")});
   EXPECT_EQ(d.prefix_entries(), 0u);
   EXPECT_EQ(d.session_count(), 0u);
   EXPECT_EQ(Count(d, "a"), 0);
@@ -129,8 +138,92 @@ TEST(DirectoryTest, ReplicasFedTheSameStreamsAgree) {
   std::vector<BlockHash> chain = {H(5), H(6)};
   EXPECT_EQ(r1.MatchPrefix(chain)["a"].device_pages, r2.MatchPrefix(chain)["a"].device_pages);
   EXPECT_EQ(r1.MatchPrefix(chain)["b"].device_pages, r2.MatchPrefix(chain)["b"].device_pages);
-  EXPECT_EQ(r1.FindSession("s2")->worker, r2.FindSession("s2")->worker);
+  EXPECT_EQ(r1.FindSession(K("s2"))->worker, r2.FindSession(K("s2"))->worker);
   EXPECT_EQ(r1.session_count(), r2.session_count());
+}
+
+TEST(DirectoryTest, TwoTenantsWithTheSameIdAreIndependentEntries) {
+  Directory d;
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "chat", 40, "alice"));
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "chat", 10, "bob"));  // no overwrite
+  ASSERT_TRUE(d.FindSession(K("chat", "alice")).has_value());
+  ASSERT_TRUE(d.FindSession(K("chat", "bob")).has_value());
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->worker, "a");
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->tokens, 40);
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->tenant, "alice");
+  EXPECT_EQ(d.FindSession(K("chat", "bob"))->worker, "b");
+  EXPECT_EQ(d.FindSession(K("chat", "bob"))->tokens, 10);
+  EXPECT_EQ(d.session_count(), 2u);
+  EXPECT_EQ(Count(d, "a"), 1);
+  EXPECT_EQ(Count(d, "b"), 1);
+  EXPECT_EQ(d.SessionsNamed("chat").size(), 2u);
+
+  // Events name their tenant's session only.
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_OFFLOADED, "chat", 0, "alice"));
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->tier, v1::TIER_HOST);
+  EXPECT_EQ(d.FindSession(K("chat", "bob"))->tier, v1::TIER_DEVICE);
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_TRUNCATED, "chat", 3, "bob"));
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->tokens, 40);
+  EXPECT_EQ(d.FindSession(K("chat", "bob"))->tokens, 3);
+  // Both on one worker (it keys them apart too); dropping one keeps the other.
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "chat", 12, "bob"));
+  EXPECT_EQ(Count(d, "a"), 2);
+  EXPECT_EQ(Count(d, "b"), 0);
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "chat", 0, "bob"));
+  EXPECT_FALSE(d.FindSession(K("chat", "bob")).has_value());
+  ASSERT_TRUE(d.FindSession(K("chat", "alice")).has_value());
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->worker, "a");
+  EXPECT_EQ(Count(d, "a"), 1);
+
+  // A snapshot with both tenants' "chat" keeps both.
+  v1::WorkerSnapshot snap;
+  for (const char* tenant : {"alice", "bob"}) {
+    auto* s = snap.add_sessions();
+    s->set_session_id("chat");
+    s->set_tenant(tenant);
+    s->set_tokens_cached(tenant[0] == 'a' ? 50 : 60);
+  }
+  d.ApplySnapshot("c", snap);
+  d.ApplySnapshot("a", v1::WorkerSnapshot());  // a restarted empty
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->worker, "c");
+  EXPECT_EQ(d.FindSession(K("chat", "alice"))->tokens, 50);
+  EXPECT_EQ(d.FindSession(K("chat", "bob"))->worker, "c");
+  EXPECT_EQ(d.FindSession(K("chat", "bob"))->tokens, 60);
+  EXPECT_EQ(d.session_count(), 2u);
+  auto lost = d.RemoveWorker("c");
+  EXPECT_EQ(lost.size(), 2u);
+  EXPECT_EQ(d.session_count(), 0u);
+}
+
+TEST(DirectoryTest, ATenantLearnsNothingAboutAnothersSessions) {
+  Directory d;
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "secret", 40, "alice"));
+  const auto mine = d.Lookup(K("secret", "alice"), absl::ZeroDuration());
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->worker, "a");
+
+  // Bob asking for Alice's id gets exactly what he gets for an id nobody uses.
+  Directory empty;
+  const absl::Status unknown = empty.Lookup(K("secret", "bob"), absl::ZeroDuration()).status();
+  const absl::Status others = d.Lookup(K("secret", "bob"), absl::ZeroDuration()).status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(others, unknown);
+  EXPECT_EQ(others.message(), "session 'secret' not found");
+  EXPECT_FALSE(d.FindSession(K("secret", "bob")).has_value());
+  EXPECT_FALSE(d.FindSession(K("secret", "")).has_value());
+  // Waiting for it as well: Alice's session appearing does not end Bob's wait
+  // with a location.
+  absl::StatusOr<SessionLocation> waited;
+  std::thread bob([&] { waited = d.Lookup(K("later", "bob"), absl::Milliseconds(200)); });
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "later", 8, "alice"));
+  bob.join();
+  EXPECT_EQ(waited.status(), empty.Lookup(K("later", "bob"), absl::ZeroDuration()).status());
+  // While a wait for one's own session ends when its placement event arrives.
+  std::thread alice([&] { waited = d.Lookup(K("soon", "alice"), absl::Seconds(60)); });
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "soon", 8, "alice"));
+  alice.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->worker, "b");
 }
 
 TEST(DirectoryTest, MalformedHashesAreIgnored) {
