@@ -1,7 +1,5 @@
 #include "common/gguf/tiny_llama.h"
 
-#include <chrono>
-
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/llama_hparams.h"
 #include "common/tokenizer/chat_template.h"
@@ -24,14 +22,10 @@ TEST_P(TinyLlamaTest, BuildsALoadableModel) {
   }
   o.tied_embeddings = false;
   o.sliding_window = 32;
-  const auto start = std::chrono::steady_clock::now();
   auto bytes = BuildTinyLlama(o);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   auto f = GgufFile::OpenFromBuffer(*bytes);
   ASSERT_TRUE(f.ok()) << f.status();
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(ms, 1000.0);
   auto h = LoadLlamaHparams(**f);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->n_layer, 2);
