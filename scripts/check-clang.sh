@@ -24,8 +24,8 @@ cmake --build "$BUILD" --parallel "$(nproc)"
 log "clang -Wthread-safety + ASan/UBSan build passed"
 
 # The tests under the sanitizers. Child processes (workers, routers) inherit the
-# options, so a report in a server fails the test that started it. LeakSanitizer
-# suppressions cover one-time allocations of libraries we do not build.
+# options, so a report in a server fails the test that started it. The
+# LeakSanitizer suppressions file is for other libraries' one-time allocations.
 export ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=0:strict_string_checks=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizer/lsan.supp:print_suppressions=0"
