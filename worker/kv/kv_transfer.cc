@@ -12,8 +12,6 @@ namespace {
 
 constexpr int64_t kSegmentOverhead = 32;  // matches KvChunk::ByteSize()
 
-std::string Quote(const std::string& key) { return QuoteSession(key); }
-
 }  // namespace
 
 // --- export ------------------------------------------------------------------------
@@ -52,7 +50,7 @@ absl::StatusOr<KvCacheManager::Session*> SessionExporter::Lookup() {
   auto it = mgr_->sessions_.find(session_id_);
   if (it == mgr_->sessions_.end() || it->second->uid != uid_) {
     return absl::FailedPreconditionError(
-        absl::StrCat("export of ", Quote(session_id_), ": the session was closed meanwhile"));
+        absl::StrCat("export of ", QuoteSession(session_id_), ": the session was closed meanwhile"));
   }
   return it->second.get();
 }
@@ -147,7 +145,7 @@ absl::StatusOr<bool> SessionExporter::NextFinal(KvChunk* out) {
   if (phase_ == Phase::kBulk || phase_ == Phase::kFinalStart) {
     if (s->in_step) {
       return absl::FailedPreconditionError(
-          absl::StrCat("export of ", Quote(session_id_), ": final phase must run between steps"));
+          absl::StrCat("export of ", QuoteSession(session_id_), ": final phase must run between steps"));
     }
     s->export_frozen = true;
     frozen_ = true;
@@ -178,13 +176,13 @@ absl::StatusOr<bool> SessionExporter::NextFinal(KvChunk* out) {
   for (int64_t i = s->first_live; i < mgr_->PagesFor(out->num_tokens); ++i) {
     if (i >= static_cast<int64_t>(sent_ok_.size()) || !sent_ok_[i]) {
       return absl::InternalError(
-          absl::StrCat("export of ", Quote(session_id_), ": page ", i, " was never sent"));
+          absl::StrCat("export of ", QuoteSession(session_id_), ": page ", i, " was never sent"));
     }
     out->page_checksums.push_back(sent_sum_[i]);
   }
   if (out->ByteSize() > kMaxChunkWireBytes) {
     return absl::OutOfRangeError(
-        absl::StrCat("export of ", Quote(session_id_), ": commit chunk exceeds 4 MiB"));
+        absl::StrCat("export of ", QuoteSession(session_id_), ": commit chunk exceeds 4 MiB"));
   }
   s->export_frozen = false;
   frozen_ = false;
@@ -238,10 +236,10 @@ void SessionImporter::AbortLocked() {
 
 absl::Status SessionImporter::Add(const KvChunk& chunk) {
   absl::MutexLock l(&mgr_->mu_);
-  if (committed_) return absl::FailedPreconditionError(Quote(session_id_) + " already imported");
+  if (committed_) return absl::FailedPreconditionError(QuoteSession(session_id_) + " already imported");
   if (!failed_.ok()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("import of ", Quote(session_id_), " was aborted: ", failed_.message()));
+        absl::StrCat("import of ", QuoteSession(session_id_), " was aborted: ", failed_.message()));
   }
   absl::Status st = AddLocked(chunk);
   if (!st.ok()) {
@@ -261,16 +259,16 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
       return absl::InvalidArgumentError("import: empty session id or tenant");
     }
     if (c.model_id != opt.model_id) {
-      return absl::FailedPreconditionError(absl::StrCat("import of ", Quote(session_id_), ": model '",
+      return absl::FailedPreconditionError(absl::StrCat("import of ", QuoteSession(session_id_), ": model '",
                                                         c.model_id, "' differs from '", opt.model_id, "'"));
     }
     if (c.shape != opt.shape) {
-      return absl::FailedPreconditionError(absl::StrCat("import of ", Quote(session_id_), ": shape ",
+      return absl::FailedPreconditionError(absl::StrCat("import of ", QuoteSession(session_id_), ": shape ",
                                                         c.shape.DebugString(), " differs from ",
                                                         opt.shape.DebugString()));
     }
     if (mgr_->sessions_.contains(session_id_)) {
-      return absl::AlreadyExistsError(Quote(session_id_) + " already exists");
+      return absl::AlreadyExistsError(QuoteSession(session_id_) + " already exists");
     }
     began_ = true;
     return absl::OkStatus();
@@ -281,9 +279,9 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
       const int64_t end = c.token_offset + static_cast<int64_t>(c.token_ids.size());
       if (c.token_offset < 0 || c.token_offset > static_cast<int64_t>(tokens_.size()) ||
           end > opt.max_session_tokens) {
-        return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_), ": token chunk at ",
-                                                       c.token_offset, " does not continue the ",
-                                                       tokens_.size(), " tokens received"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("import of ", QuoteSession(session_id_), ": token chunk at ", c.token_offset,
+                         " does not continue the ", tokens_.size(), " tokens received"));
       }
       tokens_.resize(c.token_offset);
       tokens_.insert(tokens_.end(), c.token_ids.begin(), c.token_ids.end());
@@ -307,12 +305,12 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
     if (seg.page_index < 0 || seg.page_index >= max_pages || seg.offset < 0 || seg.length <= 0 ||
         seg.offset + seg.length > page_bytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("import of ", Quote(session_id_), ": bad segment for page ", seg.page_index));
+          absl::StrCat("import of ", QuoteSession(session_id_), ": bad segment for page ", seg.page_index));
     }
     total += seg.length;
   }
   if (total != static_cast<int64_t>(c.payload.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_), ": payload is ",
+    return absl::InvalidArgumentError(absl::StrCat("import of ", QuoteSession(session_id_), ": payload is ",
                                                    c.payload.size(), " bytes, segments say ", total));
   }
   int64_t at = 0;
@@ -324,8 +322,8 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
       p.verified = false;
       p.sum = seg.page_checksum;
     } else if (seg.offset != p.received || seg.page_checksum != p.sum) {
-      return absl::InvalidArgumentError(absl::StrCat("import of ", Quote(session_id_), ": segment of page ",
-                                                     seg.page_index, " at ", seg.offset,
+      return absl::InvalidArgumentError(absl::StrCat("import of ", QuoteSession(session_id_),
+                                                     ": segment of page ", seg.page_index, " at ", seg.offset,
                                                      " does not continue its ", p.received, " bytes"));
     }
     if (p.id == kNoPage) {
@@ -341,8 +339,8 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
       KVCACHE_ASSIGN_OR_RETURN(PageChecksum sum, mgr_->storage_[0]->Checksum(p.id));
       if (sum != p.sum) {
         ++mgr_->counters_.checksum_failures;
-        return absl::DataLossError(
-            absl::StrCat("import of ", Quote(session_id_), ": page ", seg.page_index, " checksum mismatch"));
+        return absl::DataLossError(absl::StrCat("import of ", QuoteSession(session_id_), ": page ",
+                                                seg.page_index, " checksum mismatch"));
       }
       p.verified = true;
     }
@@ -353,7 +351,7 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
 absl::Status SessionImporter::CommitLocked(const KvChunk& c) {
   const KvCacheOptions& opt = mgr_->options_;
   const int64_t len = static_cast<int64_t>(tokens_.size());
-  const std::string who = absl::StrCat("import of ", Quote(session_id_), ": ");
+  const std::string who = absl::StrCat("import of ", QuoteSession(session_id_), ": ");
   if (c.num_tokens != len) {
     return absl::InvalidArgumentError(
         absl::StrCat(who, "commit says ", c.num_tokens, " tokens, received ", len));
@@ -377,7 +375,7 @@ absl::Status SessionImporter::CommitLocked(const KvChunk& c) {
     }
   }
   if (mgr_->sessions_.contains(session_id_)) {
-    return absl::AlreadyExistsError(Quote(session_id_) + " already exists");
+    return absl::AlreadyExistsError(QuoteSession(session_id_) + " already exists");
   }
   // Verified: apply. Nothing below can fail.
   auto s = std::make_unique<KvCacheManager::Session>();
