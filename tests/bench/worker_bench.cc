@@ -285,8 +285,8 @@ int Run() {
   {
     auto router = testing::ServerUnderTest::Start(
         testing::BinaryPath("router/kvcache-router"),
-        {"--workers=" + (*w1)->grpc_address(), "--model=" + gguf::DefaultModelPath(), "--rebalance_interval=0s",
-         "--min_ready_workers=1"});
+        {"--workers=" + (*w1)->grpc_address(), "--model=" + gguf::DefaultModelPath(),
+         "--rebalance_interval=0s", "--min_ready_workers=1"});
     if (!router.ok()) {
       std::fprintf(stderr, "cannot start the router: %s\n", router.status().ToString().c_str());
       return 1;
@@ -322,11 +322,13 @@ int Run() {
     report.metrics["router_rss_after_last_churn_round_mb"] = router_last / 1e6;
     report.metrics["rss_growth_after_churn_worker"] = worker_last / worker_first;
     report.metrics["rss_growth_after_churn_router"] = router_last / router_first;
-    report.metrics["rss_growth_after_churn"] = std::max(worker_last / worker_first, router_last / router_first);
+    report.metrics["rss_growth_after_churn"] =
+        std::max(worker_last / worker_first, router_last / router_first);
     report.metrics["churn_sessions_per_s"] = 2.0 * rounds * per_round / churn_s;
-    report.notes["churn"] = absl::StrCat(rounds, " rounds of ", per_round,
-                                         " forks then closes of 32-token sessions (4 client threads), a router "
-                                         "watching; RSS from /proc/PID/status VmRSS after each round");
+    report.notes["churn"] =
+        absl::StrCat(rounds, " rounds of ", per_round,
+                     " forks then closes of 32-token sessions (4 client threads), a router "
+                     "watching; RSS from /proc/PID/status VmRSS after each round");
   }
   w1->reset();
   w2->reset();

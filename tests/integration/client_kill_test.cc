@@ -29,7 +29,9 @@ bool WaitNothingRunning(v1::Worker::Stub* stub, absl::Duration timeout) {
   v1::WatchEvent ev;
   bool idle = false;
   while (!idle && reader->Read(&ev)) {
-    const v1::WorkerLoad* load = ev.has_load() ? &ev.load() : ev.has_snapshot() ? &ev.snapshot().load() : nullptr;
+    const v1::WorkerLoad* load = ev.has_load()       ? &ev.load()
+                                 : ev.has_snapshot() ? &ev.snapshot().load()
+                                                     : nullptr;
     idle = load != nullptr && load->running_requests() == 0 && load->waiting_requests() == 0;
   }
   ctx.TryCancel();
@@ -44,13 +46,12 @@ TEST(ClientKillTest, KilledClientsLeaveEveryProcessServing) {
   ASSERT_TRUE(gguf::WriteTinyLlama(o, model).ok());
   auto worker = testing::ServerUnderTest::Start(
       testing::BinaryPath("worker/kvcache-worker"),
-      {"--model=" + model, "--threads=1", "--load_report_interval=100ms", "--tier0_bytes=" + std::to_string(64 << 20),
-       "--tier1_bytes=" + std::to_string(64 << 20)});
+      {"--model=" + model, "--threads=1", "--load_report_interval=100ms",
+       "--tier0_bytes=" + std::to_string(64 << 20), "--tier1_bytes=" + std::to_string(64 << 20)});
   ASSERT_TRUE(worker.ok()) << worker.status();
-  auto router = testing::ServerUnderTest::Start(
-      testing::BinaryPath("router/kvcache-router"),
-      {"--workers=" + (*worker)->grpc_address(), "--model=" + model, "--rebalance_interval=0s",
-       "--min_ready_workers=1"});
+  auto router = testing::ServerUnderTest::Start(testing::BinaryPath("router/kvcache-router"),
+                                                {"--workers=" + (*worker)->grpc_address(), "--model=" + model,
+                                                 "--rebalance_interval=0s", "--min_ready_workers=1"});
   ASSERT_TRUE(router.ok()) << router.status();
 
   constexpr int kKills = 40;
@@ -76,14 +77,15 @@ TEST(ClientKillTest, KilledClientsLeaveEveryProcessServing) {
   EXPECT_FALSE((*worker)->process().exited());
   EXPECT_FALSE((*router)->process().exited());
   auto wstub = v1::Worker::NewStub((*worker)->channel());
-  EXPECT_TRUE(WaitNothingRunning(wstub.get(), absl::Seconds(60))) << "generations of killed clients still run";
-  testing::Reply direct =
-      testing::Generate(wstub.get(), testing::TextRequest("", "still there?", 4, v1::FULL_CONTEXT), absl::Seconds(60));
+  EXPECT_TRUE(WaitNothingRunning(wstub.get(), absl::Seconds(60)))
+      << "generations of killed clients still run";
+  testing::Reply direct = testing::Generate(
+      wstub.get(), testing::TextRequest("", "still there?", 4, v1::FULL_CONTEXT), absl::Seconds(60));
   EXPECT_TRUE(direct.status.ok()) << direct.status.error_message();
   EXPECT_EQ(direct.tokens.size(), 4u);
   auto rstub = v1::KvCache::NewStub((*router)->channel());
-  testing::Reply routed =
-      testing::Generate(rstub.get(), testing::TextRequest("", "and you?", 4, v1::FULL_CONTEXT), absl::Seconds(60));
+  testing::Reply routed = testing::Generate(
+      rstub.get(), testing::TextRequest("", "and you?", 4, v1::FULL_CONTEXT), absl::Seconds(60));
   EXPECT_TRUE(routed.status.ok()) << routed.status.error_message();
   EXPECT_EQ(routed.tokens.size(), 4u);
   auto metrics = testing::HttpGet((*worker)->metrics_port(), "/metrics");

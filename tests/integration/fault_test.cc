@@ -662,7 +662,8 @@ TEST_P(PressureSoakTest, EveryReplyMatchesARoomyWorker) {
   auto body = testing::HttpGet(tight->metrics_port(), "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
   const size_t at = body->find("\nkvcache_recomputed_tokens_total ");
-  std::printf("tier1=%d pages, %d clients, seed %d: %d mismatches, %s", tier1_pages, threads, seed, mismatches,
+  std::printf("tier1=%d pages, %d clients, seed %d: %d mismatches, %s", tier1_pages, threads, seed,
+              mismatches,
               at == std::string::npos ? "?\n" : body->substr(at + 1, body->find('\n', at + 1) - at).c_str());
   // Close everything: every page is free (or a cached prefix page) again.
   for (int u = 0; u < kUsers; ++u) {

@@ -48,7 +48,8 @@ TEST(ManySessionsTest, HundredThousandSessionsStayWatchedAndRoutable) {
   constexpr int kThreads = 4;
   for (int t = 0; t < kThreads; ++t) {
     testing::Reply base = testing::Generate(
-        stub.get(), testing::TokensRequest(absl::StrCat("base-", t), prompt, 1, v1::FULL_CONTEXT), absl::Seconds(60));
+        stub.get(), testing::TokensRequest(absl::StrCat("base-", t), prompt, 1, v1::FULL_CONTEXT),
+        absl::Seconds(60));
     ASSERT_TRUE(base.status.ok()) << base.status.error_message();
   }
 
@@ -74,10 +75,9 @@ TEST(ManySessionsTest, HundredThousandSessionsStayWatchedAndRoutable) {
   std::printf("%d forks in %.1f s\n", kSessions, absl::ToDoubleSeconds(absl::Now() - start));
 
   // A router that starts now learns all of them from the parted snapshot.
-  auto router = testing::ServerUnderTest::Start(
-      testing::BinaryPath("router/kvcache-router"),
-      {"--workers=" + (*worker)->grpc_address(), "--model=" + model, "--rebalance_interval=0s",
-       "--min_ready_workers=1"});
+  auto router = testing::ServerUnderTest::Start(testing::BinaryPath("router/kvcache-router"),
+                                                {"--workers=" + (*worker)->grpc_address(), "--model=" + model,
+                                                 "--rebalance_interval=0s", "--min_ready_workers=1"});
   ASSERT_TRUE(router.ok()) << router.status();
   auto admin = v1::KvCacheAdmin::NewStub((*router)->channel());
   const absl::Time deadline = absl::Now() + absl::Seconds(120);
@@ -90,8 +90,8 @@ TEST(ManySessionsTest, HundredThousandSessionsStayWatchedAndRoutable) {
 
   // Any of them is routable: an APPEND turn on the last fork through the router.
   auto kv = v1::KvCache::NewStub((*router)->channel());
-  v1::GenerateRequest turn = testing::TokensRequest(absl::StrCat("fork-", kSessions - 1), {60, 61, 62}, 2,
-                                                    v1::APPEND);
+  v1::GenerateRequest turn =
+      testing::TokensRequest(absl::StrCat("fork-", kSessions - 1), {60, 61, 62}, 2, v1::APPEND);
   testing::Reply r = testing::Generate(kv.get(), turn, absl::Seconds(60));
   EXPECT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens.size(), 2u);

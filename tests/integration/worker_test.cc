@@ -385,7 +385,8 @@ TEST_F(WorkerTest, SessionFieldsTellTheTruthAndTenantsAreSeparate) {
   const grpc::Status unknown = call(&v1::Worker::Stub::GetSession, session("no-such-id", "initech"), &info);
   EXPECT_EQ(theirs.error_code(), grpc::NOT_FOUND);
   EXPECT_EQ(unknown.error_code(), grpc::NOT_FOUND);
-  EXPECT_EQ(theirs.error_message(), absl::StrReplaceAll(unknown.error_message(), {{"no-such-id", "shared-id"}}));
+  EXPECT_EQ(theirs.error_message(),
+            absl::StrReplaceAll(unknown.error_message(), {{"no-such-id", "shared-id"}}));
   v1::GenerateRequest append = Text("shared-id", " more", 2, v1::APPEND);
   append.set_tenant("initech");
   Turn refused = Generate(stub.get(), append);
@@ -435,7 +436,8 @@ TEST_F(WorkerTest, LargeSnapshotsComeInParts) {
   ASSERT_NE(w, nullptr);
   auto stub = v1::Worker::NewStub(w->channel());
   for (int i = 0; i < 7; ++i) {
-    ASSERT_TRUE(Generate(stub.get(), Text("part-" + std::to_string(i), std::string(40, 'a' + i), 2)).status.ok());
+    ASSERT_TRUE(
+        Generate(stub.get(), Text("part-" + std::to_string(i), std::string(40, 'a' + i), 2)).status.ok());
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));

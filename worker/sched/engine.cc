@@ -515,8 +515,8 @@ void Engine::Loop() {
     }
     if (!stopping && options_.session_idle_ttl > absl::ZeroDuration() && absl::Now() >= next_expiry_) {
       ExpireIdleSessions(absl::Now());
-      next_expiry_ = absl::Now() + std::clamp(options_.session_idle_ttl / 8, absl::Milliseconds(10),
-                                              absl::Seconds(1));
+      next_expiry_ =
+          absl::Now() + std::clamp(options_.session_idle_ttl / 8, absl::Milliseconds(10), absl::Seconds(1));
     }
     for (auto& r : expired) {
       const bool was_cancelled = cancelled.contains(r->id);
@@ -620,7 +620,8 @@ absl::Status Engine::Reserve(const std::string& id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
   const std::string key = kv::SessionKey(tenant, id);
   // A session whose first request is still queued is busy before it is known.
-  if (busy_.contains(key)) return absl::AbortedError(absl::StrCat("session '", id, "' is busy with a request"));
+  if (busy_.contains(key))
+    return absl::AbortedError(absl::StrCat("session '", id, "' is busy with a request"));
   KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
   busy_.insert(key);
   return absl::OkStatus();
@@ -765,8 +766,8 @@ absl::Status Engine::AdoptSession(const std::string& id, const std::string& tena
 }
 
 absl::StatusOr<std::unique_ptr<kv::SessionExporter>> Engine::BeginExport(const std::string& id,
-                                                                          const std::string& tenant,
-                                                                          kv::ExportOptions options) {
+                                                                         const std::string& tenant,
+                                                                         kv::ExportOptions options) {
   const std::string key = kv::SessionKey(tenant, id);
   {
     absl::MutexLock lock(&mu_);

@@ -198,8 +198,8 @@ class Engine {
   // ends that; with `handed_over` the target holds the session now, and it is
   // closed here. REQUIRES for handed_over: the caller holds it (Reserve).
   absl::StatusOr<std::unique_ptr<kv::SessionExporter>> BeginExport(const std::string& id,
-                                                                    const std::string& tenant,
-                                                                    kv::ExportOptions options);
+                                                                   const std::string& tenant,
+                                                                   kv::ExportOptions options);
   void EndExport(const std::string& id, const std::string& tenant, bool handed_over);
   // Every named session (tenant, id), in no particular order.
   std::vector<kv::SessionName> Sessions() const;
@@ -268,9 +268,9 @@ class Engine {
   void EraseSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> tenant_sessions_ ABSL_GUARDED_BY(mu_);  // tenant -> sessions_
-  absl::flat_hash_set<uint64_t> live_ ABSL_GUARDED_BY(mu_);       // submitted, not finished
-  absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);  // subset of live_
-  absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);  // tenant -> requests
+  absl::flat_hash_set<uint64_t> live_ ABSL_GUARDED_BY(mu_);                     // submitted, not finished
+  absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);                // subset of live_
+  absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);         // tenant -> requests
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   EngineLoad load_ ABSL_GUARDED_BY(mu_);

@@ -35,7 +35,7 @@ struct WatchHubOptions {
   absl::Duration load_interval = absl::Seconds(1);
   absl::Duration poll_interval = absl::Milliseconds(20);  // event-log polling
   size_t max_queued = 10000;                              // per subscriber, before it is cut off
-  size_t snapshot_part_entries = 4096;  // sessions + block hashes per snapshot message
+  size_t snapshot_part_entries = 4096;                    // sessions + block hashes per snapshot message
 };
 
 class WatchHub {

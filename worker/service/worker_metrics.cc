@@ -62,12 +62,13 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                         .Help("Running sessions offloaded to make room")
                         .Register(r)
                         .Add({})),
-      recomputed_tokens_(&BuildCounter()
-                              .Name("kvcache_recomputed_tokens_total")
-                              .Help("Tokens whose K/V a running request lost under memory pressure and computed "
-                                    "again (same tokens, more time)")
-                              .Register(r)
-                              .Add({})),
+      recomputed_tokens_(
+          &BuildCounter()
+               .Name("kvcache_recomputed_tokens_total")
+               .Help("Tokens whose K/V a running request lost under memory pressure and computed "
+                     "again (same tokens, more time)")
+               .Register(r)
+               .Add({})),
       sessions_expired_(&BuildCounter()
                              .Name("kvcache_sessions_expired_total")
                              .Help("Named sessions closed after --session_idle_ttl without a request")

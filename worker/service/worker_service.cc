@@ -278,8 +278,8 @@ absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
   out.set_pages_host(static_cast<int32_t>(info->tier1_pages));
   out.set_pages_shared(static_cast<int32_t>(info->shared_pages));
   out.set_pinned(info->user_pinned);
-  out.set_state(view->exporting  ? v1::SESSION_MIGRATING
-                : info->running  ? v1::SESSION_RUNNING
+  out.set_state(view->exporting         ? v1::SESSION_MIGRATING
+                : info->running         ? v1::SESSION_RUNNING
                 : info->tier1_pages > 0 ? v1::SESSION_OFFLOADED
                                         : v1::SESSION_IDLE);
   out.set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));

@@ -147,9 +147,10 @@ TEST_P(EnginePressureTest, EveryReplyMatchesARoomyEngine) {
     EXPECT_EQ(g.result.prompt_tokens, w.result.prompt_tokens) << got.names[i];
   }
   EXPECT_EQ(mismatches, 0);
-  std::printf("tier1=%d pages, %d sessions, seed %d: %zu requests, %lld tokens recomputed, %lld preemptions\n",
-              tier1_pages, sessions, seed, got.outcomes.size(), static_cast<long long>(got.recomputed_tokens),
-              static_cast<long long>(got.preemptions));
+  std::printf(
+      "tier1=%d pages, %d sessions, seed %d: %zu requests, %lld tokens recomputed, %lld preemptions\n",
+      tier1_pages, sessions, seed, got.outcomes.size(), static_cast<long long>(got.recomputed_tokens),
+      static_cast<long long>(got.preemptions));
   // With no room to offload a preempted session, the squeeze must recompute.
   if (tier1_pages == 0) {
     EXPECT_GT(got.recomputed_tokens, 0);
