@@ -392,21 +392,26 @@ absl::Status KvCacheManager::MarkIdle(const std::string& id) {
   return absl::OkStatus();
 }
 
+SessionInfo KvCacheManager::SummaryLocked(const Session& s) const {
+  SessionInfo info;
+  info.id = s.id;
+  info.tenant = s.tenant;
+  info.num_tokens = static_cast<int64_t>(s.tokens.size());
+  info.reserved_tokens = s.reserved;
+  info.first_live_page = s.first_live;
+  info.tier1_pages = s.tier1_pages;
+  info.tier0_pages = static_cast<int64_t>(s.pages.size()) - s.first_live - s.tier1_pages;
+  info.in_step = s.in_step;
+  info.user_pinned = s.user_pinned;
+  info.running = s.running;
+  info.last_use = s.last_use;
+  return info;
+}
+
 absl::StatusOr<SessionInfo> KvCacheManager::GetSession(const std::string& id) const {
   absl::MutexLock l(&mu_);
   KVCACHE_ASSIGN_OR_RETURN(const Session* s, Find(id));
-  SessionInfo info;
-  info.id = s->id;
-  info.tenant = s->tenant;
-  info.num_tokens = static_cast<int64_t>(s->tokens.size());
-  info.reserved_tokens = s->reserved;
-  info.first_live_page = s->first_live;
-  info.tier1_pages = s->tier1_pages;
-  info.tier0_pages = static_cast<int64_t>(s->pages.size()) - s->first_live - s->tier1_pages;
-  info.in_step = s->in_step;
-  info.user_pinned = s->user_pinned;
-  info.running = s->running;
-  info.last_use = s->last_use;
+  SessionInfo info = SummaryLocked(*s);
   for (const PageLoc& loc : s->pages) {
     info.page_tiers.push_back(loc.tier);
     info.page_ids.push_back(loc.id);

@@ -243,6 +243,8 @@ class KvCacheManager {
   // Hashes full committed pages not hashed yet and registers those in tier 0.
   void PublishFullPages(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseLocked(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // GetSession's fields without the per-page lists (what Snapshot reports).
+  SessionInfo SummaryLocked(const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The pressure policy: makes `n` tier-0 pages free, never touching `protect` or a
   // pinned session. Appends preempted sessions' ids.

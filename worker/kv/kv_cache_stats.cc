@@ -46,20 +46,7 @@ KvSnapshot KvCacheManager::Snapshot() const {
   absl::MutexLock l(&mu_);
   KvSnapshot snap;
   snap.last_seq = events_.last_seq();
-  for (const auto& [id, s] : sessions_) {
-    SessionInfo info;
-    info.id = s->id;
-    info.tenant = s->tenant;
-    info.num_tokens = static_cast<int64_t>(s->tokens.size());
-    info.first_live_page = s->first_live;
-    info.tier1_pages = s->tier1_pages;
-    info.tier0_pages = static_cast<int64_t>(s->pages.size()) - s->first_live - s->tier1_pages;
-    info.in_step = s->in_step;
-    info.user_pinned = s->user_pinned;
-    info.running = s->running;
-    info.last_use = s->last_use;
-    snap.sessions.push_back(std::move(info));
-  }
+  for (const auto& [id, s] : sessions_) snap.sessions.push_back(SummaryLocked(*s));
   std::sort(snap.sessions.begin(), snap.sessions.end(),
             [](const SessionInfo& a, const SessionInfo& b) { return a.id < b.id; });
   for (const auto& [h, page] : prefix_index_) snap.prefix_hashes.push_back(h);
