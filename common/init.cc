@@ -19,6 +19,12 @@ ABSL_FLAG(absl::Duration, shutdown_deadline, absl::Seconds(10),
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (enables TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA bundle: require and verify client certificates (mTLS)");
+ABSL_FLAG(std::string, cluster_token_file, "",
+          "File holding the fleet's shared token (a Secret): workers require it of every caller, routers "
+          "and migrating workers send it");
+ABSL_FLAG(bool, allow_unauthenticated, false,
+          "Serve callers without credentials (worker: anyone who reaches the port; router: callers "
+          "without a bearer token act as tenant 'default', never admin). Off by default");
 
 namespace kvcache {
 namespace {
@@ -60,6 +66,8 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags(const std::string& name) {
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  o.cluster_token_file = absl::GetFlag(FLAGS_cluster_token_file);
+  o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   KVCACHE_RETURN_IF_ERROR(ValidateAddress("listen", o.grpc_address, false));
   KVCACHE_RETURN_IF_ERROR(ValidateAddress("metrics_listen", o.metrics_address, true));
   if (o.shutdown_deadline < absl::ZeroDuration()) {

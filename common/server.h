@@ -57,6 +57,10 @@ struct ServerOptions {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
+  // Peer authentication (common/peer_auth.h): the fleet's shared token file, and
+  // the explicit opt-out of authentication.
+  std::string cluster_token_file;
+  bool allow_unauthenticated = false;
 };
 
 class ServerProcess {

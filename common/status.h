@@ -14,6 +14,11 @@
 
 namespace kvcache {
 
+// The message of the UNAVAILABLE a draining worker answers new work with. A
+// router that sees it knows the worker is alive and its sessions are on their
+// way elsewhere (not lost), even before the worker's Watch stream says so.
+inline constexpr char kWorkerDrainingMessage[] = "worker is draining";
+
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

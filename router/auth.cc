@@ -10,16 +10,18 @@
 
 namespace kvcache::router {
 
-absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(const std::string& path) {
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(const std::string& path,
+                                                                       bool allow_anonymous) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read tokens file ", path));
   std::stringstream ss;
   ss << in.rdbuf();
-  return FromText(ss.str());
+  return FromText(ss.str(), allow_anonymous);
 }
 
-absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std::string& text) {
-  auto a = std::make_unique<Authenticator>();
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std::string& text,
+                                                                       bool allow_anonymous) {
+  auto a = std::make_unique<Authenticator>(allow_anonymous);
   int line_no = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_no;
@@ -41,10 +43,18 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& context,
                                                       bool need_admin) const {
-  if (tokens_.empty()) return Principal{"default", true};
   const auto& md = context.client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
+  if (it == md.end()) {
+    if (!allow_anonymous_)
+      return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
+    if (need_admin) {
+      return absl::PermissionDeniedError(
+          "admin calls need an admin token ('authorization: Bearer <token>' of a tokens-file line "
+          "'TOKEN TENANT admin')");
+    }
+    return Principal{"default", false};
+  }
   absl::string_view value(it->second.data(), it->second.size());
   if (!absl::ConsumePrefix(&value, "Bearer ")) {
     return absl::UnauthenticatedError("authorization metadata must be 'Bearer <token>'");

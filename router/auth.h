@@ -2,8 +2,10 @@
 // optionally to admin rights (the KvCacheAdmin service).
 //
 // Tokens file: one "TOKEN TENANT [admin]" per line; '#' starts a comment.
-// Without a tokens file every caller is tenant "default" with admin rights
-// (for a trusted network or local use).
+// Admin calls always need an admin token. With anonymous callers allowed
+// (--allow_unauthenticated, an explicit choice), a caller without an
+// authorization header is tenant "default" and never admin; a header that is
+// there must still carry a known token.
 //
 // Thread-safety: immutable after construction.
 #ifndef KVCACHE_ROUTER_AUTH_H_
@@ -25,19 +27,24 @@ struct Principal {
 
 class Authenticator {
  public:
-  // Everyone is tenant "default", admin.
-  Authenticator() = default;
+  // No tokens: with `allow_anonymous` everyone is tenant "default" (not admin),
+  // without it every call is UNAUTHENTICATED.
+  explicit Authenticator(bool allow_anonymous = false) : allow_anonymous_(allow_anonymous) {}
   // INVALID_ARGUMENT for a malformed line (naming it), NOT_FOUND for a missing file.
-  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(const std::string& path);
-  static absl::StatusOr<std::unique_ptr<Authenticator>> FromText(const std::string& text);
+  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(const std::string& path,
+                                                                 bool allow_anonymous = false);
+  static absl::StatusOr<std::unique_ptr<Authenticator>> FromText(const std::string& text,
+                                                                 bool allow_anonymous = false);
 
-  // UNAUTHENTICATED without a valid `authorization: Bearer <token>`;
-  // PERMISSION_DENIED when `need_admin` and the token is not an admin's.
+  // UNAUTHENTICATED with an unknown token, or without one unless anonymous
+  // callers are allowed; PERMISSION_DENIED when `need_admin` and the caller is
+  // anonymous or its token is not an admin's.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& context, bool need_admin) const;
 
   bool enabled() const { return !tokens_.empty(); }
 
  private:
+  const bool allow_anonymous_;
   absl::flat_hash_map<std::string, Principal> tokens_;
 };
 

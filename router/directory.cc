@@ -170,6 +170,21 @@ std::optional<SessionLocation> Directory::AwaitSession(const SessionKey& key, ab
   return sessions_.at(key);
 }
 
+std::optional<SessionLocation> Directory::AwaitSessionOff(const SessionKey& key, const WorkerId& worker,
+                                                          absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto off = [this, &key, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Absent counts as not yet moved: the source's removal and the target's
+    // placement arrive on two streams, in either order.
+    auto it = sessions_.find(key);
+    return it != sessions_.end() && it->second.worker != worker;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&off), timeout);
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return std::nullopt;
+  return it->second;
+}
+
 absl::StatusOr<SessionLocation> Directory::Lookup(const SessionKey& key, absl::Duration timeout) const {
   std::optional<SessionLocation> loc =
       timeout > absl::ZeroDuration() ? AwaitSession(key, timeout) : FindSession(key);

@@ -81,6 +81,10 @@ class Directory {
   // FindSession, waiting up to `timeout` for the session to appear (a worker's
   // placement event may trail the reply that created the session).
   std::optional<SessionLocation> AwaitSession(const SessionKey& key, absl::Duration timeout) const;
+  // Waits up to `timeout` for the session to be on a worker other than `worker`
+  // (moved by a migration). Returns where it is then (nullopt: nowhere).
+  std::optional<SessionLocation> AwaitSessionOff(const SessionKey& key, const WorkerId& worker,
+                                                 absl::Duration timeout) const;
   // AwaitSession as callers see it: NOT_FOUND "session 'ID' not found" when
   // the tenant holds no session by that id, whether or not another tenant does
   // (the same code, message and wait either way). Blocks up to `timeout`.

@@ -23,13 +23,15 @@
 ABSL_FLAG(std::string, workers, "", "Comma-separated worker addresses host:port (static membership)");
 ABSL_FLAG(
     std::string, worker_dns, "",
-    "Comma-separated DNS names name:port whose every address is a worker (Kubernetes headless Service)");
+    "Comma-separated DNS names whose every address is a worker (a Kubernetes headless Service): name:port "
+    "(system resolver) or dns://HOST:PORT/name:port (that DNS server)");
 ABSL_FLAG(absl::Duration, dns_refresh, absl::Seconds(10), "How often --worker_dns is re-resolved");
 ABSL_FLAG(std::string, model, "",
           "GGUF file whose tokenizer the router uses for prefix hashes (same as the workers')");
 ABSL_FLAG(std::string, placement, "affinity", "Placement policy: affinity, round_robin or random");
 ABSL_FLAG(std::string, auth_tokens_file, "",
-          "Bearer tokens: lines 'TOKEN TENANT [admin]'; empty disables auth");
+          "Client bearer tokens: lines 'TOKEN TENANT [admin]'. Without it the router starts only with "
+          "--allow_unauthenticated");
 ABSL_FLAG(absl::Duration, health_timeout, absl::Seconds(3), "A worker silent this long is unhealthy");
 ABSL_FLAG(absl::Duration, forget_after, absl::Seconds(30), "A worker unreachable this long is forgotten");
 ABSL_FLAG(absl::Duration, rebalance_interval, absl::Seconds(5), "Rebalancing period (0 disables)");
@@ -83,20 +85,41 @@ int Run() {
       absl::StrSplit(absl::GetFlag(FLAGS_worker_dns), ',', absl::SkipEmpty());
   if (absl::GetFlag(FLAGS_max_attempts) < 1)
     DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
-  for (const auto& list : {workers, dns}) {
-    for (const auto& a : list) {
-      if (a.rfind(':') == std::string::npos) {
-        DieWith(kName, absl::InvalidArgumentError(absl::StrCat("worker address '", a, "' needs host:port")));
-      }
+  for (const auto& a : workers) {
+    if (a.rfind(':') == std::string::npos) {
+      DieWith(kName, absl::InvalidArgumentError(absl::StrCat("worker address '", a, "' needs host:port")));
     }
+  }
+  for (const auto& name : dns) {
+    if (auto t = router::ParseDnsTarget(name); !t.ok()) DieWith(kName, t.status());
   }
   auto creds = WorkerCredentials();
   if (!creds.ok()) DieWith(kName, creds.status());
-  std::unique_ptr<router::Authenticator> auth = std::make_unique<router::Authenticator>();
+  // Clients: bearer tokens, and anonymous callers only when asked for.
+  std::unique_ptr<router::Authenticator> auth =
+      std::make_unique<router::Authenticator>(options->allow_unauthenticated);
   if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
-    auto a = router::Authenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file));
+    auto a = router::Authenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file),
+                                             options->allow_unauthenticated);
     if (!a.ok()) DieWith(kName, a.status());
     auth = std::move(*a);
+  } else if (!options->allow_unauthenticated) {
+    DieWith(kName, absl::FailedPreconditionError(
+                       "clients authenticate with bearer tokens: give --auth_tokens_file (lines 'TOKEN "
+                       "TENANT [admin]'), or --allow_unauthenticated to serve anonymous callers as tenant "
+                       "'default' (admin calls still need an admin token)"));
+  }
+  if (options->allow_unauthenticated) {
+    KV_LOG_WARN(
+        "--allow_unauthenticated: callers without a token are served as tenant 'default' (admin calls "
+        "still need an admin token from --auth_tokens_file)");
+  }
+  // Workers: the fleet's cluster token goes with every call to them.
+  ClusterToken cluster_token;
+  if (!options->cluster_token_file.empty()) {
+    auto t = ClusterToken::FromFile(options->cluster_token_file);
+    if (!t.ok()) DieWith(kName, t.status());
+    cluster_token = *t;
   }
   auto process = ServerProcess::Init(*options);
   if (!process.ok()) DieWith(kName, process.status(), 1);
@@ -109,19 +132,23 @@ int Run() {
   if (!tokenizer.ok()) DieWith(kName, tokenizer.status(), 1);
   auto chat = tok::ChatTemplate::FromGguf(**file);
 
+  router::RouterMetrics metrics((*process)->metrics());
   router::Directory directory;
   router::WorkerPoolOptions po;
+  po.on_dns_result = [&metrics](const char* result) { metrics.OnDnsResult(result); };
   po.health_timeout = absl::GetFlag(FLAGS_health_timeout);
   po.forget_after = absl::GetFlag(FLAGS_forget_after);
   po.dns_refresh = absl::GetFlag(FLAGS_dns_refresh);
   po.credentials = *creds;
+  po.cluster_token = cluster_token;
   router::WorkerPool pool(po, &directory);
   if (!workers.empty()) pool.SetAddresses(workers);
-  for (const auto& name : dns) pool.AddDnsName(name);
+  for (const auto& name : dns) {
+    if (absl::Status st = pool.AddDnsName(name); !st.ok()) DieWith(kName, st);
+  }
   if (workers.empty() && dns.empty())
     KV_LOG_WARN("no --workers or --worker_dns: every request will be UNAVAILABLE");
 
-  router::RouterMetrics metrics((*process)->metrics());
   router::RouterOptions ro;
   ro.mode = *mode;
   ro.max_attempts = absl::GetFlag(FLAGS_max_attempts);

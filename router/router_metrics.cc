@@ -39,7 +39,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
       migrations_(prometheus::BuildCounter()
                       .Name("kvcache_router_migrations_total")
                       .Help("Session migrations the router started, by reason")
-                      .Register(r)) {}
+                      .Register(r)),
+      dns_(prometheus::BuildCounter()
+               .Name("kvcache_router_dns_resolutions_total")
+               .Help("DNS lookups of --worker_dns names by result (ok, empty, failed); empty and failed "
+                     "ones keep the last good workers")
+               .Register(r)) {}
 
 void RouterMetrics::SetWorkers(const std::vector<WorkerView>& workers) {
   for (const WorkerView& w : workers) worker_up_.Add({{"worker", w.address}}).Set(w.healthy ? 1 : 0);

@@ -28,6 +28,7 @@ class RouterMetrics {
   void OnFirstToken(double seconds) { ttft_->Observe(seconds); }
   void OnRetry() { retries_->Increment(); }
   void OnMigration(const char* reason) { migrations_.Add({{"reason", reason}}).Increment(); }
+  void OnDnsResult(const char* result) { dns_.Add({{"result", result}}).Increment(); }
   // Mirrors worker health into kvcache_router_worker_up{worker}.
   void SetWorkers(const std::vector<WorkerView>& workers);
 
@@ -40,6 +41,7 @@ class RouterMetrics {
   prometheus::Histogram* ttft_;
   prometheus::Counter* retries_;
   prometheus::Family<prometheus::Counter>& migrations_;
+  prometheus::Family<prometheus::Counter>& dns_;
 };
 
 }  // namespace kvcache::router

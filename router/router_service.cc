@@ -135,8 +135,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     // An APPEND whose session the directory has not heard of yet waits a moment
     // for the worker's placement event (it may trail the reply that created the
     // session). That wait blocks, so it runs on the executor.
-    if (append_ &&
-        !router_->directory_->FindSession({request_.tenant(), request_.session_id()}).has_value()) {
+    if (append_ && router_->MustWaitForSession({request_.tenant(), request_.session_id()})) {
       if (!router_->executor_.Schedule([this] { Attempt(router_->options_.session_lookup_wait); })) {
         Finish(grpc::Status(grpc::RESOURCE_EXHAUSTED, "the router is overloaded; retry later"));
       }
@@ -224,7 +223,19 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     const bool first_token_sent = !emitted_.empty();
     const bool lost_midstream =
         emitted_.size() > continued_from_ || (first_token_sent && st.error_code() == grpc::UNAVAILABLE);
-    if (st.error_code() == grpc::UNAVAILABLE) router_->pool_->MarkSuspect(placement_.worker);
+    // A draining worker refuses new requests while its sessions move: an APPEND
+    // that reached it before its session moved follows the session.
+    const bool drain_refusal =
+        st.error_code() == grpc::UNAVAILABLE && st.error_message() == kWorkerDrainingMessage;
+    if (drain_refusal) router_->pool_->MarkDraining(placement_.worker);
+    if (append_ && drain_refusal && !lost_midstream && attempts_ < router_->options_.max_attempts) {
+      KV_LOG_INFO("session '{}' is on draining worker {}; waiting for it to move", request_.session_id(),
+                  placement_.worker);
+      tried_.pop_back();  // the session may come back to no worker but this one's successor
+      return NextAttempt();
+    }
+    if (st.error_code() == grpc::UNAVAILABLE && !drain_refusal)
+      router_->pool_->MarkSuspect(placement_.worker);
     if (append_ && (lost_midstream || st.error_code() == grpc::UNAVAILABLE)) {
       return Finish(grpc::Status(
           grpc::UNAVAILABLE,
@@ -330,6 +341,16 @@ void RouterService::EndCall() {
   --calls_in_flight_;
 }
 
+bool RouterService::WorkerDraining(const WorkerId& worker) const {
+  auto w = pool_->Find(worker);
+  return w.has_value() && w->draining;
+}
+
+bool RouterService::MustWaitForSession(const SessionKey& key) const {
+  auto loc = directory_->FindSession(key);
+  return !loc.has_value() || WorkerDraining(loc->worker);
+}
+
 absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, const std::string& tenant,
                                                bool append, const std::vector<int32_t>& tokens,
                                                const std::vector<WorkerId>& exclude, absl::Duration wait) {
@@ -345,6 +366,16 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     auto found = directory_->Lookup(session, wait);
     if (!found.ok()) return found.status();
     loc = *std::move(found);
+    // Its worker drains: the session is being migrated; follow it (a caller
+    // that may block passes a wait).
+    if (wait > absl::ZeroDuration() && WorkerDraining(loc->worker)) {
+      auto moved = directory_->AwaitSessionOff(session, loc->worker, options_.drain_move_wait);
+      if (!moved.has_value()) {
+        return absl::NotFoundError(absl::StrCat("session '", session_id, "' not found"));
+      }
+      loc = *std::move(moved);
+      healthy = pool_->Healthy();
+    }
   } else if (!session_id.empty()) {
     loc = directory_->FindSession(session);
   }
@@ -359,7 +390,8 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
   }
   std::vector<WorkerView> cands;
   for (WorkerView& w : healthy) {
-    if (!excluded(w.address)) cands.push_back(std::move(w));
+    // A worker that left DNS serves its own sessions, takes no new ones.
+    if (!excluded(w.address) && !w.departed) cands.push_back(std::move(w));
   }
   if (cands.empty()) return absl::UnavailableError("no healthy worker can take the request");
   if (options_.mode == PlacementMode::kRoundRobin) {

@@ -17,8 +17,9 @@
 // callback client API, so a live stream is two reactors and no thread; calls to
 // workers on behalf of session and admin calls are callback unary calls. The
 // only step that blocks (an APPEND or session call waiting up to
-// `session_lookup_wait` for a session the directory has not heard of yet) runs
-// on a small fixed executor. Rebalancing and evacuation have a thread each.
+// `session_lookup_wait` for a session the directory has not heard of yet, or up
+// to `drain_move_wait` for a session on a draining worker to move) runs on a
+// small fixed executor. Rebalancing and evacuation have a thread each.
 //
 // Thread-safety: handlers and callbacks run on gRPC and executor threads; shared
 // state is in the thread-safe directory, pool and metrics, and the service's own
@@ -58,6 +59,9 @@ struct RouterOptions {
   int max_attempts = 3;  // workers tried per request
   // How long an APPEND waits for its session to appear in the directory.
   absl::Duration session_lookup_wait = absl::Seconds(1);
+  // How long an APPEND to a session on a draining worker waits for the session
+  // to be migrated elsewhere before it is tried where it is.
+  absl::Duration drain_move_wait = absl::Seconds(10);
   // How often the router looks for draining workers to evacuate.
   absl::Duration evacuate_interval = absl::Milliseconds(250);
   // Rebalancing: every `rebalance_interval` (0 disables), move idle sessions off
@@ -142,6 +146,11 @@ class RouterService final : public v1::KvCache::CallbackService {
   // The worker for a request, or why there is none. `exclude` holds workers
   // already tried. `wait`: how long an APPEND's session may take to appear in
   // the directory; anything but zero blocks, so only the executor passes it.
+  // True when `worker` drains (its sessions are being moved, or have been).
+  bool WorkerDraining(const WorkerId& worker) const;
+  // An APPEND on `key` must wait (on the executor) before placement: the
+  // directory has not heard of the session yet, or its worker drains.
+  bool MustWaitForSession(const SessionKey& key) const;
   absl::StatusOr<Placement> Place(const std::string& session_id, const std::string& tenant, bool append,
                                   const std::vector<int32_t>& tokens, const std::vector<WorkerId>& exclude,
                                   absl::Duration wait = absl::ZeroDuration());

@@ -26,6 +26,8 @@ struct WorkerPool::Worker {
   absl::Time last_message = absl::InfinitePast();
   absl::Time disconnected_since = absl::Now();
   bool forgotten = false;
+  bool departed = false;                  // a DNS-discovered worker no longer in its name's answer
+  bool refused_draining = false;          // it answered new work with kWorkerDrainingMessage
   grpc::ClientContext* stream = nullptr;  // the open Watch call, to cancel it
 };
 
@@ -55,6 +57,7 @@ WorkerPool::WorkerPool(WorkerPoolOptions options, Directory* directory)
         KV_LOG_WARN("worker {} unreachable for {}: forgetting it and {} sessions", addr,
                     absl::FormatDuration(options_.forget_after), lost.size());
       }
+      ReapDeparted();
     }
   });
 }
@@ -86,7 +89,7 @@ void WorkerPool::AddLocked(const std::string& address) {
   if (workers_.contains(address) || stopping_) return;
   auto w = std::make_unique<Worker>();
   w->address = address;
-  w->channel = grpc::CreateChannel(
+  w->channel = options_.cluster_token.NewChannel(
       address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials());
   Worker* raw = w.get();
   workers_[address] = std::move(w);
@@ -130,10 +133,12 @@ void WorkerPool::SetAddresses(const std::vector<std::string>& addresses) {
   Retire(std::move(retired));
 }
 
-void WorkerPool::AddDnsName(const std::string& name_and_port) {
+absl::Status WorkerPool::AddDnsName(const std::string& name) {
+  auto target = ParseDnsTarget(name);
+  if (!target.ok()) return target.status();
   {
     absl::MutexLock lock(&mu_);
-    dns_names_.push_back(name_and_port);
+    dns_targets_.push_back(*target);
   }
   Resolve();
   if (!resolver_.joinable()) {
@@ -141,49 +146,88 @@ void WorkerPool::AddDnsName(const std::string& name_and_port) {
       while (!stop_.WaitForNotificationWithTimeout(options_.dns_refresh)) Resolve();
     });
   }
+  return absl::OkStatus();
 }
 
 void WorkerPool::Resolve() {
-  std::vector<std::string> names;
+  std::vector<DnsTarget> targets;
   {
     absl::MutexLock lock(&mu_);
-    names = dns_names_;
+    targets = dns_targets_;
   }
-  absl::flat_hash_set<std::string> found;
-  for (const std::string& np : names) {
-    const auto colon = np.rfind(':');
-    const std::string host = np.substr(0, colon), port = np.substr(colon + 1);
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) {
-      KV_LOG_WARN("cannot resolve worker name {}", np);
-      continue;
-    }
-    for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-      char buf[NI_MAXHOST];
-      if (getnameinfo(a->ai_addr, a->ai_addrlen, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) == 0) {
-        const bool v6 = a->ai_family == AF_INET6;
-        found.insert(v6 ? absl::StrCat("[", buf, "]:", port) : absl::StrCat(buf, ":", port));
+  std::vector<std::pair<std::string, DnsAnswer>> answers;
+  for (const DnsTarget& t : targets) {
+    DnsAnswer a = router::Resolve(t);
+    if (options_.on_dns_result) options_.on_dns_result(DnsResultName(a.result));
+    answers.emplace_back(t.spec, std::move(a));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [spec, a] : answers) {
+      if (a.result == DnsAnswer::Result::kOk) {
+        dns_last_good_[spec] = std::move(a.addresses);
+        continue;
+      }
+      // An outage or a half-updated zone must not empty the fleet: keep the
+      // last answer that held addresses.
+      const size_t kept = dns_last_good_.contains(spec) ? dns_last_good_[spec].size() : 0;
+      if (a.result == DnsAnswer::Result::kFailed) {
+        KV_LOG_WARN("DNS lookup of {} failed ({}); keeping {} workers", spec, a.error, kept);
+      } else {
+        KV_LOG_WARN("DNS lookup of {} returned no address; keeping {} workers", spec, kept);
       }
     }
-    freeaddrinfo(res);
+    absl::flat_hash_set<std::string> members;
+    for (const auto& [spec, addresses] : dns_last_good_) members.insert(addresses.begin(), addresses.end());
+    for (const auto& a : members) {
+      AddLocked(a);
+      auto it = workers_.find(a);
+      if (it != workers_.end() && it->second->departed) {
+        it->second->departed = false;
+        KV_LOG_INFO("worker {} is back in DNS", a);
+      }
+    }
+    for (auto& [addr, w] : workers_) {
+      if (static_.contains(addr) || members.contains(addr) || w->departed) continue;
+      w->departed = true;
+      KV_LOG_INFO("worker {} left DNS; it takes no new sessions and stays while it drains or holds sessions",
+                  addr);
+    }
   }
+  ReapDeparted();
+}
+
+void WorkerPool::ReapDeparted() {
+  {
+    absl::MutexLock lock(&mu_);
+    bool any = false;
+    for (const auto& [addr, w] : workers_) any = any || w->departed;
+    if (!any) return;
+  }
+  const absl::flat_hash_map<WorkerId, int64_t> sessions = directory_->SessionCounts();
   std::vector<std::unique_ptr<Worker>> retired;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& a : found) AddLocked(a);
-    // Workers that left the DNS answer (pods deleted) are dropped.
+    const absl::Time now = absl::Now();
     for (auto it = workers_.begin(); it != workers_.end();) {
-      if (!static_.contains(it->first) && !found.contains(it->first)) {
-        it->second->stop.Notify();
-        if (it->second->stream != nullptr) it->second->stream->TryCancel();
-        retired.push_back(std::move(it->second));
-        workers_.erase(it++);
-      } else {
+      Worker& w = *it->second;
+      auto held = sessions.find(it->first);
+      const int64_t n = held == sessions.end() ? 0 : held->second;
+      const bool draining = w.admin_draining || w.load.draining() || w.refused_draining;
+      const bool unreachable = !w.connected && now - w.disconnected_since > options_.forget_after;
+      // Nothing to hand over: no sessions, and not still draining (a draining
+      // worker may yet have sessions the directory has not heard of).
+      const bool done = n == 0 && (!w.connected || !draining);
+      if (!w.departed || !(unreachable || done)) {
         ++it;
+        continue;
       }
+      KV_LOG_INFO("worker {} left DNS and {}: removing it", it->first,
+                  unreachable ? "is unreachable" : "holds no sessions");
+      w.stop.Notify();
+      if (w.stream != nullptr) w.stream->TryCancel();
+      retired.push_back(std::move(it->second));
+      workers_.erase(it++);
     }
   }
   Retire(std::move(retired));
@@ -271,8 +315,9 @@ WorkerView WorkerPool::ViewLocked(const Worker& w) const {
   v.address = w.address;
   v.worker_id = w.worker_id.empty() ? w.address : w.worker_id;
   v.connected = w.connected;
-  v.draining = w.admin_draining || w.load.draining();
+  v.draining = w.admin_draining || w.load.draining() || w.refused_draining;
   v.admin_draining = w.admin_draining;
+  v.departed = w.departed;
   v.healthy = w.connected && !w.suspect && !v.draining;
   v.load = w.load;
   v.model_id = w.model_id;
@@ -315,6 +360,12 @@ void WorkerPool::SetDraining(const WorkerId& address) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(address);
   if (it != workers_.end()) it->second->admin_draining = true;
+}
+
+void WorkerPool::MarkDraining(const WorkerId& address) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(address);
+  if (it != workers_.end()) it->second->refused_draining = true;
 }
 
 void WorkerPool::MarkSuspect(const WorkerId& address) {

@@ -13,6 +13,7 @@
 #ifndef KVCACHE_ROUTER_WORKER_POOL_H_
 #define KVCACHE_ROUTER_WORKER_POOL_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,9 +23,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/peer_auth.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "router/directory.h"
+#include "router/dns_resolver.h"
 
 namespace kvcache::router {
 
@@ -34,6 +37,9 @@ struct WorkerPoolOptions {
   absl::Duration reconnect_backoff = absl::Milliseconds(200);
   absl::Duration dns_refresh = absl::Seconds(10);
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // insecure when null
+  ClusterToken cluster_token;                             // sent on every call to a worker (none when empty)
+  // Told the result ("ok", "empty", "failed") of every DNS lookup.
+  std::function<void(const char* result)> on_dns_result;
 };
 
 // What placement and admin calls see of one worker.
@@ -44,6 +50,7 @@ struct WorkerView {
   bool healthy = false;
   bool draining = false;        // takes no new work (it announced a drain, or an admin started one)
   bool admin_draining = false;  // the drain came through this router's admin API
+  bool departed = false;        // left the DNS answer; kept while it drains or holds sessions
   v1::WorkerLoad load;
   std::string model_id;
   v1::KvShape kv_shape;
@@ -58,7 +65,14 @@ class WorkerPool {
   void SetAddresses(const std::vector<std::string>& addresses);
   // DNS membership: `name:port` is resolved now and every dns_refresh; every
   // address it resolves to is a worker (a Kubernetes headless Service).
-  void AddDnsName(const std::string& name_and_port);
+  // `name` is name:port (system resolver) or dns://HOST:PORT/name:port.
+  //
+  // Membership follows the answers, with two exceptions that keep sessions: a
+  // lookup that fails or comes back empty keeps the name's last good answer;
+  // a worker that leaves the answer (a terminating pod) stays, taking no new
+  // sessions, while it drains or holds sessions in the directory, until it has
+  // handed them over or has been unreachable for forget_after.
+  absl::Status AddDnsName(const std::string& name);
 
   std::vector<WorkerView> Workers() const;
   std::vector<WorkerView> Healthy() const;
@@ -69,6 +83,9 @@ class WorkerPool {
   // A request saw the worker fail: treat it as unhealthy until its stream
   // delivers again.
   void MarkSuspect(const WorkerId& address);
+  // The worker answered that it drains (kWorkerDrainingMessage): take it as
+  // draining now, before its Watch stream says so.
+  void MarkDraining(const WorkerId& address);
   // Blocks until "at least `n` workers are healthy" equals `want`, or `timeout`
   // passes; returns whether it does.
   bool AwaitHealthy(size_t n, bool want, absl::Duration timeout) const;
@@ -79,6 +96,8 @@ class WorkerPool {
   struct Worker;
   void Watch(Worker* w);
   void Resolve();
+  // Retires departed workers with nothing left to hand over (see AddDnsName).
+  void ReapDeparted();
   void AddLocked(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Joins the Watch threads of workers that left the membership (already told
   // to stop), then removes them from the directory, so that a retired worker
@@ -90,7 +109,9 @@ class WorkerPool {
   Directory* const directory_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<WorkerId, std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> dns_names_ ABSL_GUARDED_BY(mu_);
+  std::vector<DnsTarget> dns_targets_ ABSL_GUARDED_BY(mu_);
+  // Each name's last answer that held addresses, by DnsTarget::spec.
+  absl::flat_hash_map<std::string, std::vector<std::string>> dns_last_good_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WorkerId, bool> static_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification stop_;

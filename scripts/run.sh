@@ -47,14 +47,25 @@ start() {
   log "$name serving on $grpc (metrics http://$metrics/metrics)"
 }
 
+# Authentication as in production: a cluster token that workers require of
+# every caller (the router, and each other when migrating), and a client token
+# with admin rights for the demo (it forks and migrates sessions).
+umask 077
+openssl rand -hex 32 >"$RUN_DIR/cluster-token"
+DEMO_TOKEN=$(openssl rand -hex 16)
+echo "$DEMO_TOKEN default admin" >"$RUN_DIR/client-tokens"
+
 log "starting two workers (tier 0: $((TIER0 >> 20)) MiB each, $THREADS threads) and a router"
-start w0 worker/kvcache-worker --worker_id=w0 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL"
-start w1 worker/kvcache-worker --worker_id=w1 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL"
+start w0 worker/kvcache-worker --worker_id=w0 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL" \
+  --cluster_token_file="$RUN_DIR/cluster-token"
+start w1 worker/kvcache-worker --worker_id=w1 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL" \
+  --cluster_token_file="$RUN_DIR/cluster-token"
 start router router/kvcache-router --workers="$ADDR_w0,$ADDR_w1" --min_ready_workers=2 \
-  --rebalance_interval=0s --model="$KVCACHE_MODEL"
+  --rebalance_interval=0s --model="$KVCACHE_MODEL" \
+  --cluster_token_file="$RUN_DIR/cluster-token" --auth_tokens_file="$RUN_DIR/client-tokens"
 
 status=0
-"$KVCACHE_BUILD_DIR/router/kvcache-demo" --router="$ADDR_router" || status=$?
+"$KVCACHE_BUILD_DIR/router/kvcache-demo" --router="$ADDR_router" --token="$DEMO_TOKEN" || status=$?
 
 echo
 log "cache counters from the workers' /metrics:"

@@ -8,7 +8,9 @@
 #include "common/gguf/model_path.h"
 #include "common/init.h"
 #include "common/logging.h"
+#include "common/peer_auth.h"
 #include "common/server.h"
+#include "common/status_macros.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "worker/backend/backend_loader.h"
@@ -66,6 +68,31 @@ absl::StatusOr<kv::KvDtype> ParseDtype(const std::string& s) {
   return absl::InvalidArgumentError(absl::StrCat("--kv_dtype='", s, "': want f16, bf16 or f32"));
 }
 
+// Who may call this worker (see common/peer_auth.h): holders of the cluster
+// token, peers with a client certificate the TLS handshake verified, or, only
+// when asked for explicitly, anyone.
+absl::StatusOr<ClusterToken> PeerAuthFromOptions(const ServerOptions& options) {
+  ClusterToken token;
+  if (!options.cluster_token_file.empty()) {
+    KVCACHE_ASSIGN_OR_RETURN(token, ClusterToken::FromFile(options.cluster_token_file));
+    KV_LOG_INFO("peers authenticate with the cluster token of {}", options.cluster_token_file);
+  }
+  if (!options.tls_client_ca_file.empty()) {
+    KV_LOG_INFO("peers authenticate with client certificates signed by {}", options.tls_client_ca_file);
+  } else if (token.empty()) {
+    if (!options.allow_unauthenticated) {
+      return absl::FailedPreconditionError(
+          "a worker takes internal calls only from authenticated peers: give --cluster_token_file (the "
+          "fleet's shared token) or --tls_cert, --tls_key and --tls_client_ca (mutual TLS); "
+          "--allow_unauthenticated serves anyone who reaches the port");
+    }
+    KV_LOG_WARN(
+        "--allow_unauthenticated: anyone who reaches this port can read, export and migrate every "
+        "tenant's sessions; use --cluster_token_file or mutual TLS outside a trusted machine");
+  }
+  return token;
+}
+
 absl::Status CheckFlags() {
   if (absl::Status st = backend::ParseDevice(absl::GetFlag(FLAGS_device)).status(); !st.ok()) return st;
   if (absl::GetFlag(FLAGS_tier0_bytes) <= 0)
@@ -99,6 +126,8 @@ int Run() {
   auto options = ServerOptionsFromFlags(kName);
   if (!options.ok()) DieWith(kName, options.status());
   if (absl::Status st = CheckFlags(); !st.ok()) DieWith(kName, st);
+  auto cluster_token = PeerAuthFromOptions(*options);
+  if (!cluster_token.ok()) DieWith(kName, cluster_token.status());
   // The /metrics exposer starts before any backend library loads (see server.h).
   auto process = ServerProcess::Init(*options);
   if (!process.ok()) DieWith(kName, process.status(), 1);
@@ -178,6 +207,7 @@ int Run() {
   so.worker_id = worker_id;
   so.model_id = (*model)->model_id();
   so.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
+  so.cluster_token = *cluster_token;
   // Migration calls other workers: with TLS configured, as a client presenting
   // this worker's certificate and trusting the CA that signs the workers.
   if (!options->tls_cert_file.empty()) {

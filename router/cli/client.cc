@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/peer_auth.h"
 #include "common/status.h"
 
 namespace kvcache::cli {
@@ -58,7 +59,10 @@ absl::StatusOr<ClientPtr> Client::Connect(const ClientOptions& options) {
   if (!creds.ok()) return creds.status();
   grpc::ChannelArguments args;
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
-  auto channel = grpc::CreateCustomChannel(options.address, *creds, args);
+  // A token goes with every call: a client token to a router, the cluster token
+  // to a worker.
+  auto channel = options.token.empty() ? grpc::CreateCustomChannel(options.address, *creds, args)
+                                       : NewBearerChannel(options.address, *creds, options.token, args);
   // Waiting here turns "nothing listens there" into one clear error instead of a
   // call that fails later (or waits out its whole deadline).
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
@@ -81,7 +85,6 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
 
 void Client::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
-  if (!options_.token.empty()) ctx->AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
 }
 
 absl::StatusOr<v1::GenerateResponse::Final> Client::Generate(

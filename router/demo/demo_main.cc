@@ -22,11 +22,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/peer_auth.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/router.grpc.pb.h"
 
 ABSL_FLAG(std::string, router, "127.0.0.1:7000", "Router address host:port");
 ABSL_FLAG(int32_t, users, 3, "Users in the conversation");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token for the router (an admin token: the demo forks and migrates sessions)");
 ABSL_FLAG(int32_t, max_tokens, 40, "Tokens per reply");
 
 namespace kvcache {
@@ -160,7 +163,11 @@ class Demo {
 };
 
 int Run() {
-  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials());
+  const std::string token = absl::GetFlag(FLAGS_token);
+  auto channel =
+      token.empty()
+          ? grpc::CreateChannel(absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials())
+          : NewBearerChannel(absl::GetFlag(FLAGS_router), grpc::InsecureChannelCredentials(), token);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
     std::fprintf(stderr, "kvcache-demo: cannot reach the router at %s\n",
                  absl::GetFlag(FLAGS_router).c_str());

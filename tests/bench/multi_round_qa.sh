@@ -115,12 +115,13 @@ for mode in $MODES; do
     "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --label=llamacpp --json="$WORK/llamacpp.json" || failed=1
   else
     start w1 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w1 --model="$KVCACHE_MODEL" \
-      --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1"
+      --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated
     w1=$ADDRESS
     start w2 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w2 --model="$KVCACHE_MODEL" \
-      --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1"
+      --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated
     w2=$ADDRESS
-    start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --workers="$w1,$w2" --placement="$mode"
+    start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --workers="$w1,$w2" --placement="$mode" \
+      --allow_unauthenticated
     "${BENCH[@]}" --address="$ADDRESS" --target=router --label="$mode" --json="$WORK/$mode.json" || failed=1
   fi
   stop_all

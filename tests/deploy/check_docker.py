@@ -175,7 +175,8 @@ def probe_checks(router, runs):
     if run(f"--addr=127.0.0.1:{closed}", "--timeout_ms=500").returncode != 1:
         errors.append("kvcache-health: a closed port must exit 1")
     # --min_ready_workers=0: without workers the router would (rightly) not be ready.
-    srv = subprocess.Popen([router, "--listen=127.0.0.1:0", "--metrics_listen=", "--min_ready_workers=0"],
+    srv = subprocess.Popen([router, "--listen=127.0.0.1:0", "--metrics_listen=", "--min_ready_workers=0",
+                            "--allow_unauthenticated"],
                            stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
     try:

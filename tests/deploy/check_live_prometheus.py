@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import secrets
 import selectors
 import shutil
 import signal
@@ -84,8 +85,10 @@ CORE_PANELS = [
 # direction="out" on one, "in" on the other) and then continues that session on the destination
 # while its twin stays on the source (kvcache_requests_total{code} on both).
 EVENT_ONLY_PER_PROCESS = {}
-# Contract metrics that need an event the demo does not cause at all (none today).
-EVENT_ONLY = {}
+# Contract metrics that need an event the demo does not cause at all: this run's router has a
+# static --workers list, so it never looks a name up in DNS (tests/integration/dns_lifecycle_test
+# checks that counter).
+EVENT_ONLY = {"kvcache_router_dns_resolutions_total"}
 
 procs = []  # (name, Popen)
 failures = []
@@ -494,7 +497,15 @@ def main():
     t0 = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="kvcache-live-prom.")
     try:
-        common = ["--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0", "--shutdown_deadline=2s"]
+        # Authenticated as deployed: a cluster token between router and workers, and an
+        # admin client token for the demo (it forks and migrates).
+        with open(os.path.join(tmp, "cluster-token"), "w") as f:
+            f.write(secrets.token_hex(32))
+        demo_token = secrets.token_hex(16)
+        with open(os.path.join(tmp, "client-tokens"), "w") as f:
+            f.write(f"{demo_token} default admin\n")
+        common = ["--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0", "--shutdown_deadline=2s",
+                  f"--cluster_token_file={os.path.join(tmp, 'cluster-token')}"]
         # A small tier 0 (34 pages of 16 tokens) as in scripts/run.sh, so that the demo's
         # conversations do not all fit and pages are offloaded and restored.
         workers = {}
@@ -503,7 +514,8 @@ def main():
                                           "--threads=1", f"--tier0_bytes={12 << 20}", "--drain_deadline=2s"], tmp)
         router = start_server("router", [args.router, *common, f"--workers={workers['w0'][0]},{workers['w1'][0]}",
                                          "--min_ready_workers=2", "--rebalance_interval=0s",
-                                         f"--model={args.model}"], tmp)
+                                         f"--model={args.model}",
+                                         f"--auth_tokens_file={os.path.join(tmp, 'client-tokens')}"], tmp)
         log(f"workers {workers}, router {router} ({time.monotonic() - t0:.1f}s)")
 
         base = start_prometheus(prometheus, tmp, router[1], [workers[w][1] for w in sorted(workers)])
@@ -512,7 +524,8 @@ def main():
         log(f"targets up and scraped ({time.monotonic() - t0:.1f}s)")
 
         try:
-            demo = subprocess.run([args.demo, f"--router={router[0]}", "--users=2", "--max_tokens=8"],
+            demo = subprocess.run([args.demo, f"--router={router[0]}", "--users=2", "--max_tokens=8",
+                                   f"--token={demo_token}"],
                                   capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired as e:
             die(f"kvcache-demo did not finish within 120s:\n{(e.stdout or b'')[-3000:]!r}")

@@ -315,7 +315,7 @@ TEST_F(FaultTest, FrozenWorkerIsAvoidedThenRejoinsWithItsSessions) {
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
-  auto admin = v1::KvCacheAdmin::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
   std::map<std::string, std::string> home;  // session -> worker id
   std::map<std::string, int> per_worker;
   for (int s = 0; s < 8; ++s) {
@@ -429,7 +429,7 @@ class MigrationFaultTest : public FaultTest {
   // the stream is held mid-way. `*status` is set when the call returns.
   std::thread StartMigration(grpc::Status* status) {
     std::thread t([this, status] {
-      auto admin = v1::KvCacheAdmin::NewStub(router_->channel());
+      auto admin = v1::KvCacheAdmin::NewStub(router_->admin_channel());
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
       v1::AdminMigrateRequest req;

@@ -79,7 +79,7 @@ TEST(ManySessionsTest, HundredThousandSessionsStayWatchedAndRoutable) {
                                                 {"--workers=" + (*worker)->grpc_address(), "--model=" + model,
                                                  "--rebalance_interval=0s", "--min_ready_workers=1"});
   ASSERT_TRUE(router.ok()) << router.status();
-  auto admin = v1::KvCacheAdmin::NewStub((*router)->channel());
+  auto admin = v1::KvCacheAdmin::NewStub((*router)->admin_channel());
   const absl::Time deadline = absl::Now() + absl::Seconds(120);
   int listed = RouterSessions(admin.get());
   while (listed != kSessions + kThreads && absl::Now() < deadline) {

@@ -98,7 +98,7 @@ class PublicApiErrorsTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
     router_ = std::move(*r);
     stub_ = v1::KvCache::NewStub(router_->channel());
-    admin_ = v1::KvCacheAdmin::NewStub(router_->channel());
+    admin_ = v1::KvCacheAdmin::NewStub(router_->admin_channel());
   }
   void TearDown() override {
     router_.reset();

@@ -272,7 +272,7 @@ TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
-  auto admin = v1::KvCacheAdmin::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
   std::map<std::string, std::vector<std::string>> by_worker;
   for (int s = 0; s < 8; ++s) {
     const std::string id = "d-" + std::to_string(s);

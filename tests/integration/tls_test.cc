@@ -139,9 +139,10 @@ class TlsTest : public ::testing::Test {
     auto r = StartTlsServer(
         testing::BinaryPath("router/kvcache-router"),
         {"--workers=" + worker_.address, "--model=" + *model_, "--health_timeout=2s",
-         "--rebalance_interval=0s", "--min_ready_workers=1", "--worker_tls_ca=" + Path("ca.crt"),
-         "--worker_tls_cert=" + Path("client.crt"), "--worker_tls_key=" + Path("client.key"),
-         "--tls_cert=" + Path("server.crt"), "--tls_key=" + Path("server.key")},
+         "--rebalance_interval=0s", "--min_ready_workers=1", "--allow_unauthenticated",
+         "--worker_tls_ca=" + Path("ca.crt"), "--worker_tls_cert=" + Path("client.crt"),
+         "--worker_tls_key=" + Path("client.key"), "--tls_cert=" + Path("server.crt"),
+         "--tls_key=" + Path("server.key")},
         [](const std::string& a) { return grpc::CreateChannel(a, Credentials(/*with_client_cert=*/false)); });
     // Readiness needs the worker healthy: the router's mutual TLS to it works.
     ASSERT_TRUE(r.ok()) << r.status();

@@ -92,6 +92,11 @@ def wait_ready(address, timeout=60.0):
     fail(f"{address} not ready within {timeout:.0f}s (last: {last})")
 
 
+# The router's admin token (ListWorkers is an admin call); chat calls go without
+# a token, as tenant "default" (--allow_unauthenticated).
+ADMIN_TOKEN = "python-test-admin-token"
+
+
 def wait_workers_serving(address, stubs_dir, count, timeout=60.0):
     """Polls the router's ListWorkers until `count` workers report SERVING."""
     import grpc
@@ -103,7 +108,8 @@ def wait_workers_serving(address, stubs_dir, count, timeout=60.0):
     health = []
     while time.monotonic() < deadline:
         try:
-            workers = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
+            workers = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5,
+                                       metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")]).workers
             health = [w.health for w in workers]
             if health.count("SERVING") >= count:
                 channel.close()
@@ -143,13 +149,18 @@ def main():
             n_workers = 2 if args.target == "router" else 1
             for i in range(n_workers):
                 w = Server([os.path.join(args.build_dir, "worker", "kvcache-worker"), "--listen=127.0.0.1:0",
-                            "--metrics_listen=", f"--worker_id=py-w{i + 1}", f"--model={args.model}", "--threads=1"])
+                            "--metrics_listen=", f"--worker_id=py-w{i + 1}", f"--model={args.model}", "--threads=1",
+                            "--allow_unauthenticated"])
                 servers.append(w)
                 wait_ready(w.address)
             address = servers[0].address
             if args.target == "router":
+                tokens = os.path.join(stubs_dir, "tokens.txt")
+                with open(tokens, "w") as f:
+                    f.write(f"{ADMIN_TOKEN} default admin\n")
                 r = Server([os.path.join(args.build_dir, "router", "kvcache-router"), "--listen=127.0.0.1:0",
-                            "--metrics_listen=", "--workers=" + ",".join(s.address for s in servers)])
+                            "--metrics_listen=", "--workers=" + ",".join(s.address for s in servers),
+                            "--allow_unauthenticated", f"--auth_tokens_file={tokens}"])
                 servers.append(r)
                 wait_ready(r.address)
                 wait_workers_serving(r.address, stubs_dir, n_workers)

@@ -10,7 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -18,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/peer_auth.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "reflection_v1alpha.grpc.pb.h"
 
@@ -151,10 +154,48 @@ int ChildProcess::Stop(absl::Duration grace) {
   return Wait(absl::Seconds(30)).value_or(-1);
 }
 
+namespace {
+
+// A tokens file with kTestAdminToken as tenant "default", admin; written once.
+absl::StatusOr<std::string> AdminTokensFile() {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcache_test_admin_tokens_", getpid(), ".txt");
+  if (access(path.c_str(), R_OK) == 0) return path;
+  const std::string partial = path + ".partial";
+  FILE* f = std::fopen(partial.c_str(), "w");
+  if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", partial));
+  std::fprintf(f, "%s default admin\n", kTestAdminToken);
+  std::fclose(f);
+  if (std::rename(partial.c_str(), path.c_str()) != 0) return absl::InternalError("rename tokens file");
+  return path;
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> ServerUnderTest::admin_channel() const {
+  return NewBearerChannel(grpc_address_, grpc::InsecureChannelCredentials(), kTestAdminToken);
+}
+
 absl::StatusOr<std::unique_ptr<ServerUnderTest>> ServerUnderTest::Start(const std::string& binary,
                                                                         std::vector<std::string> extra_args,
                                                                         absl::Duration ready_timeout) {
   std::vector<std::string> argv = {binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0"};
+  const bool has_auth = std::any_of(extra_args.begin(), extra_args.end(), [](const std::string& a) {
+    for (const char* flag :
+         {"--allow_unauthenticated", "--auth_tokens_file", "--cluster_token_file", "--tls_client_ca"}) {
+      if (absl::StartsWith(a, flag)) return true;
+    }
+    return false;
+  });
+  if (!has_auth) {
+    argv.push_back("--allow_unauthenticated");
+    if (absl::EndsWith(binary, "kvcache-router")) {
+      auto tokens = AdminTokensFile();
+      if (!tokens.ok()) return tokens.status();
+      argv.push_back("--auth_tokens_file=" + *tokens);
+    }
+  }
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   auto process = ChildProcess::Start(argv);
   if (!process.ok()) return process.status();

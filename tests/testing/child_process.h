@@ -67,7 +67,17 @@ class ChildProcess {
   size_t scanned_ = 0;
 };
 
+// The admin token of the tokens file ServerUnderTest gives a router by default.
+inline constexpr char kTestAdminToken[] = "kvcache-test-admin-token";
+
 // A server binary started on port 0 and ready (health SERVING).
+//
+// Authentication: servers refuse to start without credentials unless told
+// --allow_unauthenticated. When `extra_args` name none of
+// --allow_unauthenticated, --auth_tokens_file, --cluster_token_file and
+// --tls_client_ca, Start adds --allow_unauthenticated, and for a router also a
+// tokens file whose one token, kTestAdminToken, is tenant "default" and admin
+// (admin_channel() sends it).
 class ServerUnderTest {
  public:
   static absl::StatusOr<std::unique_ptr<ServerUnderTest>> Start(
@@ -78,6 +88,8 @@ class ServerUnderTest {
   int metrics_port() const { return metrics_port_; }
   ChildProcess& process() { return *process_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  // A channel whose calls carry kTestAdminToken (for a router's admin calls).
+  std::shared_ptr<grpc::Channel> admin_channel() const;
 
  private:
   std::unique_ptr<ChildProcess> process_;

@@ -69,6 +69,12 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                      "again (same tokens, more time)")
                .Register(r)
                .Add({})),
+      unauthenticated_(&BuildCounter()
+                            .Name("kvcache_worker_unauthenticated_calls_total")
+                            .Help("Calls refused because the caller is not a peer of the fleet (wrong "
+                                  "or missing cluster token)")
+                            .Register(r)
+                            .Add({})),
       sessions_expired_(&BuildCounter()
                              .Name("kvcache_sessions_expired_total")
                              .Help("Named sessions closed after --session_idle_ttl without a request")

@@ -36,6 +36,7 @@ class WorkerMetrics {
   void OnMigration(bool outgoing, int64_t bytes, absl::Duration d);
   void OnOffload(absl::Duration d) { offload_seconds_->Observe(absl::ToDoubleSeconds(d)); }
   void OnRestore(absl::Duration d) { restore_seconds_->Observe(absl::ToDoubleSeconds(d)); }
+  void OnUnauthenticated() { unauthenticated_->Increment(); }
 
  private:
   prometheus::Family<prometheus::Gauge>& pages_;
@@ -52,6 +53,7 @@ class WorkerMetrics {
   prometheus::Counter* restore_bytes_;
   prometheus::Counter* preemptions_;
   prometheus::Counter* recomputed_tokens_;
+  prometheus::Counter* unauthenticated_;
   prometheus::Counter* sessions_expired_;
   prometheus::Family<prometheus::Counter>& migration_bytes_;
   prometheus::Family<prometheus::Counter>& requests_;

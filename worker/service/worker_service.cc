@@ -21,6 +21,14 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const abs
 
 std::string CodeName(const absl::Status& st) { return st.ok() ? "OK" : absl::StatusCodeToString(st.code()); }
 
+// A streaming call refused before it starts (an unauthenticated caller).
+template <typename Reactor>
+class RefusedCall : public Reactor {
+ public:
+  explicit RefusedCall(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
 // One Generate stream: the engine's observer on one side, the gRPC writer on the
@@ -77,7 +85,7 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
  private:
   void Submit(absl::StatusOr<sched::GenerateRequest> request, absl::Time deadline) {
     if (!request.ok()) return Fail(request.status());
-    if (service_->draining()) return Fail(absl::UnavailableError("worker is draining"));
+    if (service_->draining()) return Fail(absl::UnavailableError(kWorkerDrainingMessage));
     request->deadline = deadline;
     auto id = service_->engine_->Submit(std::move(*request), this);
     if (!id.ok()) return Fail(id.status());
@@ -177,7 +185,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
   ImportReactor(WorkerService* service, v1::SessionInfo* response) : service_(service), response_(response) {}
 
   void Start() {
-    if (service_->draining()) return Done(absl::UnavailableError("worker is draining"));
+    if (service_->draining()) return Done(absl::UnavailableError(kWorkerDrainingMessage));
     auto importer = kv::SessionImporter::Create(service_->kv_);
     if (!importer.ok()) return Done(importer.status());
     importer_ = std::move(*importer);
@@ -259,6 +267,51 @@ WorkerService::~WorkerService() {
   for (auto& t : threads) t.join();
 }
 
+absl::Status WorkerService::Authorize(const grpc::CallbackServerContext& context) const {
+  absl::Status st = options_.cluster_token.Verify(context);
+  if (!st.ok()) metrics_->OnUnauthenticated();
+  return st;
+}
+
+absl::Status WorkerService::CheckTarget(v1::Worker::Stub* stub, const std::string& target) const {
+  // With TLS the channel verified the target's certificate; with neither TLS nor
+  // a token this worker runs --allow_unauthenticated and checks nobody.
+  if (options_.cluster_token.empty()) return absl::OkStatus();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::PeerHandshakeRequest req;
+  req.set_nonce(RandomBytes(32));
+  v1::PeerHandshakeResponse resp;
+  grpc::Status st = stub->PeerHandshake(&ctx, req, &resp);
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return absl::UnavailableError(absl::StrCat("target unreachable: ", st.error_message()));
+  }
+  if (!st.ok() || !options_.cluster_token.CheckProof(req.nonce(), resp.proof())) {
+    KV_LOG_WARN("migration target {} did not prove it holds the cluster token ({})", target,
+                st.ok() ? "wrong proof" : st.error_message());
+    return absl::FailedPreconditionError(
+        absl::StrCat("target did not prove it holds this fleet's cluster token (",
+                     st.ok() ? "wrong proof" : st.error_message(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* WorkerService::PeerHandshake(grpc::CallbackServerContext* context,
+                                                       const v1::PeerHandshakeRequest* request,
+                                                       v1::PeerHandshakeResponse* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (options_.cluster_token.empty()) {
+    return Answer(context, absl::FailedPreconditionError("this worker has no cluster token"));
+  }
+  if (request->nonce().size() < 16 || request->nonce().size() > 64) {
+    return Answer(context, absl::InvalidArgumentError("nonce must have 16 to 64 bytes"));
+  }
+  response->set_proof(options_.cluster_token.Proof(request->nonce()));
+  response->set_worker_id(options_.worker_id);
+  return Answer(context, absl::OkStatus());
+}
+
 void WorkerService::RunInBackground(std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
   background_.emplace_back(std::move(fn));
@@ -289,7 +342,9 @@ absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
 grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(grpc::CallbackServerContext* context,
                                                                         const v1::GenerateRequest* request) {
   auto* reactor = new GenerateReactor(this, !request->has_stream_text() || request->stream_text());
-  reactor->Start(ToEngineRequest(*request, *tokenizer_, chat_template_),
+  absl::Status auth = Authorize(*context);
+  reactor->Start(auth.ok() ? ToEngineRequest(*request, *tokenizer_, chat_template_)
+                           : absl::StatusOr<sched::GenerateRequest>(auth),
                  absl::FromChrono(context->deadline()));
   return reactor;
 }
@@ -297,6 +352,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(grpc::Ca
 grpc::ServerUnaryReactor* WorkerService::GetSession(grpc::CallbackServerContext* context,
                                                     const v1::SessionRequest* request,
                                                     v1::SessionInfo* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   auto info = Describe(request->session_id(), TenantOf(request->tenant()));
   if (info.ok()) *response = *info;
   return Answer(context, info.status());
@@ -305,6 +361,7 @@ grpc::ServerUnaryReactor* WorkerService::GetSession(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* WorkerService::ListSessions(grpc::CallbackServerContext* context,
                                                       const v1::ListSessionsRequest* request,
                                                       v1::ListSessionsResponse* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   for (const kv::SessionName& s : engine_->Sessions()) {
     if (!request->tenant().empty() && s.tenant != request->tenant()) continue;
     auto info = Describe(s.id, s.tenant);
@@ -316,6 +373,7 @@ grpc::ServerUnaryReactor* WorkerService::ListSessions(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContext* context,
                                                       const v1::SessionRequest* request,
                                                       v1::CloseSessionResponse* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   const std::string tenant = TenantOf(request->tenant());
   int64_t freed = 0;
   absl::Status st = engine_->CloseSession(request->session_id(), tenant, &freed);
@@ -326,6 +384,7 @@ grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* WorkerService::ForkSession(grpc::CallbackServerContext* context,
                                                      const v1::ForkSessionRequest* request,
                                                      v1::SessionInfo* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   const std::string tenant = TenantOf(request->tenant());
   absl::Status st = ValidateSessionId(request->new_session_id());
   if (st.ok()) st = engine_->ForkSession(request->session_id(), request->new_session_id(), tenant);
@@ -340,6 +399,7 @@ grpc::ServerUnaryReactor* WorkerService::ForkSession(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* WorkerService::PinSession(grpc::CallbackServerContext* context,
                                                     const v1::PinSessionRequest* request,
                                                     v1::SessionInfo* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   const std::string tenant = TenantOf(request->tenant());
   absl::Status st = engine_->SetPinned(request->session_id(), tenant, request->pinned());
   if (st.ok()) {
@@ -353,6 +413,7 @@ grpc::ServerUnaryReactor* WorkerService::PinSession(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* WorkerService::OffloadSession(grpc::CallbackServerContext* context,
                                                         const v1::SessionRequest* request,
                                                         v1::SessionInfo* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   const std::string tenant = TenantOf(request->tenant());
   const absl::Time start = absl::Now();
   absl::Status st = engine_->Offload(request->session_id(), tenant);
@@ -368,6 +429,7 @@ grpc::ServerUnaryReactor* WorkerService::OffloadSession(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* WorkerService::RestoreSession(grpc::CallbackServerContext* context,
                                                         const v1::SessionRequest* request,
                                                         v1::SessionInfo* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   const std::string tenant = TenantOf(request->tenant());
   const absl::Time start = absl::Now();
   absl::Status st = engine_->Restore(request->session_id(), tenant);
@@ -382,11 +444,17 @@ grpc::ServerUnaryReactor* WorkerService::RestoreSession(grpc::CallbackServerCont
 
 grpc::ServerWriteReactor<v1::WatchEvent>* WorkerService::Watch(grpc::CallbackServerContext* context,
                                                                const v1::WatchRequest* /*request*/) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) {
+    return new RefusedCall<grpc::ServerWriteReactor<v1::WatchEvent>>(auth);
+  }
   return hub_->Subscribe(context);
 }
 
 grpc::ServerWriteReactor<v1::SessionChunk>* WorkerService::ExportSession(
-    grpc::CallbackServerContext* /*context*/, const v1::ExportSessionRequest* request) {
+    grpc::CallbackServerContext* context, const v1::ExportSessionRequest* request) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) {
+    return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(auth);
+  }
   auto* reactor = new ExportReactor(this, request->session_id(), TenantOf(request->tenant()));
   int64_t max_chunk = request->max_chunk_bytes() == 0 ? options_.max_chunk_bytes : request->max_chunk_bytes();
   max_chunk = std::clamp<int64_t>(max_chunk, 1 << 10, 3 << 20);
@@ -394,8 +462,11 @@ grpc::ServerWriteReactor<v1::SessionChunk>* WorkerService::ExportSession(
   return reactor;
 }
 
-grpc::ServerReadReactor<v1::SessionChunk>* WorkerService::ImportSession(
-    grpc::CallbackServerContext* /*context*/, v1::SessionInfo* response) {
+grpc::ServerReadReactor<v1::SessionChunk>* WorkerService::ImportSession(grpc::CallbackServerContext* context,
+                                                                        v1::SessionInfo* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) {
+    return new RefusedCall<grpc::ServerReadReactor<v1::SessionChunk>>(auth);
+  }
   auto* reactor = new ImportReactor(this, response);
   reactor->Start();
   return reactor;
@@ -406,9 +477,13 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
                                                                   const std::string& target) {
   const absl::Time start = absl::Now();
   KVCACHE_RETURN_IF_ERROR(engine_->Context(session_id, tenant).status());
-  auto channel = grpc::CreateChannel(
+  auto channel = options_.cluster_token.NewChannel(
       target, options_.peer_credentials ? options_.peer_credentials : grpc::InsecureChannelCredentials());
   auto stub = v1::Worker::NewStub(channel);
+  if (absl::Status st = CheckTarget(stub.get(), target); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("migration of '", session_id, "' to ", target,
+                                                " refused: ", st.message(), "; the session stays here"));
+  }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(5));
   v1::SessionInfo imported;
@@ -491,6 +566,7 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
 grpc::ServerUnaryReactor* WorkerService::MigrateSession(grpc::CallbackServerContext* context,
                                                         const v1::MigrateSessionRequest* request,
                                                         v1::MigrateSessionResponse* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (request->target_address().empty()) {
     reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError("target_address is empty")));
@@ -543,6 +619,7 @@ v1::DrainResponse WorkerService::DrainAndMigrate(const std::vector<std::string>&
 
 grpc::ServerUnaryReactor* WorkerService::Drain(grpc::CallbackServerContext* context,
                                                const v1::DrainRequest* request, v1::DrainResponse* response) {
+  if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   std::vector<std::string> targets(request->targets().begin(), request->targets().end());
   const absl::Duration deadline =

@@ -20,6 +20,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/peer_auth.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/security/credentials.h"
@@ -40,6 +41,10 @@ struct WorkerServiceOptions {
   int64_t max_chunk_bytes = 2 << 20;
   // Credentials for worker-to-worker calls (migration); insecure when null.
   std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  // The fleet's shared token: required of every caller, sent to migration
+  // targets, which must prove they hold it too. Empty: callers are
+  // authenticated by mutual TLS, or not at all (--allow_unauthenticated).
+  ClusterToken cluster_token;
 };
 
 class WorkerService : public v1::Worker::CallbackService {
@@ -99,6 +104,9 @@ class WorkerService : public v1::Worker::CallbackService {
                                            v1::MigrateSessionResponse* response) override;
   grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context, const v1::DrainRequest* request,
                                   v1::DrainResponse* response) override;
+  grpc::ServerUnaryReactor* PeerHandshake(grpc::CallbackServerContext* context,
+                                          const v1::PeerHandshakeRequest* request,
+                                          v1::PeerHandshakeResponse* response) override;
 
   // The session as the wire describes it. NOT_FOUND for unknown or other tenants'.
   absl::StatusOr<v1::SessionInfo> Describe(const std::string& id, const std::string& tenant) const;
@@ -107,6 +115,11 @@ class WorkerService : public v1::Worker::CallbackService {
   class GenerateReactor;
   class ExportReactor;
   class ImportReactor;
+
+  // OK when the caller is a peer of the fleet (see common/peer_auth.h).
+  absl::Status Authorize(const grpc::CallbackServerContext& context) const;
+  // Asks `stub`'s worker to prove it holds our cluster token (no-op without one).
+  absl::Status CheckTarget(v1::Worker::Stub* stub, const std::string& target) const;
 
   // Runs `fn` on a background thread that the destructor joins.
   void RunInBackground(std::function<void()> fn);
