@@ -2,20 +2,32 @@
 """Validates deploy/k8s without a cluster:
 
 1. deploy/generate.py --check: the PrometheusRule and the dashboard ConfigMap are up to date.
-2. Renders overlays/cpu and overlays/gpu, each with and without components/tls, with
-   kustomize_lite.py (the same output as `kubectl kustomize`; see crosscheck_kustomize.sh).
+2. Renders overlays/cpu and overlays/gpu, each with every combination of the optional components
+   (tls, autoscaling), with kustomize_lite.py (the same output as `kubectl kustomize`; see
+   crosscheck_kustomize.sh).
 3. Validates every built-in object against the Kubernetes JSON schemas (kubernetes-validate,
    strict: unknown fields are errors), and the Prometheus Operator objects structurally.
 4. Checks the objects agree with each other: Service/PDB/ServiceMonitor selectors select pods,
-   named ports exist, every flag is one the binary takes, every $(VAR) is defined, probes use the
-   health service names and the gRPC ports, grace periods cover preStop + --shutdown_deadline,
-   the router resolves the headless worker Service, GPU requests, resources, TLS mounts.
+   named ports exist, every flag is one the binary takes (its ABSL_FLAGs in the sources), every
+   $(VAR) is defined, probes use the health service names and the gRPC ports, the router resolves
+   the headless worker Service (which publishes not-ready workers), GPU requests, resources, TLS
+   mounts.
+5. Secure by default: every worker and router reads --cluster_token_file from the mounted Secret
+   kvcache-cluster-token, the router --auth_tokens_file from kvcache-router-tokens, nothing passes
+   --allow_unauthenticated, and no Secret (no secret value) is in the manifests.
+6. Drain timing: a worker's --shutdown_deadline covers running streams plus migrating its tier 0 +
+   tier 1 at the measured migration throughput (with margin), and its grace period covers that;
+   the HPA (autoscaling component) removes one worker per grace period; its metric is one the
+   prometheus-adapter rule (components/autoscaling/prometheus-adapter-values.yaml) exposes from a
+   worker gauge of deploy/metrics.txt, with a query promtool parses.
 """
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 try:
     import yaml
@@ -34,17 +46,27 @@ except ImportError:
     sys.exit("FAIL: python module kubernetes_validate missing: pip install kubernetes-validate==1.37.0")
 
 K8S_VERSION = "1.30.0"  # native gRPC probes are GA since 1.27
-COMMON_FLAGS = {"listen", "metrics_listen", "shutdown_deadline", "tls_cert", "tls_key", "tls_client_ca",
-                "log_level"}
-FLAGS = {
-    "worker": COMMON_FLAGS | {"model", "worker_id", "device", "tier0_bytes", "tier1_bytes", "page_tokens",
-                              "kv_dtype", "threads", "max_batch_tokens", "max_context",
-                              # also in worker/main.cc, not used by the manifests yet
-                              "max_running", "max_waiting", "default_max_tokens", "max_tokens_per_request",
-                              "load_report_interval", "drain_deadline"},
-    "router": COMMON_FLAGS | {"workers", "worker_dns", "auth_tokens_file"},
+# The sources whose ABSL_FLAGs each binary links (common/init.cc: --listen, --tls_*,
+# --cluster_token_file, --allow_unauthenticated ...; common/logging.cc: --log_level).
+FLAG_SOURCES = {
+    "worker": ["worker/main.cc", "common/init.cc", "common/logging.cc"],
+    "router": ["router/main.cc", "common/init.cc", "common/logging.cc"],
 }
 TLS_DIR = "/etc/kvcache/tls"
+# Secrets the operator creates (deploy/README.md): name, key, the flag that reads the file, roles.
+SECRET_FILES = [
+    ("kvcache-cluster-token", "token", "cluster_token_file", ("worker", "router")),
+    ("kvcache-router-tokens", "tokens", "auth_tokens_file", ("router",)),
+]
+# Drain timing (deploy/README.md, "Drain timing"). README.md's benchmarks: migrating a 4,000-token
+# SmolLM2 session (92.16 MB of KV) took 274 ms, i.e. 336 MB/s per migration.
+MIGRATION_BYTES_PER_S = 336e6
+STREAMS_S = 60          # running streams may finish within the deadline
+MIGRATION_MARGIN = 1.5  # on the time to migrate tier 0 + tier 1
+EXIT_S = 30             # grace period beyond --shutdown_deadline: last migrations in flight, exit
+ADAPTER_VALUES = os.path.join(K8S, "components", "autoscaling", "prometheus-adapter-values.yaml")
+COMPONENT_SETS = [(), ("tls",), ("autoscaling",), ("tls", "autoscaling")]
+FLAGS = {}  # role -> flag names, from the sources (source_flags)
 
 errors = []
 
@@ -62,6 +84,120 @@ def duration_seconds(text):
     if not m:
         return None
     return int(m.group(1)) * (60 if m.group(2) == "m" else 1)
+
+
+def source_flags():
+    """Flag names each binary takes, from the ABSL_FLAG definitions in its sources."""
+    flags = {}
+    for role, files in FLAG_SOURCES.items():
+        names = set()
+        for f in files:
+            with open(os.path.join(ROOT, f)) as fh:
+                text = re.sub(r"//[^\n]*", "", fh.read())
+            names |= set(re.findall(r"\bABSL_FLAG\(\s*[^,()]+?\s*,\s*([A-Za-z_]\w*)\s*,", text))
+        flags[role] = names
+    # Guard the parser: flags the manifests rely on must be found where they are defined.
+    for role, want in (("worker", {"listen", "log_level", "cluster_token_file", "allow_unauthenticated",
+                                   "tier0_bytes"}),
+                       ("router", {"listen", "log_level", "cluster_token_file", "allow_unauthenticated",
+                                   "auth_tokens_file", "worker_dns", "worker_tls_ca"})):
+        if want - flags[role]:
+            errors.append(f"no ABSL_FLAG for {sorted(want - flags[role])} in {FLAG_SOURCES[role]}")
+    return flags
+
+
+def router_default_seconds(flag):
+    """The default of a router duration flag given as absl::Seconds(N)."""
+    with open(os.path.join(ROOT, "router", "main.cc")) as fh:
+        m = re.search(rf"ABSL_FLAG\(\s*absl::Duration,\s*{flag},\s*absl::Seconds\((\d+)\)", fh.read())
+    if not m:
+        errors.append(f"router/main.cc: no absl::Seconds default for --{flag}")
+        return 0
+    return int(m.group(1))
+
+
+def worker_gauges():
+    """Gauges deploy/metrics.txt lists for kvcache-worker."""
+    gauges, section = set(), None
+    with open(os.path.join(ROOT, "deploy", "metrics.txt")) as fh:
+        for line in fh:
+            if line.startswith("# kvcache-"):
+                section = line[2:].strip()
+            elif not line.startswith("#") and line.strip():
+                name, kind = line.split("\t")[:2]
+                if section == "kvcache-worker" and kind == "gauge":
+                    gauges.add(name)
+    return gauges
+
+
+def check_adapter_rules():
+    """The prometheus-adapter rules: returns {exposed metric name: series}."""
+    where = os.path.relpath(ADAPTER_VALUES, ROOT)
+    with open(ADAPTER_VALUES) as fh:
+        values = yaml.safe_load(fh)
+    rules = (values or {}).get("rules", {}).get("custom")
+    if not isinstance(rules, list) or not rules:
+        errors.append(f"{where}: want a non-empty rules.custom list")
+        return {}
+    gauges, exposed, queries = worker_gauges(), {}, []
+    for r in rules:
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)\{([^}]*)\}", r.get("seriesQuery", ""))
+        if not m or m.group(1) not in gauges:
+            errors.append(f"{where}: seriesQuery {r.get('seriesQuery')!r} must select a worker gauge of "
+                          f"deploy/metrics.txt")
+            continue
+        if 'namespace!=""' not in m.group(2) or 'pod!=""' not in m.group(2):
+            errors.append(f"{where}: seriesQuery must require the namespace and pod target labels")
+        overrides = r.get("resources", {}).get("overrides", {})
+        if overrides.get("namespace") != {"resource": "namespace"} or overrides.get("pod") != {"resource": "pod"}:
+            errors.append(f"{where}: resources.overrides must map namespace and pod, got {overrides}")
+        name = r.get("name", {})
+        if not re.fullmatch(r"[a-z_:][a-z0-9_:]*", str(name.get("as", ""))) or \
+                not re.search(name.get("matches", "^$"), m.group(1)):
+            errors.append(f"{where}: name must match {m.group(1)} and expose it `as` a metric name")
+            continue
+        q = r.get("metricsQuery", "")
+        if any(t not in q for t in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>")):
+            errors.append(f"{where}: metricsQuery must use <<.Series>>, <<.LabelMatchers>> and <<.GroupBy>>")
+        queries.append(q.replace("<<.Series>>", m.group(1))
+                       .replace("<<.LabelMatchers>>", 'namespace="kvcache",pod=~"kvcache-worker-0|kvcache-worker-1"')
+                       .replace("<<.GroupBy>>", "pod"))
+        exposed[name["as"]] = m.group(1)
+    promtool = shutil.which("promtool")
+    if not promtool:
+        sys.exit("FAIL: promtool not found: apt-get install prometheus")
+    with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as f:
+        yaml.safe_dump({"groups": [{"name": "adapter", "rules": [
+            {"record": f"adapter:query_{i}", "expr": q} for i, q in enumerate(queries)]}]}, f)
+    try:
+        r = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        errors.append(f"{where}: promtool rejects a metricsQuery:\n{r.stdout}{r.stderr}")
+    return exposed
+
+
+def secret_file(pod, c, path):
+    """(Secret name, key, read-only) of the Secret volume file `path` in container c, or None."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        secret = volumes.get(m["name"], {}).get("secret")
+        if not secret:
+            continue
+        if m.get("subPath"):
+            if m["mountPath"] != path:
+                continue
+            name = m["subPath"]
+        elif os.path.dirname(path) == m["mountPath"].rstrip("/"):
+            name = os.path.basename(path)
+        else:
+            continue
+        items = secret.get("items")
+        key = name if items is None else next((i["key"] for i in items if i["path"] == name), None)
+        if key is not None:
+            return secret.get("secretName"), key, bool(m.get("readOnly"))
+    return None
 
 
 def check_crd(variant, o):
@@ -136,7 +272,10 @@ def check_container(variant, role, pod, c, configmaps, tls):
     want_grpc = {"worker": 7070, "router": 7000}[role]
     if ports.get("grpc") != want_grpc:
         err(variant, f"{where}: grpc port {ports.get('grpc')}, want {want_grpc}")
-    for f in ("tls_cert", "tls_key", "tls_client_ca", "shutdown_deadline", "log_level"):
+    required = ["tls_cert", "tls_key", "tls_client_ca", "shutdown_deadline", "log_level", "cluster_token_file"]
+    if role == "router":
+        required += ["auth_tokens_file", "worker_tls_ca", "worker_tls_cert", "worker_tls_key"]
+    for f in required:
         if f not in flags:
             err(variant, f"{where}: --{f} missing")
 
@@ -166,20 +305,36 @@ def check_container(variant, role, pod, c, configmaps, tls):
         budget = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)
         if role == "worker" and budget < 120:
             err(variant, f"{where}: startupProbe allows only {budget}s for the model to load")
-    # preStop pause, then SIGTERM drain within the grace period.
+    # preStop pause (the router's, so that the Service endpoints drop it first; a worker needs
+    # none: it announces its drain on its Watch streams), then SIGTERM drain within the grace period.
+    pause = 0
     cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
-    if len(cmd) != 2 or not cmd[0].endswith("sleep") or not cmd[1].isdigit():
-        err(variant, f"{where}: preStop must be exec sleep N, got {cmd}")
-        pause = 0
-    else:
-        pause = int(cmd[1])
+    if cmd or role == "router":
+        if len(cmd) != 2 or not cmd[0].endswith("sleep") or not cmd[1].isdigit():
+            err(variant, f"{where}: preStop must be exec sleep N, got {cmd}")
+        else:
+            pause = int(cmd[1])
     deadline = duration_seconds(expand(flags.get("shutdown_deadline", "")))
     grace = pod.get("terminationGracePeriodSeconds", 30)
     if deadline is None:
         err(variant, f"{where}: --shutdown_deadline={expand(flags.get('shutdown_deadline', ''))} not Ns/Nm")
-    elif grace < pause + deadline + 10:
+    elif role == "router" and grace < pause + deadline + 10:
         err(variant, f"{where}: terminationGracePeriodSeconds {grace} < preStop {pause}s + deadline "
                      f"{deadline}s + 10s")
+    elif role == "worker":
+        # The worker drains within --shutdown_deadline: running streams, then every session
+        # migrated away. Worst case it holds tier 0 + tier 1 full of sessions.
+        kv_bytes = sum(int(expand(flags.get(k, "")) or 0) for k in ("tier0_bytes", "tier1_bytes")
+                       if expand(flags.get(k, "")).isdigit())
+        migrate_s = kv_bytes / MIGRATION_BYTES_PER_S
+        need = STREAMS_S + MIGRATION_MARGIN * migrate_s
+        if deadline < need:
+            err(variant, f"{where}: --shutdown_deadline {deadline}s < {STREAMS_S}s for streams + "
+                         f"{MIGRATION_MARGIN} x {migrate_s:.0f}s to migrate {kv_bytes / 2**30:.1f} GiB "
+                         f"of KV at {MIGRATION_BYTES_PER_S / 1e6:.0f} MB/s = {need:.0f}s")
+        if grace < pause + deadline + EXIT_S:
+            err(variant, f"{where}: terminationGracePeriodSeconds {grace} < preStop {pause}s + deadline "
+                         f"{deadline}s + {EXIT_S}s")
     if role == "worker" and grace < 120:
         err(variant, f"{where}: worker grace period {grace}s leaves no time to migrate sessions")
     # Resources.
@@ -188,13 +343,31 @@ def check_container(variant, role, pod, c, configmaps, tls):
         for r in ("cpu", "memory"):
             if r not in res.get(kind, {}):
                 err(variant, f"{where}: resources.{kind}.{r} missing")
+    # Secure by default: the token files come from the Secrets the operator creates.
+    for secret, key, flag, roles in SECRET_FILES:
+        if role not in roles:
+            continue
+        path = expand(flags.get(flag, ""))
+        found = secret_file(pod, c, path) if path.startswith("/") else None
+        if found is None or found[:2] != (secret, key):
+            err(variant, f"{where}: --{flag}={path!r} must name key {key!r} of the Secret {secret}, mounted; "
+                         f"got {found}")
+        elif not found[2]:
+            err(variant, f"{where}: mount the Secret {secret} readOnly")
+    if "allow_unauthenticated" in json.dumps([c, {k: v for k, v in env_values.items()}]):
+        err(variant, f"{where}: passes --allow_unauthenticated: the manifests must be secure by default")
     # TLS: the flags point into the mounted Secret, or are all empty.
-    tls_values = [expand(flags.get(f, "")) for f in ("tls_cert", "tls_key", "tls_client_ca")]
+    tls_flags = ["tls_cert", "tls_key", "tls_client_ca"]
+    tls_want = [f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt"]
+    if role == "router":  # the router's client side towards the workers
+        tls_flags += ["worker_tls_ca", "worker_tls_cert", "worker_tls_key"]
+        tls_want += [f"{TLS_DIR}/ca.crt", f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key"]
+    tls_values = [expand(flags.get(f, "")) for f in tls_flags]
     mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     if tls:
-        if tls_values != [f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt"]:
-            err(variant, f"{where}: TLS flags expand to {tls_values}")
+        if tls_values != tls_want:
+            err(variant, f"{where}: TLS flags {tls_flags} expand to {tls_values}, want {tls_want}")
         secret = volumes.get(mounts.get(TLS_DIR), {}).get("secret", {}).get("secretName")
         if secret != "kvcache-tls":
             err(variant, f"{where}: Secret kvcache-tls not mounted at {TLS_DIR}")
@@ -212,7 +385,7 @@ def check_container(variant, role, pod, c, configmaps, tls):
     return flags, expand, res
 
 
-def check_variant(variant, objs, gpu, tls):
+def check_variant(variant, objs, gpu, tls, autoscaling, exposed):
     by_kind = {}
     for o in objs:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
@@ -239,6 +412,8 @@ def check_variant(variant, objs, gpu, tls):
     for o in objs:
         if o["kind"] != "Namespace" and o["metadata"].get("namespace") != ns:
             err(variant, f"{o['kind']}/{o['metadata']['name']}: not in namespace {ns}")
+    if by_kind.get("Secret"):
+        err(variant, f"Secrets {sorted(by_kind['Secret'])} in the manifests: the operator creates them")
     sts = by_kind.get("StatefulSet", {}).get("kvcache-worker")
     dep = by_kind.get("Deployment", {}).get("kvcache-router")
     if not sts or not dep:
@@ -283,11 +458,26 @@ def check_variant(variant, objs, gpu, tls):
                 if not expand(f.get(k, "")).isdigit():
                     err(variant, f"worker: --{k}={expand(f.get(k, ''))} is not a number")
 
-    # The headless Service the StatefulSet and the router's --worker_dns use.
+    # Worker updates: one pod at a time, each Ready long enough for the routers to resolve it.
+    worker_grace = sts["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+    upd = sts["spec"].get("updateStrategy", {})
+    if upd.get("type") != "RollingUpdate" or upd.get("rollingUpdate", {}).get("maxUnavailable", 1) != 1:
+        err(variant, f"worker StatefulSet: want RollingUpdate one pod at a time, got {upd}")
+    dns_refresh = duration_seconds(flags["router"][1](flags["router"][0].get("dns_refresh", ""))) or \
+        router_default_seconds("dns_refresh")
+    if sts["spec"].get("minReadySeconds", 0) < dns_refresh:
+        err(variant, f"worker StatefulSet: minReadySeconds {sts['spec'].get('minReadySeconds', 0)} < the "
+                     f"routers' --dns_refresh {dns_refresh}s")
+
+    # The headless Service the StatefulSet and the router's --worker_dns use. It publishes
+    # not-ready pods: a draining worker must stay in DNS until its sessions are migrated.
     services = by_kind.get("Service", {})
     headless = services.get(sts["spec"].get("serviceName"))
     if not headless or headless["spec"].get("clusterIP") != "None":
         err(variant, f"StatefulSet serviceName {sts['spec'].get('serviceName')} is not a headless Service")
+    elif headless["spec"].get("publishNotReadyAddresses") is not True:
+        err(variant, f"Service {headless['metadata']['name']}: want publishNotReadyAddresses: true (draining "
+                     f"workers stay in DNS)")
     else:
         grpc_port = next((p["port"] for p in headless["spec"]["ports"] if p["name"] == "grpc"), None)
         want = f"{headless['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:{grpc_port}"
@@ -316,6 +506,45 @@ def check_variant(variant, objs, gpu, tls):
         if len(found) != 1 or found[0]["spec"].get(field) != value:
             err(variant, f"{role}: want one PodDisruptionBudget with {field}: {value}")
 
+    # Autoscaling: the HPA owns the worker count and removes one worker per drain.
+    hpas = by_kind.get("HorizontalPodAutoscaler", {})
+    if not autoscaling:
+        if hpas:
+            err(variant, f"HorizontalPodAutoscaler {sorted(hpas)} without the autoscaling component")
+        if sts["spec"].get("replicas", 1) < 2:
+            err(variant, "worker StatefulSet: want at least 2 replicas (migration needs a target)")
+    elif len(hpas) != 1:
+        err(variant, f"autoscaling: want one HorizontalPodAutoscaler, got {sorted(hpas)}")
+    else:
+        hpa = next(iter(hpas.values()))
+        spec = hpa["spec"]
+        where = f"HorizontalPodAutoscaler/{hpa['metadata']['name']}"
+        if hpa["apiVersion"] != "autoscaling/v2":
+            err(variant, f"{where}: want autoscaling/v2")
+        if spec["scaleTargetRef"] != {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "kvcache-worker"}:
+            err(variant, f"{where}: scaleTargetRef {spec['scaleTargetRef']} is not the worker StatefulSet")
+        if "replicas" in sts["spec"]:
+            err(variant, "worker StatefulSet: spec.replicas must be unset when the HPA owns it")
+        if not 2 <= spec.get("minReplicas", 1) <= spec["maxReplicas"]:
+            err(variant, f"{where}: want 2 <= minReplicas <= maxReplicas")
+        for m in spec.get("metrics", []):
+            name = m.get("pods", {}).get("metric", {}).get("name")
+            if m.get("type") != "Pods" or name not in exposed:
+                err(variant, f"{where}: metric {m} must be a Pods metric the prometheus-adapter rule exposes "
+                             f"({sorted(exposed)})")
+            elif m["pods"]["target"].get("type") != "AverageValue":
+                err(variant, f"{where}: a Pods metric targets an AverageValue")
+        if not spec.get("metrics"):
+            err(variant, f"{where}: no metrics")
+        down = spec.get("behavior", {}).get("scaleDown", {})
+        policies = down.get("policies", [])
+        if not policies or any(p["type"] != "Pods" or p["value"] != 1 or p["periodSeconds"] < worker_grace
+                               for p in policies):
+            err(variant, f"{where}: scaleDown must remove 1 pod per period >= the worker grace period "
+                         f"{worker_grace}s (one drain at a time), got {policies}")
+        if down.get("stabilizationWindowSeconds", 300) < 300:
+            err(variant, f"{where}: scaleDown.stabilizationWindowSeconds under 300s")
+
     # Monitoring.
     sms = by_kind.get("ServiceMonitor", {})
     scraped = set()
@@ -343,30 +572,36 @@ def check_variant(variant, objs, gpu, tls):
 
 
 def main():
+    global FLAGS
     gen = subprocess.run([sys.executable, os.path.join(ROOT, "deploy", "generate.py"), "--check"],
                          capture_output=True, text=True)
     if gen.returncode != 0:
         errors.append("deploy/generate.py --check: " + (gen.stderr or gen.stdout).strip())
+    FLAGS = source_flags()
+    exposed = check_adapter_rules()
     variants = 0
+    want = 2 * len(COMPONENT_SETS)
     for overlay in ("cpu", "gpu"):
-        for tls in (False, True):
-            variant = overlay + ("+tls" if tls else "")
-            comps = ["../../components/tls"] if tls else []
+        for comps in COMPONENT_SETS:
+            variant = "+".join((overlay,) + comps)
             try:
-                objs = kustomize_lite.render(os.path.join(K8S, "overlays", overlay), comps)
+                objs = kustomize_lite.render(os.path.join(K8S, "overlays", overlay),
+                                             [f"../../components/{c}" for c in comps])
             except (kustomize_lite.RenderError, OSError, yaml.YAMLError, KeyError) as e:
                 err(variant, f"render: {e}")
                 continue
             before = len(errors)
-            check_variant(variant, objs, gpu=(overlay == "gpu"), tls=tls)
+            check_variant(variant, objs, gpu=(overlay == "gpu"), tls="tls" in comps,
+                          autoscaling="autoscaling" in comps, exposed=exposed)
             variants += 1
             print(f"{variant}: {len(objs)} objects ({', '.join(sorted({o['kind'] for o in objs}))}): "
                   f"{'ok' if len(errors) == before else 'FAILED'}")
     for e in errors:
         print("FAIL:", e)
-    if errors or variants != 4:
+    if errors or variants != want:
         sys.exit(f"check_k8s: {len(errors)} problem(s)")
-    print(f"check_k8s: 4 renderings valid against Kubernetes {K8S_VERSION} schemas and consistent")
+    print(f"check_k8s: {want} renderings valid against Kubernetes {K8S_VERSION} schemas and consistent; "
+          f"secure by default; drain timing covers tier 0 + tier 1 at {MIGRATION_BYTES_PER_S / 1e6:.0f} MB/s")
 
 
 if __name__ == "__main__":
