@@ -35,6 +35,9 @@
 // RESOURCE_EXHAUSTED no room after the policy ran; DATA_LOSS checksum mismatch;
 // ALREADY_EXISTS duplicate session id. Messages name the session.
 //
+// Export and import (kv_transfer.h) reach sessions only through transfer_port(), a
+// KvTransferPort whose every call is one locked operation of this manager.
+//
 // Thread-safety: all public methods are thread-safe (one internal mutex). Page bytes
 // handed out by BeginStep may be written without the lock by the step's owner only.
 #ifndef KVCACHE_WORKER_KV_KV_CACHE_MANAGER_H_
@@ -57,6 +60,7 @@
 #include "worker/kv/kv_events.h"
 #include "worker/kv/kv_shape.h"
 #include "worker/kv/kv_stats.h"
+#include "worker/kv/kv_transfer_port.h"
 #include "worker/kv/page_pool.h"
 #include "worker/kv/tier_storage.h"
 
@@ -106,9 +110,6 @@ struct KvSnapshot {
   std::vector<SessionInfo> sessions;     // page lists omitted
   std::vector<BlockHash> prefix_hashes;  // every hash in the tier-0 prefix cache
 };
-
-class SessionExporter;
-class SessionImporter;
 
 class KvCacheManager {
  public:
@@ -195,10 +196,13 @@ class KvCacheManager {
   // prefix index matches cached pages). INTERNAL naming the first violation.
   absl::Status CheckInvariants() const;
 
- private:
-  friend class SessionExporter;
-  friend class SessionImporter;
+  // --- Transfer -------------------------------------------------------------------
+  // The narrow interface through which SessionExporter and SessionImporter
+  // (kv_transfer.h) read, freeze and create sessions (kv_transfer_port.h). Lives as
+  // long as the manager.
+  KvTransferPort& transfer_port() { return transfer_port_; }
 
+ private:
   struct PageLoc {
     int8_t tier = -1;  // -1: released by the sliding window
     PageId id = kNoPage;
@@ -220,6 +224,46 @@ class KvCacheManager {
     bool user_pinned = false;
     bool running = false;
     uint64_t last_use = 0;
+  };
+
+  // KvTransferPort on this manager's state (kv_transfer_port.cc). Each method takes
+  // mu_ for its own duration.
+  class TransferPort final : public KvTransferPort {
+   public:
+    explicit TransferPort(KvCacheManager* m) : m_(m) {}
+
+    const KvShape& shape() const override;
+    const std::string& model_id() const override;
+    int64_t max_session_tokens() const override;
+
+    absl::StatusOr<ExportView> OpenExport(const std::string& session_id) override
+        ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::StatusOr<ExportExtent> CheckExport(const ExportHandle& h) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::StatusOr<bool> ReadPage(const ExportHandle& h, int64_t index, uint64_t max_epoch, int64_t offset,
+                                  absl::Span<uint8_t> out, PageChecksum* sum) override
+        ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::StatusOr<ExportView> FreezeExport(const ExportHandle& h) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::Status FinishExport(const ExportHandle& h, int64_t exported_pages) override
+        ABSL_LOCKS_EXCLUDED(m_->mu_);
+    void UnfreezeExport(const ExportHandle& h) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+
+    absl::Status CheckImportId(const std::string& session_id) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::StatusOr<PageId> AllocateStaging() override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::Status WriteStaging(PageId page, int64_t offset, absl::Span<const uint8_t> bytes) override
+        ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::StatusOr<PageChecksum> StagingChecksum(PageId page) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    void CountChecksumFailure() override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    void FreeStaging(absl::Span<const PageId> pages) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::Status CommitImport(ImportedSession session) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+
+   private:
+    // The handle's session, or FAILED_PRECONDITION when it was closed or replaced.
+    absl::StatusOr<Session*> Lookup(const ExportHandle& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
+    ExportView ViewOf(const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
+    bool IsStaging(PageId page) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
+    void FreeStagingLocked(absl::Span<const PageId> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
+
+    KvCacheManager* const m_;
   };
 
   KvCacheManager(KvCacheOptions options, TierStoragePtr tier0, TierStoragePtr tier1);
@@ -278,6 +322,7 @@ class KvCacheManager {
   uint64_t next_uid_ ABSL_GUARDED_BY(mu_) = 1;
   KvStats counters_ ABSL_GUARDED_BY(mu_);  // event counters; page counts filled by GetStats
   EventLog events_ ABSL_GUARDED_BY(mu_);
+  TransferPort transfer_port_{this};
 };
 
 }  // namespace kvcache::kv

@@ -27,8 +27,11 @@ void KvCacheManager::PublishFullPages(Session& s) {
     stored.push_back(h);
   }
   if (!stored.empty()) {
-    counters_.prefix_pages_stored += static_cast<int64_t>(stored.size());
-    Emit(KvEventType::kPrefixStored, nullptr, static_cast<int64_t>(stored.size()), std::move(stored));
+    // The count first: the order in which arguments are evaluated is unspecified,
+    // and GCC moves `stored` out before reading its size.
+    const int64_t n = static_cast<int64_t>(stored.size());
+    counters_.prefix_pages_stored += n;
+    Emit(KvEventType::kPrefixStored, nullptr, n, std::move(stored));
   }
 }
 

@@ -24,15 +24,17 @@ absl::StatusOr<std::unique_ptr<SessionExporter>> SessionExporter::Create(KvCache
     return absl::InvalidArgumentError(
         absl::StrCat("max_chunk_bytes ", options.max_chunk_bytes, " outside [1 KiB, 4 MiB]"));
   }
-  std::unique_ptr<SessionExporter> e(new SessionExporter(manager, options));
-  absl::MutexLock l(&manager->mu_);
-  KVCACHE_ASSIGN_OR_RETURN(KvCacheManager::Session * s, manager->Find(session_id));
-  e->session_id_ = session_id;
-  e->uid_ = s->uid;
-  e->epoch0_ = manager->write_epoch_;
-  const int64_t full = static_cast<int64_t>(s->tokens.size()) / manager->P();
-  e->tokens_.assign(s->tokens.begin(), s->tokens.begin() + full * manager->P());
-  for (int64_t i = s->first_live; i < full; ++i) e->todo_.push_back(i);
+  KvTransferPort& port = manager->transfer_port();
+  std::unique_ptr<SessionExporter> e(new SessionExporter(&port, options));
+  KVCACHE_ASSIGN_OR_RETURN(ExportView v, port.OpenExport(session_id));
+  e->session_ = std::move(v.handle);
+  e->tenant_ = std::move(v.tenant);
+  e->epoch0_ = v.write_epoch;
+  const int64_t p = port.shape().page_tokens;
+  const int64_t full = static_cast<int64_t>(v.tokens.size()) / p;
+  v.tokens.resize(full * p);
+  e->tokens_ = std::move(v.tokens);
+  for (int64_t i = v.first_live_page; i < full; ++i) e->todo_.push_back(i);
   return e;
 }
 
@@ -41,21 +43,10 @@ SessionExporter::~SessionExporter() { Unfreeze(); }
 void SessionExporter::Unfreeze() {
   if (!frozen_) return;
   frozen_ = false;
-  absl::MutexLock l(&mgr_->mu_);
-  auto it = mgr_->sessions_.find(session_id_);
-  if (it != mgr_->sessions_.end() && it->second->uid == uid_) it->second->export_frozen = false;
+  port_->UnfreezeExport(session_);
 }
 
-absl::StatusOr<KvCacheManager::Session*> SessionExporter::Lookup() {
-  auto it = mgr_->sessions_.find(session_id_);
-  if (it == mgr_->sessions_.end() || it->second->uid != uid_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("export of ", QuoteSession(session_id_), ": the session was closed meanwhile"));
-  }
-  return it->second.get();
-}
-
-absl::StatusOr<bool> SessionExporter::Fill(const KvCacheManager::Session& s, bool bulk, KvChunk* out) {
+absl::StatusOr<bool> SessionExporter::Fill(bool bulk, KvChunk* out) {
   const int64_t max = options_.max_chunk_bytes;
   if (token_pos_ < tokens_.size() ||
       (!bulk && token_pos_ == 0 && phase_ == Phase::kFinal && token_base_ < bulk_token_end_)) {
@@ -70,19 +61,9 @@ absl::StatusOr<bool> SessionExporter::Fill(const KvCacheManager::Session& s, boo
     return true;
   }
   out->kind = KvChunk::Kind::kPages;
-  const int64_t page_bytes = mgr_->storage_[0]->page_bytes();
+  const int64_t page_bytes = port_->shape().page_bytes();
   while (todo_pos_ < todo_.size()) {
     const int64_t idx = todo_[todo_pos_];
-    const bool gone = idx >= static_cast<int64_t>(s.pages.size()) || idx < s.first_live ||
-                      s.pages[idx].tier < 0 || (bulk && s.page_epoch[idx] > epoch0_);
-    if (gone) {  // released or rewritten since Create(): the final phase handles it
-      ++todo_pos_;
-      page_offset_ = 0;
-      continue;
-    }
-    if (page_offset_ == 0) {
-      KVCACHE_ASSIGN_OR_RETURN(page_sum_, mgr_->PageChecksumLocked(s, idx));
-    }
     const int64_t room = max - out->ByteSize() - kSegmentOverhead;
     const int64_t remaining = page_bytes - page_offset_;
     // Keep pages whole when they fit a chunk of their own.
@@ -93,9 +74,17 @@ absl::StatusOr<bool> SessionExporter::Fill(const KvCacheManager::Session& s, boo
     const int64_t len = std::min(room, remaining);
     const size_t at = out->payload.size();
     out->payload.resize(at + static_cast<size_t>(len));
-    const KvCacheManager::PageLoc loc = s.pages[idx];
-    KVCACHE_RETURN_IF_ERROR(mgr_->storage_[loc.tier]->ReadPage(
-        loc.id, page_offset_, absl::MakeSpan(out->payload).subspan(at, len)));
+    // The checksum is taken with a page's first segment, under the same lock hold.
+    KVCACHE_ASSIGN_OR_RETURN(const bool live,
+                             port_->ReadPage(session_, idx, bulk ? epoch0_ : kAnyEpoch, page_offset_,
+                                             absl::MakeSpan(out->payload).subspan(at, len),
+                                             page_offset_ == 0 ? &page_sum_ : nullptr));
+    if (!live) {  // released or rewritten since Create(): the final phase handles it
+      out->payload.resize(at);
+      ++todo_pos_;
+      page_offset_ = 0;
+      continue;
+    }
     out->segments.push_back(PageSegment{idx, page_offset_, len, page_sum_});
     page_offset_ += len;
     if (page_offset_ == page_bytes) {
@@ -115,19 +104,18 @@ absl::StatusOr<bool> SessionExporter::Fill(const KvCacheManager::Session& s, boo
 
 absl::StatusOr<bool> SessionExporter::NextBulk(KvChunk* out) {
   *out = KvChunk{};
-  absl::MutexLock l(&mgr_->mu_);
-  KVCACHE_ASSIGN_OR_RETURN(KvCacheManager::Session * s, Lookup());
+  KVCACHE_RETURN_IF_ERROR(port_->CheckExport(session_).status());
   if (phase_ == Phase::kBegin) {
     out->kind = KvChunk::Kind::kBegin;
-    out->session_id = s->id;
-    out->tenant = s->tenant;
-    out->model_id = mgr_->options_.model_id;
-    out->shape = mgr_->options_.shape;
+    out->session_id = session_.session_id;
+    out->tenant = tenant_;
+    out->model_id = port_->model_id();
+    out->shape = port_->shape();
     phase_ = Phase::kBulk;
     return true;
   }
   if (phase_ != Phase::kBulk) return false;
-  KVCACHE_ASSIGN_OR_RETURN(bool more, Fill(*s, /*bulk=*/true, out));
+  KVCACHE_ASSIGN_OR_RETURN(bool more, Fill(/*bulk=*/true, out));
   if (!more) phase_ = Phase::kFinalStart;
   return more;
 }
@@ -139,55 +127,55 @@ absl::StatusOr<bool> SessionExporter::NextFinal(KvChunk* out) {
     phase_ = Phase::kFinalStart;
     return begun;
   }
-  absl::MutexLock l(&mgr_->mu_);
   if (phase_ == Phase::kDone) return false;
-  KVCACHE_ASSIGN_OR_RETURN(KvCacheManager::Session * s, Lookup());
+  ExportExtent extent;
   if (phase_ == Phase::kBulk || phase_ == Phase::kFinalStart) {
-    if (s->in_step) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("export of ", QuoteSession(session_id_), ": final phase must run between steps"));
-    }
-    s->export_frozen = true;
+    KVCACHE_ASSIGN_OR_RETURN(ExportView v, port_->FreezeExport(session_));
     frozen_ = true;
     // Tokens: resend from the first position that differs from what bulk sent.
-    const int64_t len = static_cast<int64_t>(s->tokens.size());
+    const int64_t len = static_cast<int64_t>(v.tokens.size());
     int64_t d = 0;
     const int64_t same = std::min(bulk_token_end_, len);
-    while (d < same && s->tokens[d] == tokens_[d]) ++d;
-    tokens_.assign(s->tokens.begin() + d, s->tokens.end());
+    while (d < same && v.tokens[d] == tokens_[d]) ++d;
+    tokens_.assign(v.tokens.begin() + d, v.tokens.end());
     token_base_ = d;
     token_pos_ = 0;
     // Pages: every live page not sent whole, or written since Create().
     todo_.clear();
     todo_pos_ = 0;
     page_offset_ = 0;
-    for (int64_t i = s->first_live; i < mgr_->PagesFor(len); ++i) {
+    const int64_t p = port_->shape().page_tokens;
+    for (int64_t i = v.first_live_page; i < (len + p - 1) / p; ++i) {
       const bool sent = i < static_cast<int64_t>(sent_ok_.size()) && sent_ok_[i];
-      if (!sent || s->page_epoch[i] > epoch0_) todo_.push_back(i);
+      if (!sent || v.page_epoch[i] > epoch0_) todo_.push_back(i);
     }
     phase_ = Phase::kFinal;
+    extent = ExportExtent{len, v.first_live_page};
+  } else {
+    KVCACHE_ASSIGN_OR_RETURN(extent, port_->CheckExport(session_));
   }
-  KVCACHE_ASSIGN_OR_RETURN(bool more, Fill(*s, /*bulk=*/false, out));
+  KVCACHE_ASSIGN_OR_RETURN(bool more, Fill(/*bulk=*/false, out));
   if (more) return true;
-  // Commit chunk: every live page's checksum.
+  // Commit chunk: every live page's checksum. The session is frozen: `extent` is
+  // still its extent.
   out->kind = KvChunk::Kind::kCommit;
-  out->num_tokens = static_cast<int64_t>(s->tokens.size());
-  out->first_live_page = s->first_live;
-  for (int64_t i = s->first_live; i < mgr_->PagesFor(out->num_tokens); ++i) {
+  out->num_tokens = extent.num_tokens;
+  out->first_live_page = extent.first_live_page;
+  const int64_t p = port_->shape().page_tokens;
+  for (int64_t i = extent.first_live_page; i < (extent.num_tokens + p - 1) / p; ++i) {
     if (i >= static_cast<int64_t>(sent_ok_.size()) || !sent_ok_[i]) {
       return absl::InternalError(
-          absl::StrCat("export of ", QuoteSession(session_id_), ": page ", i, " was never sent"));
+          absl::StrCat("export of ", QuoteSession(session_.session_id), ": page ", i, " was never sent"));
     }
     out->page_checksums.push_back(sent_sum_[i]);
   }
   if (out->ByteSize() > kMaxChunkWireBytes) {
     return absl::OutOfRangeError(
-        absl::StrCat("export of ", QuoteSession(session_id_), ": commit chunk exceeds 4 MiB"));
+        absl::StrCat("export of ", QuoteSession(session_.session_id), ": commit chunk exceeds 4 MiB"));
   }
-  s->export_frozen = false;
+  KVCACHE_RETURN_IF_ERROR(port_->FinishExport(session_, static_cast<int64_t>(out->page_checksums.size())));
   frozen_ = false;
   phase_ = Phase::kDone;
-  mgr_->Emit(KvEventType::kSessionExported, s, static_cast<int64_t>(out->page_checksums.size()));
   return true;
 }
 
@@ -214,43 +202,37 @@ absl::StatusOr<std::vector<KvChunk>> ExportSession(KvCacheManager* manager, cons
 absl::StatusOr<std::unique_ptr<SessionImporter>> SessionImporter::Create(KvCacheManager* manager,
                                                                          ImportOptions options) {
   if (manager == nullptr) return absl::InvalidArgumentError("null manager");
-  return std::unique_ptr<SessionImporter>(new SessionImporter(manager, std::move(options)));
+  return std::unique_ptr<SessionImporter>(new SessionImporter(&manager->transfer_port(), std::move(options)));
 }
 
-SessionImporter::~SessionImporter() {
-  absl::MutexLock l(&mgr_->mu_);
-  AbortLocked();
-}
+SessionImporter::~SessionImporter() { Abort(); }
 
-void SessionImporter::AbortLocked() {
+void SessionImporter::Abort() {
   if (committed_) return;
-  for (Staged& p : staged_) {
-    if (p.id == kNoPage) continue;
-    mgr_->pool_[0].FreeStaging(p.id);
-    --mgr_->staging_pages_;
-    p = Staged{};
+  std::vector<PageId> pages;
+  for (const Staged& p : staged_) {
+    if (p.id != kNoPage) pages.push_back(p.id);
   }
+  if (!pages.empty()) port_->FreeStaging(pages);
   staged_.clear();
   tokens_.clear();
 }
 
 absl::Status SessionImporter::Add(const KvChunk& chunk) {
-  absl::MutexLock l(&mgr_->mu_);
   if (committed_) return absl::FailedPreconditionError(QuoteSession(session_id_) + " already imported");
   if (!failed_.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("import of ", QuoteSession(session_id_), " was aborted: ", failed_.message()));
   }
-  absl::Status st = AddLocked(chunk);
+  absl::Status st = AddChunk(chunk);
   if (!st.ok()) {
-    AbortLocked();
+    Abort();
     failed_ = st;
   }
   return st;
 }
 
-absl::Status SessionImporter::AddLocked(const KvChunk& c) {
-  const KvCacheOptions& opt = mgr_->options_;
+absl::Status SessionImporter::AddChunk(const KvChunk& c) {
   if (c.kind == KvChunk::Kind::kBegin) {
     if (began_) return absl::InvalidArgumentError("import: second kBegin chunk");
     session_id_ = options_.session_id.empty() ? c.session_id : options_.session_id;
@@ -258,18 +240,17 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
     if (session_id_.empty() || tenant_.empty()) {
       return absl::InvalidArgumentError("import: empty session id or tenant");
     }
-    if (c.model_id != opt.model_id) {
+    if (c.model_id != port_->model_id()) {
       return absl::FailedPreconditionError(absl::StrCat("import of ", QuoteSession(session_id_), ": model '",
-                                                        c.model_id, "' differs from '", opt.model_id, "'"));
+                                                        c.model_id, "' differs from '", port_->model_id(),
+                                                        "'"));
     }
-    if (c.shape != opt.shape) {
+    if (c.shape != port_->shape()) {
       return absl::FailedPreconditionError(absl::StrCat("import of ", QuoteSession(session_id_), ": shape ",
                                                         c.shape.DebugString(), " differs from ",
-                                                        opt.shape.DebugString()));
+                                                        port_->shape().DebugString()));
     }
-    if (mgr_->sessions_.contains(session_id_)) {
-      return absl::AlreadyExistsError(QuoteSession(session_id_) + " already exists");
-    }
+    KVCACHE_RETURN_IF_ERROR(port_->CheckImportId(session_id_));
     began_ = true;
     return absl::OkStatus();
   }
@@ -278,7 +259,7 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
     case KvChunk::Kind::kTokens: {
       const int64_t end = c.token_offset + static_cast<int64_t>(c.token_ids.size());
       if (c.token_offset < 0 || c.token_offset > static_cast<int64_t>(tokens_.size()) ||
-          end > opt.max_session_tokens) {
+          end > port_->max_session_tokens()) {
         return absl::InvalidArgumentError(
             absl::StrCat("import of ", QuoteSession(session_id_), ": token chunk at ", c.token_offset,
                          " does not continue the ", tokens_.size(), " tokens received"));
@@ -290,7 +271,7 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
     case KvChunk::Kind::kPages:
       return AddPages(c);
     case KvChunk::Kind::kCommit:
-      return CommitLocked(c);
+      return Commit(c);
     case KvChunk::Kind::kBegin:
       break;
   }
@@ -298,8 +279,9 @@ absl::Status SessionImporter::AddLocked(const KvChunk& c) {
 }
 
 absl::Status SessionImporter::AddPages(const KvChunk& c) {
-  const int64_t page_bytes = mgr_->storage_[0]->page_bytes();
-  const int64_t max_pages = mgr_->PagesFor(mgr_->options_.max_session_tokens);
+  const int64_t page_bytes = port_->shape().page_bytes();
+  const int64_t p = port_->shape().page_tokens;
+  const int64_t max_pages = (port_->max_session_tokens() + p - 1) / p;
   int64_t total = 0;
   for (const PageSegment& seg : c.segments) {
     if (seg.page_index < 0 || seg.page_index >= max_pages || seg.offset < 0 || seg.length <= 0 ||
@@ -316,49 +298,47 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
   int64_t at = 0;
   for (const PageSegment& seg : c.segments) {
     if (static_cast<int64_t>(staged_.size()) <= seg.page_index) staged_.resize(seg.page_index + 1);
-    Staged& p = staged_[seg.page_index];
+    Staged& sp = staged_[seg.page_index];
     if (seg.offset == 0) {
-      p.received = 0;
-      p.verified = false;
-      p.sum = seg.page_checksum;
-    } else if (seg.offset != p.received || seg.page_checksum != p.sum) {
+      sp.received = 0;
+      sp.verified = false;
+      sp.sum = seg.page_checksum;
+    } else if (seg.offset != sp.received || seg.page_checksum != sp.sum) {
       return absl::InvalidArgumentError(absl::StrCat("import of ", QuoteSession(session_id_),
                                                      ": segment of page ", seg.page_index, " at ", seg.offset,
-                                                     " does not continue its ", p.received, " bytes"));
+                                                     " does not continue its ", sp.received, " bytes"));
     }
-    if (p.id == kNoPage) {
-      KVCACHE_RETURN_IF_ERROR(mgr_->MakeRoom(1, nullptr, nullptr));
-      p.id = mgr_->pool_[0].Allocate(/*staging=*/true);
-      ++mgr_->staging_pages_;
+    if (sp.id == kNoPage) {
+      KVCACHE_ASSIGN_OR_RETURN(sp.id, port_->AllocateStaging());
     }
-    KVCACHE_RETURN_IF_ERROR(mgr_->storage_[0]->WritePage(
-        p.id, seg.offset, absl::MakeConstSpan(c.payload).subspan(at, seg.length)));
+    KVCACHE_RETURN_IF_ERROR(
+        port_->WriteStaging(sp.id, seg.offset, absl::MakeConstSpan(c.payload).subspan(at, seg.length)));
     at += seg.length;
-    p.received += seg.length;
-    if (p.received == page_bytes) {
-      KVCACHE_ASSIGN_OR_RETURN(PageChecksum sum, mgr_->storage_[0]->Checksum(p.id));
-      if (sum != p.sum) {
-        ++mgr_->counters_.checksum_failures;
+    sp.received += seg.length;
+    if (sp.received == page_bytes) {
+      KVCACHE_ASSIGN_OR_RETURN(PageChecksum sum, port_->StagingChecksum(sp.id));
+      if (sum != sp.sum) {
+        port_->CountChecksumFailure();
         return absl::DataLossError(absl::StrCat("import of ", QuoteSession(session_id_), ": page ",
                                                 seg.page_index, " checksum mismatch"));
       }
-      p.verified = true;
+      sp.verified = true;
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status SessionImporter::CommitLocked(const KvChunk& c) {
-  const KvCacheOptions& opt = mgr_->options_;
+absl::Status SessionImporter::Commit(const KvChunk& c) {
   const int64_t len = static_cast<int64_t>(tokens_.size());
   const std::string who = absl::StrCat("import of ", QuoteSession(session_id_), ": ");
   if (c.num_tokens != len) {
     return absl::InvalidArgumentError(
         absl::StrCat(who, "commit says ", c.num_tokens, " tokens, received ", len));
   }
-  const int64_t w = opt.shape.sliding_window;
-  const int64_t first_live = (w > 0 && len > w) ? (len - w) / mgr_->P() : 0;
-  const int64_t n_pages = mgr_->PagesFor(len);
+  const int64_t p = port_->shape().page_tokens;
+  const int64_t w = port_->shape().sliding_window;
+  const int64_t first_live = (w > 0 && len > w) ? (len - w) / p : 0;
+  const int64_t n_pages = (len + p - 1) / p;
   if (c.first_live_page != first_live ||
       static_cast<int64_t>(c.page_checksums.size()) != n_pages - first_live) {
     return absl::InvalidArgumentError(absl::StrCat(who, "commit lists pages [", c.first_live_page, ", +",
@@ -370,42 +350,23 @@ absl::Status SessionImporter::CommitLocked(const KvChunk& c) {
       return absl::InvalidArgumentError(absl::StrCat(who, "page ", i, " missing"));
     }
     if (staged_[i].sum != c.page_checksums[i - first_live]) {
-      ++mgr_->counters_.checksum_failures;
+      port_->CountChecksumFailure();
       return absl::DataLossError(absl::StrCat(who, "page ", i, " checksum differs from commit"));
     }
   }
-  if (mgr_->sessions_.contains(session_id_)) {
-    return absl::AlreadyExistsError(QuoteSession(session_id_) + " already exists");
-  }
-  // Verified: apply. Nothing below can fail.
-  auto s = std::make_unique<KvCacheManager::Session>();
-  s->uid = mgr_->next_uid_++;
-  s->id = session_id_;
-  s->tenant = tenant_;
-  s->tokens = std::move(tokens_);
-  s->first_live = first_live;
-  s->pages.resize(n_pages);
-  s->page_epoch.assign(n_pages, ++mgr_->write_epoch_);
-  for (int64_t i = 0; i < static_cast<int64_t>(staged_.size()); ++i) {
-    Staged& p = staged_[i];
-    if (p.id == kNoPage) continue;
-    if (i >= first_live && i < n_pages) {
-      mgr_->pool_[0].CommitStaging(p.id);
-      s->pages[i] = KvCacheManager::PageLoc{0, p.id};
-    } else {
-      mgr_->pool_[0].FreeStaging(p.id);
-    }
-    --mgr_->staging_pages_;
-    p = Staged{};
-  }
+  // Verified. The port takes every staging page, whether it commits or fails
+  // (ALREADY_EXISTS when the id appeared meanwhile).
+  ImportedSession session;
+  session.session_id = session_id_;
+  session.tenant = tenant_;
+  session.tokens = std::move(tokens_);
+  session.first_live_page = first_live;
+  session.staged.reserve(staged_.size());
+  for (const Staged& sp : staged_) session.staged.push_back(sp.id);
   staged_.clear();
+  tokens_.clear();
+  KVCACHE_RETURN_IF_ERROR(port_->CommitImport(std::move(session)));
   committed_ = true;
-  mgr_->closed_ids_.erase(session_id_);
-  mgr_->Touch(*s);
-  KvCacheManager::Session* raw = s.get();
-  mgr_->sessions_.emplace(session_id_, std::move(s));
-  mgr_->Emit(KvEventType::kSessionPlaced, raw, n_pages - first_live);
-  mgr_->PublishFullPages(*raw);
   return absl::OkStatus();
 }
 

@@ -10,6 +10,10 @@
 // checksum, the shape and the model id, and on the commit chunk creates the session
 // atomically. Any error frees the staging pages: the cache is as before the import.
 //
+// Both reach the manager only through its KvTransferPort (kv_transfer_port.h): each
+// call there takes the manager's lock for that call alone, so an exporter holds the
+// lock while it reads one page segment, an importer while it stages or writes one.
+//
 // Thread-safety: an exporter or importer is used by one thread at a time; any number
 // of them may run concurrently with each other and with the manager's other callers.
 // REQUIRES (both): the manager outlives them.
@@ -25,6 +29,7 @@
 #include "absl/types/span.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/kv/kv_chunk.h"
+#include "worker/kv/kv_transfer_port.h"
 
 namespace kvcache::kv {
 
@@ -60,18 +65,16 @@ class SessionExporter {
   int64_t final_pages() const { return final_pages_; }  // pages sent by NextFinal
 
  private:
-  SessionExporter(KvCacheManager* m, ExportOptions o) : mgr_(m), options_(o) {}
+  SessionExporter(KvTransferPort* p, ExportOptions o) : port_(p), options_(o) {}
   enum class Phase { kBegin, kBulk, kFinalStart, kFinal, kDone };
   // Fills `out` with token chunks first, then page chunks; false when both are done.
-  absl::StatusOr<bool> Fill(const KvCacheManager::Session& s, bool bulk, KvChunk* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mgr_->mu_);
-  absl::StatusOr<KvCacheManager::Session*> Lookup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mgr_->mu_);
+  absl::StatusOr<bool> Fill(bool bulk, KvChunk* out);
   void Unfreeze();
 
-  KvCacheManager* const mgr_;
+  KvTransferPort* const port_;
   const ExportOptions options_;
-  std::string session_id_;
-  uint64_t uid_ = 0;
+  ExportHandle session_;
+  std::string tenant_;
   uint64_t epoch0_ = 0;  // the manager's write epoch at Create()
   Phase phase_ = Phase::kBegin;
   bool frozen_ = false;
@@ -118,19 +121,20 @@ class SessionImporter {
   const std::string& session_id() const { return session_id_; }
 
  private:
-  SessionImporter(KvCacheManager* m, ImportOptions o) : mgr_(m), options_(std::move(o)) {}
+  SessionImporter(KvTransferPort* p, ImportOptions o) : port_(p), options_(std::move(o)) {}
   struct Staged {
     PageId id = kNoPage;
     int64_t received = 0;
     PageChecksum sum = 0;
     bool verified = false;
   };
-  absl::Status AddLocked(const KvChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mgr_->mu_);
-  absl::Status AddPages(const KvChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mgr_->mu_);
-  absl::Status CommitLocked(const KvChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mgr_->mu_);
-  void AbortLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mgr_->mu_);
+  absl::Status AddChunk(const KvChunk& chunk);
+  absl::Status AddPages(const KvChunk& chunk);
+  absl::Status Commit(const KvChunk& chunk);
+  // Frees the staging pages still held (none after a commit attempt).
+  void Abort();
 
-  KvCacheManager* const mgr_;
+  KvTransferPort* const port_;
   const ImportOptions options_;
   std::string session_id_;
   std::string tenant_;
