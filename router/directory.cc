@@ -170,6 +170,12 @@ std::optional<SessionLocation> Directory::AwaitSession(const SessionKey& key, ab
   return sessions_.at(key);
 }
 
+void Directory::NoteSessionTokens(const SessionKey& key, const WorkerId& worker, int32_t tokens) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(key);
+  if (it != sessions_.end() && it->second.worker == worker) it->second.tokens = tokens;
+}
+
 std::optional<SessionLocation> Directory::AwaitSessionOff(const SessionKey& key, const WorkerId& worker,
                                                           absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);

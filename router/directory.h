@@ -78,6 +78,9 @@ class Directory {
   std::vector<SessionKey> RemoveWorker(const WorkerId& worker);
 
   std::optional<SessionLocation> FindSession(const SessionKey& key) const;
+  // A request on the session finished on `worker` with `tokens` in its context
+  // (cache events carry a session's length when it is placed, not as it grows).
+  void NoteSessionTokens(const SessionKey& key, const WorkerId& worker, int32_t tokens);
   // FindSession, waiting up to `timeout` for the session to appear (a worker's
   // placement event may trail the reply that created the session).
   std::optional<SessionLocation> AwaitSession(const SessionKey& key, absl::Duration timeout) const;

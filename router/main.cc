@@ -35,6 +35,12 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
 ABSL_FLAG(absl::Duration, health_timeout, absl::Seconds(3), "A worker silent this long is unhealthy");
 ABSL_FLAG(absl::Duration, forget_after, absl::Seconds(30), "A worker unreachable this long is forgotten");
 ABSL_FLAG(absl::Duration, rebalance_interval, absl::Seconds(5), "Rebalancing period (0 disables)");
+ABSL_FLAG(double, rebalance_low_free, 0.10,
+          "A worker whose free fraction of tier-0 pages is under this gives sessions away");
+ABSL_FLAG(double, rebalance_high_free, 0.50,
+          "Only a worker with at least this free fraction of tier-0 pages takes them (> low: hysteresis)");
+ABSL_FLAG(int32_t, rebalance_batch, 4, "Sessions one hot worker gives away per rebalancing period");
+ABSL_FLAG(int32_t, rebalance_min_tokens, 64, "Smaller sessions are not moved (recomputing them is cheaper)");
 ABSL_FLAG(int32_t, max_attempts, 3, "Workers tried per request");
 ABSL_FLAG(int32_t, min_ready_workers, 1, "Readiness is SERVING while at least this many workers are healthy");
 ABSL_FLAG(std::string, worker_tls_ca, "",
@@ -83,6 +89,16 @@ int Run() {
       absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
   const std::vector<std::string> dns =
       absl::StrSplit(absl::GetFlag(FLAGS_worker_dns), ',', absl::SkipEmpty());
+  if (!(absl::GetFlag(FLAGS_rebalance_low_free) >= 0 &&
+        absl::GetFlag(FLAGS_rebalance_low_free) < absl::GetFlag(FLAGS_rebalance_high_free) &&
+        absl::GetFlag(FLAGS_rebalance_high_free) <= 1)) {
+    DieWith(kName,
+            absl::InvalidArgumentError(
+                "want 0 <= --rebalance_low_free < --rebalance_high_free <= 1 (the gap is the hysteresis)"));
+  }
+  if (absl::GetFlag(FLAGS_rebalance_batch) < 1 || absl::GetFlag(FLAGS_rebalance_min_tokens) < 0) {
+    DieWith(kName, absl::InvalidArgumentError("--rebalance_batch must be >= 1, --rebalance_min_tokens >= 0"));
+  }
   if (absl::GetFlag(FLAGS_max_attempts) < 1)
     DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
   for (const auto& a : workers) {
@@ -153,6 +169,10 @@ int Run() {
   ro.mode = *mode;
   ro.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   ro.rebalance_interval = absl::GetFlag(FLAGS_rebalance_interval);
+  ro.rebalance_low_free = absl::GetFlag(FLAGS_rebalance_low_free);
+  ro.rebalance_high_free = absl::GetFlag(FLAGS_rebalance_high_free);
+  ro.rebalance_batch = absl::GetFlag(FLAGS_rebalance_batch);
+  ro.rebalance_min_tokens = absl::GetFlag(FLAGS_rebalance_min_tokens);
   router::RouterService service(ro, &pool, &directory, tokenizer->get(), chat.ok() ? &*chat : nullptr,
                                 auth.get(), &metrics);
   router::AdminService admin(&service);

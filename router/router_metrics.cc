@@ -21,10 +21,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                    .Help("Cached tokens the workers reported reusing")
                    .Register(r)
                    .Add({})),
-      worker_up_(prometheus::BuildGauge()
-                     .Name("kvcache_router_worker_up")
-                     .Help("1 while the worker is healthy, else 0")
-                     .Register(r)),
+      worker_up_(
+          prometheus::BuildGauge()
+              .Name("kvcache_router_worker_up")
+              .Help(
+                  "1 while the router reaches the worker (its Watch stream is live), draining or not; else 0")
+              .Register(r)),
       ttft_(&prometheus::BuildHistogram()
                  .Name("kvcache_router_time_to_first_token_seconds")
                  .Help("Request receipt at the router to first token out")
@@ -47,7 +49,19 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                .Register(r)) {}
 
 void RouterMetrics::SetWorkers(const std::vector<WorkerView>& workers) {
-  for (const WorkerView& w : workers) worker_up_.Add({{"worker", w.address}}).Set(w.healthy ? 1 : 0);
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_map<std::string, prometheus::Gauge*> now;
+  for (const WorkerView& w : workers) {
+    // Up while reachable: a draining worker is up (it is handing its sessions over).
+    prometheus::Gauge* g = &worker_up_.Add({{"worker", w.address}});
+    g->Set(w.connected ? 1 : 0);
+    now[w.address] = g;
+  }
+  // A worker that left the pool leaves the metric too, instead of reading 0 forever.
+  for (const auto& [address, g] : up_series_) {
+    if (!now.contains(address)) worker_up_.Remove(g);
+  }
+  up_series_ = std::move(now);
 }
 
 }  // namespace kvcache::router

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -42,6 +44,8 @@ class RouterMetrics {
   prometheus::Counter* retries_;
   prometheus::Family<prometheus::Counter>& migrations_;
   prometheus::Family<prometheus::Counter>& dns_;
+  absl::Mutex mu_;  // SetWorkers runs on the rebalancer and on scrapes
+  absl::flat_hash_map<std::string, prometheus::Gauge*> up_series_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcache::router

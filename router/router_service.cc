@@ -206,6 +206,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       f->mutable_usage()->set_prompt_tokens(f->usage().prompt_tokens() -
                                             static_cast<int32_t>(continued_from_));
       f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(emitted_.size()));
+      if (!f->session_id().empty()) {
+        router_->directory_->NoteSessionTokens({request_.tenant(), f->session_id()}, placement_.worker,
+                                               f->usage().prompt_tokens() + f->usage().generated_tokens());
+      }
       f->mutable_usage()->set_total_time_us(absl::ToInt64Microseconds(absl::Now() - start_));
       Push(std::move(*msg));
     }
@@ -751,10 +755,13 @@ void RouterService::Rebalance() {
     const auto& l = w.load;
     return l.pages_total_device() > 0 ? double(l.pages_free_device()) / double(l.pages_total_device()) : 1.0;
   };
-  const WorkerView* cold = &healthy.front();
+  // The taker: the worker with the most free pages, among those that take new
+  // sessions (not one that left DNS).
+  const WorkerView* cold = nullptr;
   for (const WorkerView& w : healthy) {
-    if (free_fraction(w) > free_fraction(*cold)) cold = &w;
+    if (!w.departed && (cold == nullptr || free_fraction(w) > free_fraction(*cold))) cold = &w;
   }
+  if (cold == nullptr) return;
   if (free_fraction(*cold) < options_.rebalance_high_free) return;
   for (const WorkerView& hot : healthy) {
     if (free_fraction(hot) >= options_.rebalance_low_free || &hot == cold) continue;

@@ -98,22 +98,33 @@ class DnsLifecycleTest : public ::testing::Test {
     ASSERT_NE(port_, 0);
   }
 
-  std::unique_ptr<testing::ServerUnderTest> StartWorker(const std::string& ip, const std::string& id) {
-    auto w = testing::ServerUnderTest::Start(
-        testing::BinaryPath("worker/kvcache-worker"),
-        {"--listen=" + ip + ":" + std::to_string(port_), "--model=" + *model_, "--worker_id=" + id,
-         "--threads=1", "--load_report_interval=100ms", "--tier0_bytes=" + std::to_string(64 << 20),
-         "--tier1_bytes=" + std::to_string(64 << 20), "--shutdown_deadline=60s"});
+  std::unique_ptr<testing::ServerUnderTest> StartWorker(const std::string& ip, const std::string& id,
+                                                        std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--listen=" + ip + ":" + std::to_string(port_),
+                                     "--model=" + *model_,
+                                     "--worker_id=" + id,
+                                     "--threads=1",
+                                     "--load_report_interval=100ms",
+                                     "--tier0_bytes=" + std::to_string(64 << 20),
+                                     "--tier1_bytes=" + std::to_string(64 << 20),
+                                     "--shutdown_deadline=60s"};
+    args.insert(args.end(), extra.begin(), extra.end());  // later flags win
+    auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"), args);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
   }
 
-  void StartRouter() {
-    auto r = testing::ServerUnderTest::Start(
-        testing::BinaryPath("router/kvcache-router"),
-        {"--worker_dns=dns://" + dns_->address() + "/" + kName + ":" + std::to_string(port_),
-         "--dns_refresh=100ms", "--model=" + *model_, "--health_timeout=2s", "--rebalance_interval=0s",
-         "--min_ready_workers=1", "--forget_after=30s"});
+  void StartRouter(std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {
+        "--worker_dns=dns://" + dns_->address() + "/" + kName + ":" + std::to_string(port_),
+        "--dns_refresh=100ms",
+        "--model=" + *model_,
+        "--health_timeout=2s",
+        "--rebalance_interval=0s",
+        "--min_ready_workers=1",
+        "--forget_after=30s"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = testing::ServerUnderTest::Start(testing::BinaryPath("router/kvcache-router"), args);
     ASSERT_TRUE(r.ok()) << r.status();
     router_ = std::move(*r);
     api_ = v1::KvCache::NewStub(router_->channel());
@@ -139,13 +150,26 @@ class DnsLifecycleTest : public ::testing::Test {
     }
     return true;
   }
-  // kvcache_router_dns_resolutions_total{result=...} on the router's /metrics.
-  int DnsResults(const std::string& result) {
+  // A labelled counter on the router's /metrics, e.g. ("dns_resolutions", "result", "ok").
+  int RouterCounter(const std::string& name, const std::string& label, const std::string& value) {
     auto body = testing::HttpGet(router_->metrics_port(), "/metrics");
     if (!body.ok()) return -1;
     std::smatch m;
-    std::regex re("kvcache_router_dns_resolutions_total\\{result=\"" + result + "\"\\} ([0-9.e+]+)");
+    std::regex re("kvcache_router_" + name + "_total\\{" + label + "=\"" + value + "\"\\} ([0-9.e+]+)");
     return std::regex_search(*body, m, re) ? static_cast<int>(std::stod(m[1])) : 0;
+  }
+  int DnsResults(const std::string& result) { return RouterCounter("dns_resolutions", "result", result); }
+  // Free fraction of tier-0 pages of the worker at `ip`, as the router sees it.
+  double FreeFraction(const std::string& ip) {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    if (!admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return -1;
+    for (const auto& w : resp.workers()) {
+      if (w.address() == ip + ":" + std::to_string(port_) && w.load().pages_total_device() > 0) {
+        return double(w.load().pages_free_device()) / double(w.load().pages_total_device());
+      }
+    }
+    return -1;
   }
   Reply Turn(const std::string& session, const std::string& text, v1::Mode mode) {
     return testing::Generate(api_.get(), testing::TextRequest(session, text, 4, mode));
@@ -333,6 +357,79 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
       EXPECT_EQ(r.tokens, c.replies[k]) << c.id << " turn " << k;
     }
   }
+}
+
+// The rebalancer, with a worker joining: sessions piled on one worker until it
+// is under --rebalance_low_free move to the newcomer by migration, a bounded
+// number of periods later; then it settles (no session moves back and forth),
+// and every conversation continues exactly as on a worker that never moved it.
+TEST_F(DnsLifecycleTest, RebalancerRelievesAFullWorkerAndSettles) {
+  // 1 MiB of tier 0: 256 pages of 16 tokens (256 bytes a token).
+  const std::vector<std::string> small = {"--tier0_bytes=" + std::to_string(1 << 20)};
+  auto w0 = StartWorker("127.0.0.2", "w0", small);
+  auto w1 = StartWorker("127.0.0.3", "w1", small);
+  ASSERT_TRUE(w0 && w1);
+  dns_->SetAddresses(kName, {"127.0.0.2"});
+  StartRouter({"--rebalance_interval=200ms", "--rebalance_batch=2", "--rebalance_min_tokens=64"});
+  ASSERT_TRUE(WaitUntil([&] { return ServingExactly({"127.0.0.2"}); }));
+
+  // 24 conversations of 150 + 4 tokens (10 pages each): 240 of w0's 256 pages.
+  constexpr int kSessions = 24;
+  auto prompt = [](int i) {
+    std::vector<int32_t> ids;
+    for (int k = 0; k < 150; ++k) ids.push_back(3 + (i * 37 + k * 11) % 250);
+    return ids;
+  };
+  std::vector<std::vector<int32_t>> first(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    Reply r =
+        testing::Generate(api_.get(), testing::TokensRequest("pile-" + std::to_string(i), prompt(i), 4));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ASSERT_EQ(r.final.worker_id(), "w0");
+    first[i] = r.tokens;
+  }
+  ASSERT_TRUE(WaitUntil([&] { return FreeFraction("127.0.0.2") >= 0 && FreeFraction("127.0.0.2") < 0.10; }))
+      << FreeFraction("127.0.0.2");
+  EXPECT_EQ(RouterCounter("migrations", "reason", "rebalance"), 0) << "one worker: nothing to balance";
+
+  // w1 joins. Within a bounded number of periods w0 is relieved.
+  dns_->SetAddresses(kName, {"127.0.0.2", "127.0.0.3"});
+  const absl::Time joined = absl::Now();
+  ASSERT_TRUE(WaitUntil([&] { return FreeFraction("127.0.0.2") >= 0.10; }, absl::Seconds(20)))
+      << "w0 still at " << FreeFraction("127.0.0.2");
+  const int moved = RouterCounter("migrations", "reason", "rebalance");
+  std::printf("rebalance: %d sessions moved in %.1f s after the join (200 ms periods)\n", moved,
+              absl::ToDoubleSeconds(absl::Now() - joined));
+  EXPECT_GE(moved, 1);
+  EXPECT_LE(moved, kSessions / 2) << "moved far more than the pressure asked for";
+  // Settled: no further moves over 15 more periods (hysteresis: w0 is no longer
+  // under 10% free, and w1 is far from it).
+  const absl::Time settle_end = absl::Now() + absl::Seconds(3);
+  while (absl::Now() < settle_end) {
+    ASSERT_EQ(RouterCounter("migrations", "reason", "rebalance"), moved) << "sessions keep moving";
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+
+  // Every conversation continues identically, wherever it now lives.
+  auto reference = StartWorker("127.0.0.4", "ref");
+  ASSERT_NE(reference, nullptr);
+  auto ref = v1::Worker::NewStub(reference->channel());
+  int on_w1 = 0;
+  for (int i = 0; i < kSessions; ++i) {
+    const std::string id = "pile-" + std::to_string(i);
+    const std::vector<int32_t> more = {40, 41, 42, 43, 44};
+    Reply r = testing::Generate(api_.get(), testing::TokensRequest(id, more, 4, v1::APPEND));
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.error_message();
+    on_w1 += r.final.worker_id() == "w1" ? 1 : 0;
+    Reply a = testing::Generate(ref.get(), testing::TokensRequest(id, prompt(i), 4));
+    Reply b = testing::Generate(ref.get(), testing::TokensRequest(id, more, 4, v1::APPEND));
+    ASSERT_TRUE(a.status.ok() && b.status.ok());
+    EXPECT_EQ(a.tokens, first[i]) << id;
+    EXPECT_EQ(b.tokens, r.tokens) << id << " continued differently after the rebalance";
+  }
+  // The moved sessions are on the newcomer (the APPENDs above add pages, so
+  // more may move meanwhile: never back, the newcomer is far from full).
+  EXPECT_GE(on_w1, moved);
 }
 
 }  // namespace
