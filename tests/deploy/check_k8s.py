@@ -11,7 +11,8 @@
    named ports exist, every flag is one the binary takes (its ABSL_FLAGs in the sources), every
    $(VAR) is defined, probes use the health service names and the gRPC ports, the router resolves
    the headless worker Service (which publishes not-ready workers), GPU requests, resources, TLS
-   mounts.
+   mounts. Router and workers pass the same --model (the router hashes prompts with the workers'
+   tokenizer), a file their image bakes (its Dockerfile's ENV KVCACHE_MODEL) or on a mounted volume.
 5. Secure by default: every worker and router reads --cluster_token_file from the mounted Secret
    kvcache-cluster-token, the router --auth_tokens_file from kvcache-router-tokens, nothing passes
    --allow_unauthenticated, and no Secret (no secret value) is in the manifests.
@@ -53,6 +54,7 @@ FLAG_SOURCES = {
     "router": ["router/main.cc", "common/init.cc", "common/logging.cc"],
 }
 TLS_DIR = "/etc/kvcache/tls"
+DOCKER = os.path.join(ROOT, "deploy", "docker")
 # Secrets the operator creates (deploy/README.md): name, key, the flag that reads the file, roles.
 SECRET_FILES = [
     ("kvcache-cluster-token", "token", "cluster_token_file", ("worker", "router")),
@@ -104,6 +106,17 @@ def source_flags():
         if want - flags[role]:
             errors.append(f"no ABSL_FLAG for {sorted(want - flags[role])} in {FLAG_SOURCES[role]}")
     return flags
+
+
+def baked_model(dockerfile):
+    """The model path the image bakes by default (MODEL=pypi), from its Dockerfile; None if none."""
+    with open(os.path.join(DOCKER, dockerfile)) as fh:
+        text = fh.read()
+    m = re.search(r"^ENV KVCACHE_MODEL=(\S+)", text, re.M)
+    if not m or not re.search(r"^ARG MODEL=pypi$", text, re.M) or \
+            not re.search(r"^COPY --from=model /models /models$", text, re.M):
+        return None
+    return m.group(1)
 
 
 def router_default_seconds(flag):
@@ -272,7 +285,8 @@ def check_container(variant, role, pod, c, configmaps, tls):
     want_grpc = {"worker": 7070, "router": 7000}[role]
     if ports.get("grpc") != want_grpc:
         err(variant, f"{where}: grpc port {ports.get('grpc')}, want {want_grpc}")
-    required = ["tls_cert", "tls_key", "tls_client_ca", "shutdown_deadline", "log_level", "cluster_token_file"]
+    required = ["model", "tls_cert", "tls_key", "tls_client_ca", "shutdown_deadline", "log_level",
+                "cluster_token_file"]
     if role == "router":
         required += ["auth_tokens_file", "worker_tls_ca", "worker_tls_cert", "worker_tls_key"]
     for f in required:
@@ -281,6 +295,18 @@ def check_container(variant, role, pod, c, configmaps, tls):
 
     def expand(v):
         return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: str(env_values.get(m.group(1), "")), v)
+
+    # The model (the binary exits at start without it): a file the image bakes, or on a volume.
+    model = expand(flags.get("model", ""))
+    image = c.get("image", "")
+    dockerfile = {"router": "Dockerfile.router"}.get(role) or \
+        ("Dockerfile.worker-cuda" if image.endswith(":cuda") else "Dockerfile.worker")
+    mounted = [m["mountPath"] for m in c.get("volumeMounts", [])
+               if model.startswith(m["mountPath"].rstrip("/") + "/")]
+    baked = baked_model(dockerfile)
+    if not model.startswith("/") or (not mounted and model != baked):
+        err(variant, f"{where}: --model={model!r} is neither the file deploy/docker/{dockerfile} bakes "
+                     f"({baked or 'it bakes none'}) nor on a mounted volume")
 
     # Probes: liveness/startup on "liveness", readiness on "readiness", against the gRPC port.
     for probe, service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"),
@@ -457,6 +483,12 @@ def check_variant(variant, objs, gpu, tls, autoscaling, exposed):
             for k in ("tier0_bytes", "tier1_bytes", "page_tokens", "threads", "max_batch_tokens", "max_context"):
                 if not expand(f.get(k, "")).isdigit():
                     err(variant, f"worker: --{k}={expand(f.get(k, ''))} is not a number")
+
+    # One model: the router hashes prompts with the workers' tokenizer.
+    models = {role: flags[role][1](flags[role][0].get("model", "")) for role in workloads}
+    if models["router"] != models["worker"]:
+        err(variant, f"router --model={models['router']!r} is not the workers' {models['worker']!r}: the "
+                     f"router hashes prompts with the workers' tokenizer")
 
     # Worker updates: one pod at a time, each Ready long enough for the routers to resolve it.
     worker_grace = sts["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
