@@ -544,6 +544,51 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   EXPECT_TRUE(Generate(s.get(), Text("reference", " still here", 2, v1::APPEND)).status.ok());
 }
 
+// A numeric field of /proc/<pid>/status (e.g. "Threads"), or -1.
+int64_t ProcStatus(pid_t pid, const std::string& field) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::atoll(line.c_str() + field.size() + 1);
+  }
+  return -1;
+}
+
+// Every MigrateSession runs on a background thread of the source, and every
+// migration opens a channel to its target: a session moved back and forth many
+// times leaves neither worker with more threads than it had.
+TEST_F(WorkerTest, ManyMigrationsLeaveNoThreadsBehind) {
+  auto a = StartWorker({"--worker_id=a"});
+  auto b = StartWorker({"--worker_id=b"});
+  ASSERT_TRUE(a && b);
+  auto sa = v1::Worker::NewStub(a->channel());
+  auto sb = v1::Worker::NewStub(b->channel());
+  ASSERT_TRUE(Generate(sa.get(), Text("ball", std::string(100, 'b'), 3)).status.ok());
+  // One round first: gRPC's own pools start their threads.
+  auto migrate = [](v1::Worker::Stub* from, const std::string& to) {
+    grpc::ClientContext c;
+    v1::MigrateSessionRequest req;
+    req.set_session_id("ball");
+    req.set_target_address(to);
+    v1::MigrateSessionResponse resp;
+    return from->MigrateSession(&c, req, &resp);
+  };
+  ASSERT_TRUE(migrate(sa.get(), b->grpc_address()).ok());
+  ASSERT_TRUE(migrate(sb.get(), a->grpc_address()).ok());
+  const pid_t pa = a->process().pid(), pb = b->process().pid();
+  const int64_t threads_a = ProcStatus(pa, "Threads"), threads_b = ProcStatus(pb, "Threads");
+  ASSERT_GT(threads_a, 0);
+  for (int i = 0; i < 40; ++i) {
+    grpc::Status there = migrate(sa.get(), b->grpc_address());
+    ASSERT_TRUE(there.ok()) << i << ": " << there.error_message();
+    grpc::Status back = migrate(sb.get(), a->grpc_address());
+    ASSERT_TRUE(back.ok()) << i << ": " << back.error_message();
+  }
+  EXPECT_LE(ProcStatus(pa, "Threads"), threads_a + 2) << "40 migrations left threads on the source";
+  EXPECT_LE(ProcStatus(pb, "Threads"), threads_b + 2);
+  EXPECT_TRUE(Generate(sa.get(), Text("ball", " still whole?", 2, v1::APPEND)).status.ok());
+}
+
 TEST_F(WorkerTest, DrainMovesSessionsAndExits) {
   auto src = StartWorker({"--worker_id=leaving"});
   auto dst = StartWorker({"--worker_id=staying"});

@@ -746,23 +746,36 @@ absl::StatusOr<SessionView> Engine::View(const std::string& id, const std::strin
   return v;
 }
 
-absl::Status Engine::AdoptSession(const std::string& id, const std::string& tenant,
-                                  std::vector<int32_t> context) {
-  for (int32_t t : context) {
-    if (!tokenizer_->IsValid(t)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("session '", id, "': context token ", t, " outside the vocabulary"));
+absl::StatusOr<std::unique_ptr<kv::SessionImporter>> Engine::BeginImport() {
+  return kv::SessionImporter::Create(kv_);
+}
+
+absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& importer,
+                                                     std::vector<int32_t> context) {
+  const std::string& key = importer.session_id();
+  const kv::SessionName name = kv::SplitSessionKey(key);
+  auto adopt = [&]() -> absl::Status {
+    KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> cached, kv_->GetTokens(key));
+    if (context.empty()) context = cached;
+    for (int32_t t : context) {
+      if (!tokenizer_->IsValid(t)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("session '", name.id, "': context token ", t, " outside the vocabulary"));
+      }
     }
+    if (cached.size() > context.size() || !std::equal(cached.begin(), cached.end(), context.begin())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session '", name.id, "': cached tokens are not a prefix of its context"));
+    }
+    absl::MutexLock lock(&mu_);
+    AddSessionLocked(key, SessionState{name.tenant, std::move(context), absl::Now()});
+    return absl::OkStatus();
+  };
+  if (absl::Status st = adopt(); !st.ok()) {
+    (void)kv_->CloseSession(key);  // the pages came with the import: they go with it
+    return st;
   }
-  const std::string key = kv::SessionKey(tenant, id);
-  KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> cached, kv_->GetTokens(key));
-  if (cached.size() > context.size() || !std::equal(cached.begin(), cached.end(), context.begin())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session '", id, "': cached tokens are not a prefix of its context"));
-  }
-  absl::MutexLock lock(&mu_);
-  AddSessionLocked(key, SessionState{tenant, std::move(context), absl::Now()});
-  return absl::OkStatus();
+  return name;
 }
 
 absl::StatusOr<std::unique_ptr<kv::SessionExporter>> Engine::BeginExport(const std::string& id,

@@ -190,9 +190,17 @@ class Engine {
   // request). NOT_FOUND when unknown. Migration carries it.
   absl::StatusOr<std::vector<int32_t>> Context(const std::string& id, const std::string& tenant) const;
   absl::StatusOr<SessionView> View(const std::string& id, const std::string& tenant) const;
-  // Registers a session that appeared in the KV cache by import (under
-  // kv::SessionKey(tenant, id)). REQUIRES: its tokens are a prefix of `context`.
-  absl::Status AdoptSession(const std::string& id, const std::string& tenant, std::vector<int32_t> context);
+  // Import: BeginImport returns an importer that stages a session's pages in
+  // the KV cache; feed it the chunks, and once it has committed, FinishImport
+  // makes the session this engine's with `context` (the tokens it continues
+  // from; empty: the cached tokens). INVALID_ARGUMENT when the cached tokens are
+  // not a prefix of `context` or a token is outside the vocabulary; on any
+  // failure the imported pages are released and no session remains. Dropping an
+  // importer that never committed leaves no trace either.
+  absl::StatusOr<std::unique_ptr<kv::SessionImporter>> BeginImport();
+  // REQUIRES: importer.committed(). Returns the session's name.
+  absl::StatusOr<kv::SessionName> FinishImport(const kv::SessionImporter& importer,
+                                               std::vector<int32_t> context);
   // Export: BeginExport marks the session exporting (reported as migrating; it
   // never expires meanwhile) and returns an exporter over its pages. EndExport
   // ends that; with `handed_over` the target holds the session now, and it is

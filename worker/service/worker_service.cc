@@ -186,7 +186,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
 
   void Start() {
     if (service_->draining()) return Done(absl::UnavailableError(kWorkerDrainingMessage));
-    auto importer = kv::SessionImporter::Create(service_->kv_);
+    auto importer = service_->engine_->BeginImport();
     if (!importer.ok()) return Done(importer.status());
     importer_ = std::move(*importer);
     started_ = absl::Now();
@@ -199,7 +199,6 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
       return Done(absl::InvalidArgumentError("import stream ended before its commit chunk"));
     }
     if (importer_->committed()) return Done(absl::InvalidArgumentError("chunks after the commit chunk"));
-    if (chunk_.has_begin()) tenant_ = chunk_.begin().tenant();
     bytes_ += chunk_.ByteSizeLong();
     std::vector<int32_t> context;
     auto c = FromWire(chunk_, &context);
@@ -207,20 +206,11 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     absl::Status st = importer_->Add(*c);
     if (!st.ok()) return Done(st);
     if (importer_->committed()) {
-      const std::string& key = importer_->session_id();
-      const std::string id = kv::SplitSessionKey(key).id;
-      if (context.empty()) {
-        auto tokens = service_->kv_->GetTokens(key);
-        if (tokens.ok()) context = *tokens;
-      }
-      st = service_->engine_->AdoptSession(id, tenant_, std::move(context));
-      if (!st.ok()) {
-        (void)service_->kv_->CloseSession(key);
-        return Done(st);
-      }
+      auto name = service_->engine_->FinishImport(*importer_, std::move(context));
+      if (!name.ok()) return Done(name.status());
       service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_),
                                       absl::Now() - started_);
-      auto info = service_->Describe(id, tenant_);
+      auto info = service_->Describe(name->id, name->tenant);
       if (info.ok()) *response_ = *info;
       service_->hub_->Flush();
     }
@@ -239,7 +229,6 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
   v1::SessionInfo* const response_;
   std::unique_ptr<kv::SessionImporter> importer_;
   v1::SessionChunk chunk_;
-  std::string tenant_;
   size_t bytes_ = 0;
   absl::Time started_;
 };
@@ -259,12 +248,12 @@ WorkerService::WorkerService(WorkerServiceOptions options, sched::Engine* engine
       request_exit_(std::move(request_exit)) {}
 
 WorkerService::~WorkerService() {
-  std::vector<std::thread> threads;
+  std::vector<Background> threads;
   {
     absl::MutexLock lock(&mu_);
     threads.swap(background_);
   }
-  for (auto& t : threads) t.join();
+  for (auto& b : threads) b.thread.join();
 }
 
 absl::Status WorkerService::Authorize(const grpc::CallbackServerContext& context) const {
@@ -313,8 +302,31 @@ grpc::ServerUnaryReactor* WorkerService::PeerHandshake(grpc::CallbackServerConte
 }
 
 void WorkerService::RunInBackground(std::function<void()> fn) {
+  std::vector<Background> finished;
+  {
+    absl::MutexLock lock(&mu_);
+    // Join the ones that are done, so that months of migrations keep no threads.
+    for (auto it = background_.begin(); it != background_.end();) {
+      if (it->done->load()) {
+        finished.push_back(std::move(*it));
+        it = background_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    background_.push_back(Background{std::thread([fn = std::move(fn), done] {
+                                       fn();
+                                       done->store(true);
+                                     }),
+                                     done});
+  }
+  for (auto& b : finished) b.thread.join();
+}
+
+size_t WorkerService::background_threads() const {
   absl::MutexLock lock(&mu_);
-  background_.emplace_back(std::move(fn));
+  return background_.size();
 }
 
 absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,

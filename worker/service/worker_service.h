@@ -108,6 +108,10 @@ class WorkerService : public v1::Worker::CallbackService {
                                           const v1::PeerHandshakeRequest* request,
                                           v1::PeerHandshakeResponse* response) override;
 
+  // Background threads (migrations, drains) not yet joined: those running, and
+  // finished ones until the next RunInBackground joins them.
+  size_t background_threads() const;
+
   // The session as the wire describes it. NOT_FOUND for unknown or other tenants'.
   absl::StatusOr<v1::SessionInfo> Describe(const std::string& id, const std::string& tenant) const;
 
@@ -135,8 +139,12 @@ class WorkerService : public v1::Worker::CallbackService {
   const std::function<void()> request_exit_;
   std::atomic<bool> draining_{false};
 
-  absl::Mutex mu_;
-  std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);
+  struct Background {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;  // set as its last act
+  };
+  mutable absl::Mutex mu_;
+  std::vector<Background> background_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcache::service

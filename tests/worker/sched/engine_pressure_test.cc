@@ -152,7 +152,9 @@ TEST_P(EnginePressureTest, EveryReplyMatchesARoomyEngine) {
       tier1_pages, sessions, seed, got.outcomes.size(), static_cast<long long>(got.recomputed_tokens),
       static_cast<long long>(got.preemptions));
   // With no room to offload a preempted session, the squeeze must recompute.
-  if (tier1_pages == 0) {
+  // (Whether a squeeze happens depends on how many requests the engine thread
+  // finds at once: on a loaded machine it can take them one by one.)
+  if (tier1_pages == 0 && got.preemptions > 0) {
     EXPECT_GT(got.recomputed_tokens, 0);
   }
 }
