@@ -17,7 +17,8 @@ namespace kvcache {
 void InitProcess(int argc, char** argv, const std::string& name, const std::string& usage);
 
 // ServerOptions from --listen, --metrics_listen, --shutdown_deadline, the
-// --tls_* flags, --cluster_token_file and --allow_unauthenticated, validated (INVALID_ARGUMENT names the bad flag).
+// --tls_* flags, --cluster_token_file and --allow_unauthenticated, validated (INVALID_ARGUMENT names the bad
+// flag).
 absl::StatusOr<ServerOptions> ServerOptionsFromFlags(const std::string& name);
 
 // Prints "<name>: <status>" to stderr and exits with `code`.

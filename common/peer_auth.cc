@@ -77,6 +77,15 @@ absl::StatusOr<ClusterToken> ClusterToken::FromString(absl::string_view text) {
   return ClusterToken(std::string(token));
 }
 
+std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& context) {
+  const auto& md = context.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return std::nullopt;
+  absl::string_view value(it->second.data(), it->second.size());
+  if (!absl::ConsumePrefix(&value, "Bearer ")) return absl::string_view();
+  return absl::StripAsciiWhitespace(value);
+}
+
 std::shared_ptr<grpc::Channel> NewBearerChannel(const std::string& target,
                                                 const std::shared_ptr<grpc::ChannelCredentials>& creds,
                                                 const std::string& token,
@@ -96,15 +105,12 @@ std::shared_ptr<grpc::Channel> ClusterToken::NewChannel(
 
 absl::Status ClusterToken::Verify(const grpc::ServerContextBase& context) const {
   if (empty()) return absl::OkStatus();
-  const auto& md = context.client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
+  const std::optional<absl::string_view> token = BearerToken(context);
+  if (!token.has_value()) {
     return absl::UnauthenticatedError(
         "this worker takes calls from its fleet only: missing 'authorization: Bearer <cluster token>'");
   }
-  absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::ConsumePrefix(&value, "Bearer ") ||
-      !ConstantTimeEqual(absl::StripAsciiWhitespace(value), token_)) {
+  if (!ConstantTimeEqual(*token, token_)) {
     return absl::UnauthenticatedError("this worker takes calls from its fleet only: wrong cluster token");
   }
   return absl::OkStatus();

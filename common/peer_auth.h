@@ -24,6 +24,7 @@
 #define KVCACHE_COMMON_PEER_AUTH_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -64,6 +65,11 @@ class ClusterToken {
   explicit ClusterToken(std::string token) : token_(std::move(token)) {}
   std::string token_;
 };
+
+// The token of a call's `authorization: Bearer <token>` metadata: nullopt when
+// the call has no authorization metadata, an empty view when it is not a bearer
+// token. The one parser of that header (routers' clients, workers' peers).
+std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& context);
 
 // A channel whose every call carries `authorization: Bearer <token>`: the one
 // way kvcache's own clients attach a token (cluster or client).

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/peer_auth.h"
 
 namespace kvcache::router {
 
@@ -43,9 +44,8 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& context,
                                                       bool need_admin) const {
-  const auto& md = context.client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
+  const std::optional<absl::string_view> token = BearerToken(context);
+  if (!token.has_value()) {
     if (!allow_anonymous_)
       return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
     if (need_admin) {
@@ -55,11 +55,8 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
     }
     return Principal{"default", false};
   }
-  absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::ConsumePrefix(&value, "Bearer ")) {
-    return absl::UnauthenticatedError("authorization metadata must be 'Bearer <token>'");
-  }
-  auto p = tokens_.find(std::string(absl::StripAsciiWhitespace(value)));
+  if (token->empty()) return absl::UnauthenticatedError("authorization metadata must be 'Bearer <token>'");
+  auto p = tokens_.find(*token);
   if (p == tokens_.end()) return absl::UnauthenticatedError("unknown bearer token");
   if (need_admin && !p->second.admin) return absl::PermissionDeniedError("admin calls need an admin token");
   return p->second;

@@ -345,14 +345,9 @@ void RouterService::EndCall() {
   --calls_in_flight_;
 }
 
-bool RouterService::WorkerDraining(const WorkerId& worker) const {
-  auto w = pool_->Find(worker);
-  return w.has_value() && w->draining;
-}
-
 bool RouterService::MustWaitForSession(const SessionKey& key) const {
   auto loc = directory_->FindSession(key);
-  return !loc.has_value() || WorkerDraining(loc->worker);
+  return !loc.has_value() || pool_->Draining(loc->worker);
 }
 
 absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, const std::string& tenant,
@@ -372,7 +367,7 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     loc = *std::move(found);
     // Its worker drains: the session is being migrated; follow it (a caller
     // that may block passes a wait).
-    if (wait > absl::ZeroDuration() && WorkerDraining(loc->worker)) {
+    if (wait > absl::ZeroDuration() && pool_->Draining(loc->worker)) {
       auto moved = directory_->AwaitSessionOff(session, loc->worker, options_.drain_move_wait);
       if (!moved.has_value()) {
         return absl::NotFoundError(absl::StrCat("session '", session_id, "' not found"));

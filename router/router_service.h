@@ -146,8 +146,6 @@ class RouterService final : public v1::KvCache::CallbackService {
   // The worker for a request, or why there is none. `exclude` holds workers
   // already tried. `wait`: how long an APPEND's session may take to appear in
   // the directory; anything but zero blocks, so only the executor passes it.
-  // True when `worker` drains (its sessions are being moved, or have been).
-  bool WorkerDraining(const WorkerId& worker) const;
   // An APPEND on `key` must wait (on the executor) before placement: the
   // directory has not heard of the session yet, or its worker drains.
   bool MustWaitForSession(const SessionKey& key) const;

@@ -29,6 +29,10 @@ struct WorkerPool::Worker {
   bool departed = false;                  // a DNS-discovered worker no longer in its name's answer
   bool refused_draining = false;          // it answered new work with kWorkerDrainingMessage
   grpc::ClientContext* stream = nullptr;  // the open Watch call, to cancel it
+
+  // Takes no new work: it announced a drain, an admin started one, or it
+  // refused work as draining. Under the pool's mutex.
+  bool draining() const { return admin_draining || load.draining() || refused_draining; }
 };
 
 WorkerPool::WorkerPool(WorkerPoolOptions options, Directory* directory)
@@ -213,11 +217,10 @@ void WorkerPool::ReapDeparted() {
       Worker& w = *it->second;
       auto held = sessions.find(it->first);
       const int64_t n = held == sessions.end() ? 0 : held->second;
-      const bool draining = w.admin_draining || w.load.draining() || w.refused_draining;
       const bool unreachable = !w.connected && now - w.disconnected_since > options_.forget_after;
       // Nothing to hand over: no sessions, and not still draining (a draining
       // worker may yet have sessions the directory has not heard of).
-      const bool done = n == 0 && (!w.connected || !draining);
+      const bool done = n == 0 && (!w.connected || !w.draining());
       if (!w.departed || !(unreachable || done)) {
         ++it;
         continue;
@@ -315,7 +318,7 @@ WorkerView WorkerPool::ViewLocked(const Worker& w) const {
   v.address = w.address;
   v.worker_id = w.worker_id.empty() ? w.address : w.worker_id;
   v.connected = w.connected;
-  v.draining = w.admin_draining || w.load.draining() || w.refused_draining;
+  v.draining = w.draining();
   v.admin_draining = w.admin_draining;
   v.departed = w.departed;
   v.healthy = w.connected && !w.suspect && !v.draining;
@@ -360,6 +363,12 @@ void WorkerPool::SetDraining(const WorkerId& address) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(address);
   if (it != workers_.end()) it->second->admin_draining = true;
+}
+
+bool WorkerPool::Draining(const WorkerId& address) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(address);
+  return it != workers_.end() && it->second->draining();
 }
 
 void WorkerPool::MarkDraining(const WorkerId& address) {

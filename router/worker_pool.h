@@ -83,6 +83,9 @@ class WorkerPool {
   // A request saw the worker fail: treat it as unhealthy until its stream
   // delivers again.
   void MarkSuspect(const WorkerId& address);
+  // True when the worker at `address` drains (announced, admin-started, or seen
+  // in a refusal). One hash lookup: placement asks it for every APPEND.
+  bool Draining(const WorkerId& address) const;
   // The worker answered that it drains (kWorkerDrainingMessage): take it as
   // draining now, before its Watch stream says so.
   void MarkDraining(const WorkerId& address);

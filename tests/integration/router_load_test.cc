@@ -36,20 +36,6 @@ constexpr absl::Duration kRunBound = absl::Seconds(90);
 // pools: a few dozen at most, whatever the number of streams.
 constexpr int kMaxRouterThreads = 64;
 
-// Threads of process `pid` (the Threads: line of /proc/<pid>/status), or -1.
-int ThreadCount(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    absl::string_view v = line;
-    if (absl::ConsumePrefix(&v, "Threads:")) {
-      int n = 0;
-      return absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &n) ? n : -1;
-    }
-  }
-  return -1;
-}
-
 class RouterLoadTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -79,7 +65,7 @@ TEST_F(RouterLoadTest, TwoThousandStreamsTwoHundredFiftySixAtOnceWithBoundedThre
       {"--workers=" + list, "--model=" + model_, "--rebalance_interval=0s", "--min_ready_workers=2"});
   ASSERT_TRUE(router.ok()) << router.status();
   const pid_t router_pid = (*router)->process().pid();
-  const int threads_before = ThreadCount(router_pid);
+  const int threads_before = testing::ThreadCount(router_pid);
   ASSERT_GT(threads_before, 0);
 
   // Samples the router's thread count while the run lasts.
@@ -87,7 +73,7 @@ TEST_F(RouterLoadTest, TwoThousandStreamsTwoHundredFiftySixAtOnceWithBoundedThre
   absl::Notification run_over;
   std::thread sampler([&] {
     while (!run_over.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
-      const int n = ThreadCount(router_pid);
+      const int n = testing::ThreadCount(router_pid);
       if (n > max_threads.load()) max_threads = n;
     }
   });

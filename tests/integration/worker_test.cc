@@ -544,16 +544,6 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   EXPECT_TRUE(Generate(s.get(), Text("reference", " still here", 2, v1::APPEND)).status.ok());
 }
 
-// A numeric field of /proc/<pid>/status (e.g. "Threads"), or -1.
-int64_t ProcStatus(pid_t pid, const std::string& field) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field + ":", 0) == 0) return std::atoll(line.c_str() + field.size() + 1);
-  }
-  return -1;
-}
-
 // Every MigrateSession runs on a background thread of the source, and every
 // migration opens a channel to its target: a session moved back and forth many
 // times leaves neither worker with more threads than it had.
@@ -576,7 +566,7 @@ TEST_F(WorkerTest, ManyMigrationsLeaveNoThreadsBehind) {
   ASSERT_TRUE(migrate(sa.get(), b->grpc_address()).ok());
   ASSERT_TRUE(migrate(sb.get(), a->grpc_address()).ok());
   const pid_t pa = a->process().pid(), pb = b->process().pid();
-  const int64_t threads_a = ProcStatus(pa, "Threads"), threads_b = ProcStatus(pb, "Threads");
+  const int threads_a = testing::ThreadCount(pa), threads_b = testing::ThreadCount(pb);
   ASSERT_GT(threads_a, 0);
   for (int i = 0; i < 40; ++i) {
     grpc::Status there = migrate(sa.get(), b->grpc_address());
@@ -584,8 +574,8 @@ TEST_F(WorkerTest, ManyMigrationsLeaveNoThreadsBehind) {
     grpc::Status back = migrate(sb.get(), a->grpc_address());
     ASSERT_TRUE(back.ok()) << i << ": " << back.error_message();
   }
-  EXPECT_LE(ProcStatus(pa, "Threads"), threads_a + 2) << "40 migrations left threads on the source";
-  EXPECT_LE(ProcStatus(pb, "Threads"), threads_b + 2);
+  EXPECT_LE(testing::ThreadCount(pa), threads_a + 2) << "40 migrations left threads on the source";
+  EXPECT_LE(testing::ThreadCount(pb), threads_b + 2);
   EXPECT_TRUE(Generate(sa.get(), Text("ball", " still whole?", 2, v1::APPEND)).status.ok());
 }
 

@@ -15,11 +15,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/peer_auth.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "reflection_v1alpha.grpc.pb.h"
@@ -287,6 +289,20 @@ absl::StatusOr<std::vector<std::string>> ReflectionListServices(
   grpc::Status st = stream->Finish();
   if (!st.ok()) return absl::UnavailableError(st.error_message());
   return names;
+}
+
+// Threads of process `pid` (the Threads: line of /proc/<pid>/status), or -1.
+int ThreadCount(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view v = line;
+    if (absl::ConsumePrefix(&v, "Threads:")) {
+      int n = 0;
+      return absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &n) ? n : -1;
+    }
+  }
+  return -1;
 }
 
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {

@@ -111,6 +111,9 @@ absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel, const
 absl::StatusOr<std::vector<std::string>> ReflectionListServices(
     const std::shared_ptr<grpc::Channel>& channel);
 
+// Threads of process `pid` (the Threads: line of /proc/<pid>/status), or -1.
+int ThreadCount(pid_t pid);
+
 // HTTP/1.0 GET of http://127.0.0.1:port/path; returns the body on status 200.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 

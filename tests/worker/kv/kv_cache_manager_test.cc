@@ -12,20 +12,12 @@ namespace kvcache::kv {
 namespace {
 
 using ::kvcache::kv::testing::AppendWithKv;
+using ::kvcache::kv::testing::MakeManager;
 using ::kvcache::kv::testing::Seq;
 using ::kvcache::kv::testing::SmallOptions;
 using ::kvcache::kv::testing::VerifyKv;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-std::unique_ptr<KvCacheManager> Make(int64_t t0, int64_t t1, int window = 0) {
-  auto m = KvCacheManager::Create(SmallOptions(t0, t1, window));
-  EXPECT_TRUE(m.ok()) << m.status();
-  return std::move(m).value();
-}
-
-#define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr)
-#define EXPECT_INVARIANTS(m) EXPECT_TRUE((m).CheckInvariants().ok()) << (m).CheckInvariants()
 
 TEST(KvCacheManagerTest, CreateValidatesOptions) {
   KvCacheOptions o = SmallOptions(0, 0);
@@ -46,7 +38,7 @@ TEST(KvCacheManagerTest, CreateValidatesOptions) {
 }
 
 TEST(KvCacheManagerTest, BadCallsReturnClearStatuses) {
-  auto m = Make(8, 8);
+  auto m = MakeManager(8, 8);
   EXPECT_EQ(m->AppendTokens("nope", Seq(0, 3)).code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(m->AppendTokens("nope", Seq(0, 3)).message()), HasSubstr("'nope'"));
   EXPECT_EQ(m->CreateSession("", "t").code(), absl::StatusCode::kInvalidArgument);
@@ -76,7 +68,7 @@ TEST(KvCacheManagerTest, BadCallsReturnClearStatuses) {
 }
 
 TEST(KvCacheManagerTest, AppendAllocatesPagesAndKeepsTokens) {
-  auto m = Make(8, 0);
+  auto m = MakeManager(8, 0);
   ASSERT_OK(m->CreateSession("a", "t"));
   ASSERT_OK(AppendWithKv(*m, "a", Seq(100, 3)));
   EXPECT_EQ(m->GetSession("a")->tier0_pages, 1);
@@ -108,7 +100,7 @@ TEST(KvCacheManagerTest, AppendAllocatesPagesAndKeepsTokens) {
 }
 
 TEST(KvCacheManagerTest, PrefixCacheSharesFullPagesPerTenant) {
-  auto m = Make(16, 0);
+  auto m = MakeManager(16, 0);
   const std::vector<int32_t> prompt = Seq(1, 10);  // 2 full pages + 2 tokens
   ASSERT_OK(m->CreateSession("a", "alice"));
   ASSERT_OK(AppendWithKv(*m, "a", prompt));
@@ -152,7 +144,7 @@ TEST(KvCacheManagerTest, PrefixCacheSharesFullPagesPerTenant) {
 }
 
 TEST(KvCacheManagerTest, ForkCopiesOnlyThePartialTail) {
-  auto m = Make(16, 0);
+  auto m = MakeManager(16, 0);
   ASSERT_OK(m->CreateSession("a", "t"));
   ASSERT_OK(AppendWithKv(*m, "a", Seq(1, 10)));
   ASSERT_OK(m->Fork("a", "b"));
@@ -172,7 +164,7 @@ TEST(KvCacheManagerTest, ForkCopiesOnlyThePartialTail) {
 }
 
 TEST(KvCacheManagerTest, TruncateThenAppendCopiesASharedTail) {
-  auto m = Make(16, 0);
+  auto m = MakeManager(16, 0);
   ASSERT_OK(m->CreateSession("a", "t"));
   ASSERT_OK(AppendWithKv(*m, "a", Seq(1, 8)));
   ASSERT_OK(m->Fork("a", "b"));
@@ -189,7 +181,7 @@ TEST(KvCacheManagerTest, TruncateThenAppendCopiesASharedTail) {
 }
 
 TEST(KvCacheManagerTest, SlidingWindowReleasesDeadPages) {
-  auto m = Make(16, 0, /*window=*/6);
+  auto m = MakeManager(16, 0, /*window=*/6);
   ASSERT_OK(m->CreateSession("a", "t"));
   ASSERT_OK(AppendWithKv(*m, "a", Seq(1, 13)));  // positions < 13-6=7 are dead: page 0
   auto info = m->GetSession("a");
@@ -212,7 +204,7 @@ TEST(KvCacheManagerTest, SlidingWindowReleasesDeadPages) {
 }
 
 TEST(KvCacheManagerTest, OffloadRestoreIsBitExact) {
-  auto m = Make(8, 8);
+  auto m = MakeManager(8, 8);
   ASSERT_OK(m->CreateSession("a", "t"));
   ASSERT_OK(AppendWithKv(*m, "a", Seq(1, 14)));
   std::vector<std::vector<uint8_t>> before;
@@ -246,7 +238,7 @@ TEST(KvCacheManagerTest, OffloadRestoreIsBitExact) {
 }
 
 TEST(KvCacheManagerTest, CorruptTier1PageIsDataLossAndDropsCleanly) {
-  auto m = Make(8, 8);
+  auto m = MakeManager(8, 8);
   ASSERT_OK(m->CreateSession("a", "t"));
   ASSERT_OK(AppendWithKv(*m, "a", Seq(1, 9)));
   ASSERT_OK(m->Offload("a"));
@@ -270,7 +262,7 @@ TEST(KvCacheManagerTest, CorruptTier1PageIsDataLossAndDropsCleanly) {
 
 TEST(KvCacheManagerTest, PressurePolicyRunsInOrder) {
   // Tier 0: 6 pages, tier 1: 4 pages.
-  auto m = Make(6, 4);
+  auto m = MakeManager(6, 4);
   // Step 2 candidate: a cached, unreferenced prefix page.
   ASSERT_OK(m->CreateSession("old", "t"));
   ASSERT_OK(AppendWithKv(*m, "old", Seq(1, 4)));
@@ -328,7 +320,7 @@ TEST(KvCacheManagerTest, PressurePolicyRunsInOrder) {
 }
 
 TEST(KvCacheManagerTest, PinnedAndSteppingSessionsAreNeverMoved) {
-  auto m = Make(4, 4);
+  auto m = MakeManager(4, 4);
   ASSERT_OK(m->CreateSession("pinned", "t"));
   ASSERT_OK(m->CreateSession("step", "t"));
   ASSERT_OK(m->CreateSession("x", "t"));
@@ -358,7 +350,7 @@ TEST(KvCacheManagerTest, PinnedAndSteppingSessionsAreNeverMoved) {
 }
 
 TEST(KvCacheManagerTest, NoTier1DropsIdleSessions) {
-  auto m = Make(3, 0);
+  auto m = MakeManager(3, 0);
   ASSERT_OK(m->CreateSession("a", "t"));
   ASSERT_OK(AppendWithKv(*m, "a", Seq(1, 10)));
   ASSERT_OK(m->MarkIdle("a"));

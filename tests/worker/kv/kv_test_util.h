@@ -6,13 +6,19 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "gtest/gtest.h"
 #include "worker/kv/kv_cache_manager.h"
+
+// Status checks the KV tests share.
+#define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr)
+#define EXPECT_INVARIANTS(m) EXPECT_TRUE((m).CheckInvariants().ok()) << (m).CheckInvariants()
 
 namespace kvcache::kv::testing {
 
@@ -36,6 +42,17 @@ inline KvCacheOptions SmallOptions(int64_t tier0_pages, int64_t tier1_pages, int
   o.tier1_bytes = tier1_pages * o.shape.page_bytes();
   o.max_session_tokens = 4096;
   return o;
+}
+
+// A manager over SmallOptions (with `model_id`); fails the test when it cannot
+// be built.
+inline std::unique_ptr<KvCacheManager> MakeManager(int64_t tier0_pages, int64_t tier1_pages, int window = 0,
+                                                   const std::string& model_id = "test-model") {
+  KvCacheOptions o = SmallOptions(tier0_pages, tier1_pages, window);
+  o.model_id = model_id;
+  auto m = KvCacheManager::Create(o);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return std::move(m).value();
 }
 
 inline uint64_t SplitMix(uint64_t x) {

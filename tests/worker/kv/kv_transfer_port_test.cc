@@ -16,17 +16,10 @@ namespace kvcache::kv {
 namespace {
 
 using ::kvcache::kv::testing::AppendWithKv;
+using ::kvcache::kv::testing::MakeManager;
 using ::kvcache::kv::testing::Seq;
-using ::kvcache::kv::testing::SmallOptions;
 using ::kvcache::kv::testing::VerifyKv;
 using ::testing::HasSubstr;
-
-#define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr)
-#define EXPECT_INVARIANTS(m) EXPECT_TRUE((m).CheckInvariants().ok()) << (m).CheckInvariants()
-
-std::unique_ptr<KvCacheManager> Make(int64_t t0, int64_t t1, int window = 0) {
-  return std::move(KvCacheManager::Create(SmallOptions(t0, t1, window))).value();
-}
 
 std::vector<KvEventType> EventTypesAfter(const KvCacheManager& m, uint64_t seq) {
   std::vector<KvEventType> out;
@@ -44,7 +37,7 @@ PageId StagePage(KvTransferPort& port, uint8_t fill) {
 }
 
 TEST(KvTransferPortTest, SessionClosedBetweenBulkAndFinalPhase) {
-  auto m = Make(16, 0);
+  auto m = MakeManager(16, 0);
   ASSERT_OK(m->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*m, "s", Seq(1, 10)));
   auto exp = std::move(SessionExporter::Create(m.get(), "s")).value();
@@ -89,7 +82,7 @@ TEST(KvTransferPortTest, SessionClosedBetweenBulkAndFinalPhase) {
 }
 
 TEST(KvTransferPortTest, AbandonedFinalPhaseUnfreezesWithoutExportedEvent) {
-  auto m = Make(16, 0);
+  auto m = MakeManager(16, 0);
   ASSERT_OK(m->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*m, "s", Seq(1, 9)));
   const uint64_t seq = m->ReadEvents(0).last_seq;
@@ -112,7 +105,7 @@ TEST(KvTransferPortTest, AbandonedFinalPhaseUnfreezesWithoutExportedEvent) {
 }
 
 TEST(KvTransferPortTest, FrozenSessionIsLeftAloneByThePolicy) {
-  auto m = Make(4, 4);
+  auto m = MakeManager(4, 4);
   KvTransferPort& port = m->transfer_port();
   ASSERT_OK(m->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*m, "s", Seq(1, 12)));  // 3 of 4 tier-0 pages
@@ -147,7 +140,7 @@ TEST(KvTransferPortTest, FrozenSessionIsLeftAloneByThePolicy) {
 }
 
 TEST(KvTransferPortTest, ReadPageSkipsPagesWrittenSinceTheView) {
-  auto m = Make(16, 4);
+  auto m = MakeManager(16, 4);
   KvTransferPort& port = m->transfer_port();
   ASSERT_OK(m->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*m, "s", Seq(1, 6)));  // page 0 full, page 1 holds 2 tokens
@@ -190,7 +183,7 @@ TEST(KvTransferPortTest, ReadPageSkipsPagesWrittenSinceTheView) {
 }
 
 TEST(KvTransferPortTest, StagingPagesAreOwnedAndFreedOnce) {
-  auto m = Make(4, 0);
+  auto m = MakeManager(4, 0);
   KvTransferPort& port = m->transfer_port();
   ASSERT_OK(m->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*m, "s", Seq(1, 4)));
@@ -222,8 +215,8 @@ TEST(KvTransferPortTest, StagingPagesAreOwnedAndFreedOnce) {
 }
 
 TEST(KvTransferPortTest, CommitOfAnIdThatAppearedMeanwhileLeavesNoPages) {
-  auto src = Make(16, 0);
-  auto dst = Make(8, 0);
+  auto src = MakeManager(16, 0);
+  auto dst = MakeManager(8, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 9)));
   auto chunks = std::move(ExportSession(src.get(), "s")).value();
@@ -252,7 +245,7 @@ TEST(KvTransferPortTest, CommitOfAnIdThatAppearedMeanwhileLeavesNoPages) {
 }
 
 TEST(KvTransferPortTest, CommitImportValidatesAndTakesEveryStagingPage) {
-  auto m = Make(8, 0, /*window=*/6);
+  auto m = MakeManager(8, 0, /*window=*/6);
   KvTransferPort& port = m->transfer_port();
   const auto stats_ok = [&] {
     EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 0);

@@ -12,20 +12,10 @@ namespace kvcache::kv {
 namespace {
 
 using ::kvcache::kv::testing::AppendWithKv;
+using ::kvcache::kv::testing::MakeManager;
 using ::kvcache::kv::testing::Seq;
-using ::kvcache::kv::testing::SmallOptions;
 using ::kvcache::kv::testing::VerifyKv;
 using ::testing::HasSubstr;
-
-#define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr)
-#define EXPECT_INVARIANTS(m) EXPECT_TRUE((m).CheckInvariants().ok()) << (m).CheckInvariants()
-
-std::unique_ptr<KvCacheManager> Make(int64_t t0, int64_t t1, int window = 0,
-                                     const std::string& model = "test-model") {
-  KvCacheOptions o = SmallOptions(t0, t1, window);
-  o.model_id = model;
-  return std::move(KvCacheManager::Create(o)).value();
-}
 
 // Bytes of every live page, in page order.
 std::vector<std::vector<uint8_t>> PageBytes(KvCacheManager& m, const std::string& id) {
@@ -39,8 +29,8 @@ std::vector<std::vector<uint8_t>> PageBytes(KvCacheManager& m, const std::string
 }
 
 TEST(KvTransferTest, ExportImportRoundTripIsBitExactFromBothTiers) {
-  auto src = Make(32, 32);
-  auto dst = Make(32, 0);
+  auto src = MakeManager(32, 32);
+  auto dst = MakeManager(32, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 30)));  // 8 pages, tail partial
   ASSERT_OK(src->CreateSession("other", "t"));
@@ -99,8 +89,8 @@ TEST(KvTransferTest, LargePagesAreSplitAndChunksStayUnder4MiB) {
 }
 
 TEST(KvTransferTest, CorruptChunkIsRejectedAndLeavesNoTrace) {
-  auto src = Make(16, 0);
-  auto dst = Make(8, 0);
+  auto src = MakeManager(16, 0);
+  auto dst = MakeManager(8, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 14)));
   ASSERT_OK(dst->CreateSession("resident", "t"));
@@ -151,13 +141,13 @@ TEST(KvTransferTest, CorruptChunkIsRejectedAndLeavesNoTrace) {
 }
 
 TEST(KvTransferTest, ShapeOrModelMismatchIsRejected) {
-  auto src = Make(8, 0);
+  auto src = MakeManager(8, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 5)));
   auto chunks = std::move(ExportSession(src.get(), "s")).value();
-  auto other_model = Make(8, 0, 0, "another-model");
+  auto other_model = MakeManager(8, 0, 0, "another-model");
   EXPECT_EQ(ImportSession(other_model.get(), chunks).code(), absl::StatusCode::kFailedPrecondition);
-  auto other_shape = Make(8, 0, /*window=*/8);
+  auto other_shape = MakeManager(8, 0, /*window=*/8);
   EXPECT_EQ(ImportSession(other_shape.get(), chunks).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_INVARIANTS(*other_model);
   EXPECT_EQ(other_shape->GetStats().tier[0].free_pages, 8);
@@ -170,8 +160,8 @@ TEST(KvTransferTest, ShapeOrModelMismatchIsRejected) {
 }
 
 TEST(KvTransferTest, AbandonedImportFreesStaging) {
-  auto src = Make(8, 0);
-  auto dst = Make(8, 0);
+  auto src = MakeManager(8, 0);
+  auto dst = MakeManager(8, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 9)));
   auto chunks = std::move(ExportSession(src.get(), "s")).value();
@@ -188,8 +178,8 @@ TEST(KvTransferTest, AbandonedImportFreesStaging) {
 }
 
 TEST(KvTransferTest, PreCopyFinalPhaseSendsOnlyWhatChanged) {
-  auto src = Make(64, 0);
-  auto dst = Make(64, 0);
+  auto src = MakeManager(64, 0);
+  auto dst = MakeManager(64, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 82)));  // 20 full pages + 2 tokens
   auto exp = std::move(SessionExporter::Create(src.get(), "s")).value();
@@ -233,8 +223,8 @@ TEST(KvTransferTest, PreCopyFinalPhaseSendsOnlyWhatChanged) {
 }
 
 TEST(KvTransferTest, PreCopyHandlesTruncationAndWindowedSessions) {
-  auto src = Make(64, 0, /*window=*/10);
-  auto dst = Make(64, 0, /*window=*/10);
+  auto src = MakeManager(64, 0, /*window=*/10);
+  auto dst = MakeManager(64, 0, /*window=*/10);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 40)));
   auto exp = std::move(SessionExporter::Create(src.get(), "s")).value();
@@ -259,7 +249,7 @@ TEST(KvTransferTest, PreCopyHandlesTruncationAndWindowedSessions) {
 }
 
 TEST(KvTransferTest, ExportOfClosedSessionFails) {
-  auto src = Make(8, 0);
+  auto src = MakeManager(8, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 5)));
   auto exp = std::move(SessionExporter::Create(src.get(), "s")).value();
