@@ -48,6 +48,8 @@ KvCacheManager::KvCacheManager(KvCacheOptions options, TierStoragePtr tier0, Tie
   absl::MutexLock l(&mu_);
   tier1_checksum_.assign(static_cast<size_t>(pool_[1].capacity()), 0);
   page_hash_.assign(static_cast<size_t>(pool_[0].capacity()), BlockHash{});
+  host_page_hash_.assign(static_cast<size_t>(pool_[1].capacity()), BlockHash{});
+  host_indexed_.assign(static_cast<size_t>(pool_[1].capacity()), 0);
 }
 
 KvCacheManager::~KvCacheManager() = default;
@@ -93,7 +95,7 @@ void KvCacheManager::ReleaseLoc(Session& s, int64_t index) {
   if (loc.tier == 0) {
     pool_[0].DecRef(loc.id);
   } else if (loc.tier == 1) {
-    pool_[1].DecRef(loc.id);
+    FreeTier1PageLocked(loc.id);
     --s.tier1_pages;
   }
   loc = PageLoc{};
@@ -117,6 +119,7 @@ int64_t KvCacheManager::CutLocked(Session& s, int64_t len) {
   s.tokens.resize(len);
   s.hashes.resize(std::min<size_t>(s.hashes.size(), len / P()));
   s.first_live = std::min(s.first_live, keep);
+  FlushHostRemovedLocked();
   return len;
 }
 
@@ -128,6 +131,7 @@ void KvCacheManager::ApplyWindow(Session& s) {
   const int64_t new_first = (len - w) / P();
   for (int64_t i = s.first_live; i < new_first; ++i) ReleaseLoc(s, i);
   s.first_live = std::max(s.first_live, new_first);
+  FlushHostRemovedLocked();
 }
 
 absl::StatusOr<PageChecksum> KvCacheManager::PageChecksumLocked(const Session& s, int64_t index) const {
@@ -159,6 +163,7 @@ absl::Status KvCacheManager::CreateSession(const std::string& id, const std::str
 void KvCacheManager::CloseLocked(Session& s) {
   for (int64_t i = s.first_live; i < static_cast<int64_t>(s.pages.size()); ++i) ReleaseLoc(s, i);
   s.pages.clear();
+  FlushHostRemovedLocked();
   Emit(KvEventType::kSessionClosed, &s, 0);
   const std::string id = s.id;
   sessions_.erase(id);  // destroys s

@@ -2,6 +2,10 @@
 // two-tier page pool; full pages are shared through a tenant-scoped prefix cache;
 // memory pressure is resolved by the policy of ARCHITECTURE.md ("The KV cache"):
 //
+// The prefix index covers both tiers: a full page offloaded to tier 1 stays findable
+// by its hash, and a prefix hit there is copied back into tier 0 (a restore, checksum
+// verified), never recomputed. Tier-1 pages stay private to their session.
+//
 //   1. take a free tier-0 page
 //   2. evict an unreferenced cached prefix page, least recently released first
 //   3. offload an idle session (not running, not pinned) to tier 1, least recently used
@@ -20,7 +24,8 @@
 // length it expects on every step and recomputes what was dropped before going on.
 //
 // Per engine step (plan, then apply):
-//   AttachPrefix(id, prompt)     once, on an empty session: reuse cached pages
+//   AttachPrefix(id, prompt)     on a new session, and again at page boundaries of its
+//                                prefill: reuse cached pages (either tier)
 //   BeginStep(id, n)             pin + restore + allocate slots for n tokens; returns
 //                                the page table; all-or-nothing
 //   ... engine writes K/V for positions [first_pos, first_pos + n) through
@@ -106,9 +111,10 @@ struct SessionInfo {
 };
 
 struct KvSnapshot {
-  uint64_t last_seq = 0;                 // events up to this seq are reflected
-  std::vector<SessionInfo> sessions;     // page lists omitted
-  std::vector<BlockHash> prefix_hashes;  // every hash in the tier-0 prefix cache
+  uint64_t last_seq = 0;                      // events up to this seq are reflected
+  std::vector<SessionInfo> sessions;          // page lists omitted
+  std::vector<BlockHash> prefix_hashes;       // every hash in the tier-0 prefix cache
+  std::vector<BlockHash> host_prefix_hashes;  // every hash the tier-1 index holds
 };
 
 class KvCacheManager {
@@ -131,12 +137,21 @@ class KvCacheManager {
   // reference this was (shared pages still referenced elsewhere are not counted).
   // FAILED_PRECONDITION while a step or export holds the session.
   absl::Status CloseSession(const std::string& id, int64_t* pages_freed = nullptr);
-  // Attaches the longest cached prefix of `prompt` (whole pages, same tenant and model)
-  // to an empty session and returns the tokens attached (a multiple of page_tokens).
-  // Counts prompt.size() queried and the result hit. Pass prompt minus its last token
-  // when the engine must still compute logits for it.
-  absl::StatusOr<int64_t> AttachPrefix(const std::string& id, absl::Span<const int32_t> prompt);
-  // Longest cached prefix in tokens, without attaching or counting (for routing).
+  // Extends the session with the cached pages (whole pages, same tenant and model,
+  // either tier) that continue it along `prompt`, and returns the tokens attached by
+  // this call (a multiple of page_tokens). Pages found only in tier 1 are copied into
+  // tier 0 (counted in `restored_tokens` when given, and as restores); a checksum
+  // mismatch there ends the attach early, never fails it. On an empty session this is
+  // the prefix-cache lookup of a new request (a session's first call counts
+  // prompt.size() queried); a prefill calls it again at page boundaries to pick up
+  // pages another request has computed since. Pass prompt minus its last token when
+  // the engine must still compute logits for it.
+  // FAILED_PRECONDITION during a step or export, when the session's length is not a
+  // multiple of page_tokens, or when its tokens are not a prefix of `prompt`.
+  absl::StatusOr<int64_t> AttachPrefix(const std::string& id, absl::Span<const int32_t> prompt,
+                                       int64_t* restored_tokens = nullptr);
+  // Longest cached prefix in tokens (either tier), without attaching or counting (for
+  // routing).
   int64_t LookupPrefix(const std::string& tenant, absl::Span<const int32_t> tokens) const;
 
   // Reserves slots for `n` new tokens: step-pins the session, restores it from tier 1,
@@ -223,6 +238,7 @@ class KvCacheManager {
     bool restoring = false;      // making room for its own restore
     bool user_pinned = false;
     bool running = false;
+    bool prefix_queried = false;  // AttachPrefix counted its query
     uint64_t last_use = 0;
   };
 
@@ -279,6 +295,25 @@ class KvCacheManager {
 
   // Frees a page-table entry (decref tier 0, free tier 1) and marks it released.
   void ReleaseLoc(Session& s, int64_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tier-1 half of the prefix index. IndexHostPageLocked records that tier-1
+  // `page` holds `h` (unless another page does already) and appends `h` to `stored`;
+  // FreeTier1PageLocked frees a tier-1 page, unindexing it (announced by the next
+  // FlushHostRemovedLocked, which every operation that frees tier-1 pages calls).
+  void IndexHostPageLocked(PageId page, const BlockHash& h, std::vector<BlockHash>* stored)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeTier1PageLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FlushHostRemovedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers tier-0 `page` (full, holding `h`) in the prefix index unless `h` is
+  // there already; appends `h` to `stored` when it was added.
+  void IndexDevicePageLocked(PageId page, const BlockHash& h, std::vector<BlockHash>* stored)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Emits kPrefixStored/kPrefixRemoved for `hashes` in `tier` (nothing when empty).
+  void EmitPrefixLocked(KvEventType type, int tier, std::vector<BlockHash> hashes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the tier-1 page indexed under `h` into a new tier-0 page for AttachPrefix
+  // of `s`. Returns kNoPage when tier 0 has no room, the page went while room was
+  // made, or the copy fails its checksum (the page is then unindexed).
+  PageId CopyHostPageLocked(const BlockHash& h, const Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Cuts pages and tokens to `len` (no window check). Returns the new length, which is
   // 0 when the sliding window makes a shorter cut invalid.
   int64_t CutLocked(Session& s, int64_t len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -313,6 +348,12 @@ class KvCacheManager {
   // Prefix cache: hash -> tier-0 page, and the reverse for cached pages.
   absl::flat_hash_map<BlockHash, PageId> prefix_index_ ABSL_GUARDED_BY(mu_);
   std::vector<BlockHash> page_hash_ ABSL_GUARDED_BY(mu_);
+  // Its tier-1 half: hash -> one tier-1 page holding it (sessions' offloaded copies),
+  // and the reverse per tier-1 page (host_indexed_ says whether the entry is live).
+  absl::flat_hash_map<BlockHash, PageId> host_index_ ABSL_GUARDED_BY(mu_);
+  std::vector<BlockHash> host_page_hash_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint8_t> host_indexed_ ABSL_GUARDED_BY(mu_);
+  std::vector<BlockHash> host_removed_ ABSL_GUARDED_BY(mu_);  // unindexed, not yet announced
   absl::flat_hash_map<std::string, std::unique_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> closed_ids_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> closed_order_ ABSL_GUARDED_BY(mu_);

@@ -51,6 +51,8 @@ KvSnapshot KvCacheManager::Snapshot() const {
             [](const SessionInfo& a, const SessionInfo& b) { return a.id < b.id; });
   for (const auto& [h, page] : prefix_index_) snap.prefix_hashes.push_back(h);
   std::sort(snap.prefix_hashes.begin(), snap.prefix_hashes.end());
+  for (const auto& [h, page] : host_index_) snap.host_prefix_hashes.push_back(h);
+  std::sort(snap.host_prefix_hashes.begin(), snap.host_prefix_hashes.end());
   return snap;
 }
 
@@ -126,6 +128,19 @@ absl::Status KvCacheManager::CheckInvariants() const {
     return absl::InternalError("prefix index has entries for uncached pages");
   }
   if (staging != staging_pages_) return absl::InternalError("staging page count off");
+  int64_t host_indexed = 0;
+  for (PageId id = 0; id < pool_[1].capacity(); ++id) {
+    if (!host_indexed_[id]) continue;
+    ++host_indexed;
+    auto it = host_index_.find(host_page_hash_[id]);
+    if (it == host_index_.end() || it->second != id || refs[1][id] != 1) {
+      return absl::InternalError(absl::StrCat("tier-1 page ", id, " indexed but not held under its hash"));
+    }
+  }
+  if (host_indexed != static_cast<int64_t>(host_index_.size())) {
+    return absl::InternalError("tier-1 prefix index has entries for unindexed pages");
+  }
+  if (!host_removed_.empty()) return absl::InternalError("tier-1 prefix removals not announced");
   return absl::OkStatus();
 }
 

@@ -25,8 +25,8 @@ enum class KvEventType : uint8_t {
   kSessionDropped,    // cache lost (tier-1 drop, checksum failure); `num_tokens` = what is left
   kSessionExported,   // a full export finished (the session stays here)
   kSessionClosed,
-  kPrefixStored,   // `hashes` became available in the prefix cache (tier 0)
-  kPrefixRemoved,  // `hashes` were evicted from the prefix cache
+  kPrefixStored,   // `hashes` became available in the prefix cache, in `tier`
+  kPrefixRemoved,  // `hashes` left the prefix cache of `tier`
 };
 const char* EventTypeName(KvEventType t);
 
@@ -38,6 +38,7 @@ struct KvEvent {
   int64_t num_tokens = 0;         // session events: the session's token count after the change
   int64_t pages = 0;              // pages involved
   std::vector<BlockHash> hashes;  // prefix events
+  int8_t tier = 0;                // prefix events: 0 (backend memory) or 1 (host RAM)
 };
 
 struct EventBatch {

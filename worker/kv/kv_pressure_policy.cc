@@ -55,10 +55,7 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
       preempted->push_back(victim->id);
     }
   }
-  if (!evicted.empty()) {
-    const int64_t count = static_cast<int64_t>(evicted.size());
-    Emit(KvEventType::kPrefixRemoved, nullptr, count, std::move(evicted));
-  }
+  EmitPrefixLocked(KvEventType::kPrefixRemoved, 0, std::move(evicted));
   KVCACHE_RETURN_IF_ERROR(status);
   if (pool_[0].num_free() < n) {
     return absl::ResourceExhaustedError(
@@ -106,6 +103,7 @@ absl::StatusOr<int64_t> KvCacheManager::OffloadLocked(Session& s, bool allow_dro
   }
   const int64_t per_batch = std::max<int64_t>(1, storage_[0]->copy_batch_bytes() / storage_[0]->page_bytes());
   std::vector<PageId> src, dst;
+  std::vector<BlockHash> host_stored;  // full pages stay findable by hash in tier 1
   for (int64_t b = 0; b < k; b += per_batch) {
     src.clear();
     dst.clear();
@@ -116,16 +114,20 @@ absl::StatusOr<int64_t> KvCacheManager::OffloadLocked(Session& s, bool allow_dro
     absl::Status copied = storage_[1]->CopyPages(*storage_[0], src, dst);
     if (!copied.ok()) {
       for (PageId d : dst) pool_[1].DecRef(d);
+      EmitPrefixLocked(KvEventType::kPrefixStored, 1, std::move(host_stored));
       return copied;  // pages of earlier batches already moved: a consistent state
     }
     for (size_t j = 0; j < dst.size(); ++j) {
       KVCACHE_ASSIGN_OR_RETURN(tier1_checksum_[dst[j]], storage_[1]->Checksum(dst[j]));
-      PageLoc& loc = s.pages[idx[b + j]];
+      const int64_t i = idx[b + j];
+      PageLoc& loc = s.pages[i];
       pool_[0].DecRef(loc.id);
       loc = PageLoc{1, dst[j]};
       ++s.tier1_pages;
+      if (i < static_cast<int64_t>(s.hashes.size())) IndexHostPageLocked(dst[j], s.hashes[i], &host_stored);
     }
   }
+  EmitPrefixLocked(KvEventType::kPrefixStored, 1, std::move(host_stored));
   if (k > 0) {
     ++counters_.offloads;
     counters_.offload_pages += k;
@@ -196,6 +198,7 @@ absl::Status KvCacheManager::RestoreLocked(Session& s, std::vector<std::string>*
     ReleaseLoc(s, idx[j]);
     s.pages[idx[j]] = PageLoc{0, dst_all[j]};
   }
+  FlushHostRemovedLocked();
   ++counters_.restores;
   counters_.restore_pages += n;
   counters_.restore_bytes += n * storage_[0]->page_bytes();
@@ -204,21 +207,9 @@ absl::Status KvCacheManager::RestoreLocked(Session& s, std::vector<std::string>*
   std::vector<BlockHash> stored;
   for (size_t j = 0; j < idx.size(); ++j) {
     const int64_t i = idx[j];
-    if (i >= static_cast<int64_t>(s.hashes.size())) continue;
-    const BlockHash& h = s.hashes[i];
-    if (prefix_index_.contains(h)) continue;
-    prefix_index_.emplace(h, dst_all[j]);
-    page_hash_[dst_all[j]] = h;
-    pool_[0].SetCached(dst_all[j], true);
-    stored.push_back(h);
+    if (i < static_cast<int64_t>(s.hashes.size())) IndexDevicePageLocked(dst_all[j], s.hashes[i], &stored);
   }
-  if (!stored.empty()) {
-    // The count first: the order in which arguments are evaluated is unspecified,
-    // and GCC moves `stored` out before reading its size.
-    const int64_t n = static_cast<int64_t>(stored.size());
-    counters_.prefix_pages_stored += n;
-    Emit(KvEventType::kPrefixStored, nullptr, n, std::move(stored));
-  }
+  EmitPrefixLocked(KvEventType::kPrefixStored, 0, std::move(stored));
   return absl::OkStatus();
 }
 

@@ -38,6 +38,7 @@ bool ToCacheEvent(const kv::KvEvent& in, v1::CacheEvent* out) {
     case kv::KvEventType::kPrefixRemoved:
       out->set_kind(in.type == kv::KvEventType::kPrefixStored ? v1::CacheEvent::PREFIX_STORED
                                                               : v1::CacheEvent::PREFIX_REMOVED);
+      out->set_tier(in.tier == 1 ? v1::TIER_HOST : v1::TIER_DEVICE);
       for (const BlockHash& h : in.hashes) {
         out->add_block_hashes(std::string(h.bytes.begin(), h.bytes.end()));
       }
@@ -167,6 +168,9 @@ std::vector<v1::WorkerSnapshot> WatchHub::MakeSnapshot(uint64_t* last_seq) const
   }
   for (const BlockHash& h : snap.prefix_hashes) {
     room().add_device_block_hashes(std::string(h.bytes.begin(), h.bytes.end()));
+  }
+  for (const BlockHash& h : snap.host_prefix_hashes) {
+    room().add_host_block_hashes(std::string(h.bytes.begin(), h.bytes.end()));
   }
   return parts;
 }

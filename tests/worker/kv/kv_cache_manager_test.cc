@@ -126,7 +126,10 @@ TEST(KvCacheManagerTest, PrefixCacheSharesFullPagesPerTenant) {
   other[5] = 999;
   ASSERT_OK(m->CreateSession("d", "alice"));
   EXPECT_EQ(*m->AttachPrefix("d", other), 4);
-  EXPECT_EQ(m->AttachPrefix("d", other).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*m->AttachPrefix("d", other), 0);  // nothing further is cached
+  // Only a page-aligned session whose tokens start the prompt can be extended.
+  EXPECT_EQ(m->AttachPrefix("d", Seq(100, 8)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m->AttachPrefix("a", prompt).status().code(), absl::StatusCode::kFailedPrecondition);
 
   const KvStats st = m->GetStats();
   EXPECT_EQ(st.prefix_query_tokens, 30);
@@ -140,6 +143,106 @@ TEST(KvCacheManagerTest, PrefixCacheSharesFullPagesPerTenant) {
   ASSERT_OK(m->CreateSession("e", "alice"));
   EXPECT_EQ(*m->AttachPrefix("e", prompt), 8);
   ASSERT_OK(VerifyKv(*m, "e"));
+  EXPECT_INVARIANTS(*m);
+}
+
+TEST(KvCacheManagerTest, AttachPrefixPicksUpPagesComputedSince) {
+  auto m = MakeManager(16, 0);
+  const std::vector<int32_t> prompt = Seq(1, 13);
+  ASSERT_OK(m->CreateSession("late", "t"));
+  EXPECT_EQ(*m->AttachPrefix("late", prompt), 0);  // nothing cached yet
+  // Another session computes the first two pages of the same prompt.
+  ASSERT_OK(m->CreateSession("first", "t"));
+  ASSERT_OK(AppendWithKv(*m, "first", absl::MakeConstSpan(prompt).subspan(0, 9)));
+  EXPECT_EQ(*m->AttachPrefix("late", prompt), 8);
+  EXPECT_EQ(m->GetSession("late")->page_ids[1], m->GetSession("first")->page_ids[1]);
+  ASSERT_OK(AppendWithKv(*m, "late", absl::MakeConstSpan(prompt).subspan(8)));
+  ASSERT_OK(VerifyKv(*m, "late"));
+  const KvStats st = m->GetStats();
+  EXPECT_EQ(st.prefix_query_tokens, 13);  // counted once per request, on the empty session
+  EXPECT_EQ(st.prefix_hit_tokens, 8);
+  EXPECT_INVARIANTS(*m);
+}
+
+// Evicts every unreferenced cached tier-0 page by filling tier 0 with a session
+// of `pages` full pages of unrelated tokens.
+void FillTier0(KvCacheManager& m, const std::string& id, int pages) {
+  ASSERT_OK(m.CreateSession(id, "filler"));
+  ASSERT_OK(AppendWithKv(m, id, Seq(5000, pages * 4)));
+}
+
+TEST(KvCacheManagerTest, Tier1PrefixHitIsRestoredNotRecomputed) {
+  auto m = MakeManager(6, 8);
+  const std::vector<int32_t> prompt = Seq(1, 10);  // 2 full pages + 2 tokens
+  ASSERT_OK(m->CreateSession("a", "t"));
+  ASSERT_OK(AppendWithKv(*m, "a", prompt));
+  ASSERT_OK(m->Offload("a"));
+  const uint64_t after_offload = m->ReadEvents(0).last_seq;
+  FillTier0(*m, "fill", 6);  // the cached tier-0 copies are evicted
+  EXPECT_EQ(m->GetStats().tier[0].cached_unreferenced_pages, 0);
+  ASSERT_OK(m->CloseSession("fill"));
+  // Both tiers are reported: tier 0 lost the hashes, tier 1 holds them.
+  const std::vector<BlockHash> hashes = ChainBlockHashes(prompt, 4, "test-model", "t");
+  bool removed_from_device = false;
+  for (const KvEvent& e : m->ReadEvents(after_offload).events) {
+    if (e.type == KvEventType::kPrefixRemoved && e.tier == 0) removed_from_device |= e.hashes == hashes;
+    EXPECT_FALSE(e.type == KvEventType::kPrefixRemoved && e.tier == 1);
+  }
+  EXPECT_TRUE(removed_from_device);
+  KvSnapshot snap = m->Snapshot();
+  EXPECT_THAT(snap.host_prefix_hashes, ::testing::UnorderedElementsAreArray(hashes));
+  EXPECT_EQ(m->LookupPrefix("t", prompt), 8);
+  EXPECT_EQ(m->LookupPrefix("u", prompt), 0);  // tenant isolation holds in tier 1 too
+
+  ASSERT_OK(m->CreateSession("b", "t"));
+  int64_t restored = 0;
+  EXPECT_EQ(*m->AttachPrefix("b", prompt, &restored), 8);
+  EXPECT_EQ(restored, 8);
+  ASSERT_OK(VerifyKv(*m, "b"));                   // the copies hold a's K/V for those positions
+  EXPECT_EQ(m->GetSession("a")->tier1_pages, 3);  // a keeps its own copies
+  EXPECT_EQ(m->GetStats().restore_pages, 2);
+  // The restored pages are tier-0 prefix pages again: a third session shares them.
+  ASSERT_OK(m->CreateSession("c", "t"));
+  restored = 0;
+  EXPECT_EQ(*m->AttachPrefix("c", prompt, &restored), 8);
+  EXPECT_EQ(restored, 0);
+  EXPECT_EQ(m->GetSession("c")->page_ids[0], m->GetSession("b")->page_ids[0]);
+  ASSERT_OK(AppendWithKv(*m, "b", Seq(40, 3)));
+  ASSERT_OK(VerifyKv(*m, "b"));
+  EXPECT_INVARIANTS(*m);
+
+  // Closing a frees its tier-1 pages, and routers are told.
+  const uint64_t before_close = m->ReadEvents(0).last_seq;
+  ASSERT_OK(m->CloseSession("a"));
+  bool removed_from_host = false;
+  for (const KvEvent& e : m->ReadEvents(before_close).events) {
+    if (e.type == KvEventType::kPrefixRemoved && e.tier == 1) removed_from_host |= e.hashes == hashes;
+  }
+  EXPECT_TRUE(removed_from_host);
+  EXPECT_TRUE(m->Snapshot().host_prefix_hashes.empty());
+  EXPECT_INVARIANTS(*m);
+}
+
+TEST(KvCacheManagerTest, CorruptTier1PrefixPageIsNotServed) {
+  auto m = MakeManager(6, 8);
+  const std::vector<int32_t> prompt = Seq(1, 10);
+  ASSERT_OK(m->CreateSession("a", "t"));
+  ASSERT_OK(AppendWithKv(*m, "a", prompt));
+  ASSERT_OK(m->Offload("a"));
+  FillTier0(*m, "fill", 6);
+  ASSERT_OK(m->CloseSession("fill"));
+  const PageId second = m->GetSession("a")->page_ids[1];
+  m->tier_storage(1).PageData(second)[5] ^= 0x10;
+  ASSERT_OK(m->CreateSession("b", "t"));
+  int64_t restored = 0;
+  EXPECT_EQ(*m->AttachPrefix("b", prompt, &restored), 4);  // the first page only
+  EXPECT_EQ(restored, 4);
+  EXPECT_EQ(m->GetStats().checksum_failures, 1);
+  ASSERT_OK(VerifyKv(*m, "b"));
+  EXPECT_EQ(m->LookupPrefix("t", prompt), 4);  // the corrupt page is unindexed
+  EXPECT_INVARIANTS(*m);
+  // Its own session still finds out on restore.
+  EXPECT_EQ(m->Restore("a").code(), absl::StatusCode::kDataLoss);
   EXPECT_INVARIANTS(*m);
 }
 
