@@ -217,9 +217,24 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
     server_ = server.get();
     health->SetServingStatus(kReadinessService, ready_);
   }
-  std::printf("%s listening grpc=%s metrics=%s\n", options_.name.c_str(),
+  std::string fields;
+  for (size_t i = 0; i < frontends_.size(); ++i) {
+    absl::StatusOr<std::string> field =
+        frontends_[i]->Start(server->InProcessChannel(grpc::ChannelArguments()));
+    if (!field.ok()) {
+      for (size_t j = 0; j < i; ++j) frontends_[j]->Stop();
+      server->Shutdown();
+      server->Wait();
+      absl::MutexLock lock(&mu_);
+      server_ = nullptr;
+      return field.status();
+    }
+    absl::StrAppend(&fields, " ", *field);
+  }
+  std::printf("%s listening grpc=%s metrics=%s%s\n", options_.name.c_str(),
               WithPort(options_.grpc_address, port).c_str(),
-              metrics_port_ == 0 ? "off" : WithPort(options_.metrics_address, metrics_port_).c_str());
+              metrics_port_ == 0 ? "off" : WithPort(options_.metrics_address, metrics_port_).c_str(),
+              fields.c_str());
   std::fflush(stdout);
   KV_LOG_INFO("{} serving gRPC on port {}, /metrics on port {}", options_.name, port, metrics_port_);
 
@@ -231,6 +246,7 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
   health->SetServingStatus("", false);
   server->Shutdown(absl::ToChronoTime(absl::Now() + options_.shutdown_deadline));
   server->Wait();
+  for (Frontend* f : frontends_) f->Stop();
   {
     absl::MutexLock lock(&mu_);
     server_ = nullptr;

@@ -85,8 +85,9 @@ class ServerProcess {
   int metrics_port() const { return metrics_port_; }
 
   // Builds and starts the gRPC server with `services` (not owned; they must
-  // outlive this object), prints "<name> listening grpc=HOST:PORT
-  // metrics=HOST:PORT" on stdout, marks readiness SERVING, then blocks until a
+  // outlive this object), starts the frontends, prints "<name> listening
+  // grpc=HOST:PORT metrics=HOST:PORT" (and each frontend's field) on stdout,
+  // marks readiness SERVING, then blocks until a
   // signal or RequestShutdown. Then readiness and liveness turn NOT_SERVING,
   // running RPCs get `shutdown_deadline` to finish, and Serve returns.
   // `on_shutdown` (optional) runs first, before the server stops accepting.
@@ -95,6 +96,23 @@ class ServerProcess {
 
   // Readiness (not liveness). Safe before Serve (applied when it starts).
   void SetReady(bool ready);
+
+  // A front door in another protocol that serves by calling this process's own
+  // gRPC services (the router's OpenAI-compatible HTTP API): one
+  // implementation of authentication, validation and status codes.
+  class Frontend {
+   public:
+    virtual ~Frontend() = default;
+    // Called by Serve once the gRPC server runs; `channel` reaches its services
+    // in-process (no socket, no TLS). Returns the field the listening line
+    // shows, e.g. "http=127.0.0.1:8080".
+    virtual absl::StatusOr<std::string> Start(std::shared_ptr<grpc::Channel> channel) = 0;
+    // Called by Serve after the gRPC server has shut down (every call ended),
+    // before the server is destroyed.
+    virtual void Stop() = 0;
+  };
+  // REQUIRES: before Serve. `frontend` is not owned and must outlive Serve.
+  void AddFrontend(Frontend* frontend) { frontends_.push_back(frontend); }
 
   // Ends Serve as if SIGTERM arrived.
   void RequestShutdown();
@@ -113,6 +131,7 @@ class ServerProcess {
   std::unique_ptr<prometheus::Exposer> exposer_;
   int metrics_port_ = 0;
   std::atomic<int> grpc_port_{0};
+  std::vector<Frontend*> frontends_;
 
   absl::Notification shutdown_requested_;
   int signal_pipe_[2] = {-1, -1};  // the signal handler writes, signal_thread_ reads

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "common/gguf/model_path.h"
@@ -16,6 +17,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "router/auth.h"
 #include "router/directory.h"
+#include "router/http_gateway.h"
 #include "router/router_metrics.h"
 #include "router/router_service.h"
 #include "router/worker_pool.h"
@@ -47,6 +49,15 @@ ABSL_FLAG(std::string, worker_tls_ca, "",
           "PEM CA that signs the workers' certificates (enables TLS to workers)");
 ABSL_FLAG(std::string, worker_tls_cert, "", "PEM client certificate for mutual TLS to workers");
 ABSL_FLAG(std::string, worker_tls_key, "", "PEM key of --worker_tls_cert");
+ABSL_FLAG(
+    std::string, http_listen, "",
+    "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /ready) on "
+    "host:port (port 0 picks one); empty disables");
+ABSL_FLAG(std::string, served_model_name, "",
+          "Comma-separated names the HTTP API's 'model' may take (default: the --model file's name without "
+          ".gguf)");
+ABSL_FLAG(absl::Duration, http_request_timeout, absl::Minutes(10),
+          "Deadline of an HTTP request without an x-request-timeout-ms header");
 
 namespace kvcache {
 namespace {
@@ -176,6 +187,20 @@ int Run() {
   router::RouterService service(ro, &pool, &directory, tokenizer->get(), chat.ok() ? &*chat : nullptr,
                                 auth.get(), &metrics);
   router::AdminService admin(&service);
+  std::unique_ptr<router::HttpGateway> http;
+  if (!absl::GetFlag(FLAGS_http_listen).empty()) {
+    router::HttpGatewayOptions ho;
+    ho.listen = absl::GetFlag(FLAGS_http_listen);
+    ho.model_names = absl::StrSplit(absl::GetFlag(FLAGS_served_model_name), ',', absl::SkipEmpty());
+    if (ho.model_names.empty()) {
+      std::string name = model_path.substr(model_path.find_last_of('/') + 1);
+      if (absl::EndsWith(name, ".gguf")) name.resize(name.size() - 5);
+      ho.model_names.push_back(name);
+    }
+    ho.request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
+    http = std::make_unique<router::HttpGateway>(std::move(ho));
+    (*process)->AddFrontend(http.get());  // started and stopped by Serve
+  }
   (*process)->SetCollectHook([&] { metrics.SetWorkers(pool.Workers()); });
 
   // Readiness follows the pool: a router without enough healthy workers takes
