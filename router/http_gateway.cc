@@ -6,6 +6,8 @@
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
+#include <event2/listener.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/eventfd.h>
@@ -380,7 +382,7 @@ absl::StatusOr<std::string> HttpGateway::Start(std::shared_ptr<grpc::Channel> ch
   evhttp_set_timeout(http_,
                      static_cast<int>(std::max<int64_t>(1, absl::ToInt64Seconds(options_.idle_timeout))));
   evhttp_set_gencb(http_, &HttpGateway::OnRequestCallback, this);
-  bound_ = evhttp_bind_socket_with_handle(http_, host.c_str(), static_cast<uint16_t>(port));
+  bound_ = Listen(host, port);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (bound_ == nullptr || wake_fd_ < 0) {
     const std::string why = std::strerror(errno);
@@ -405,6 +407,26 @@ absl::StatusOr<std::string> HttpGateway::Start(std::shared_ptr<grpc::Channel> ch
               absl::StrJoin(options_.model_names, ", "));
   const std::string shown = absl::StrContains(host, ':') ? absl::StrCat("[", host, "]") : host;
   return absl::StrCat("http=", shown, ":", port_);
+}
+
+evhttp_bound_socket* HttpGateway::Listen(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.empty() ? nullptr : host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 ||
+      found == nullptr) {
+    errno = EADDRNOTAVAIL;
+    return nullptr;
+  }
+  // evhttp_bind_socket's backlog (128) drops connections that arrive together
+  // by the thousand; the kernel caps this one at net.core.somaxconn.
+  evconnlistener* listener = evconnlistener_new_bind(
+      base_, nullptr, nullptr, LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC,
+      /*backlog=*/4096, found->ai_addr, static_cast<int>(found->ai_addrlen));
+  freeaddrinfo(found);
+  return listener == nullptr ? nullptr : evhttp_bind_listener(http_, listener);
 }
 
 void HttpGateway::Stop() {

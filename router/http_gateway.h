@@ -82,6 +82,8 @@ class HttpGateway final : public ServerProcess::Frontend {
   class Exchange;
   class HealthProbe;
 
+  // The listening socket on host:port (nullptr and errno on failure).
+  evhttp_bound_socket* Listen(const std::string& host, int port);
   // Runs `task` on the loop thread (from any thread).
   void Post(absl::AnyInvocable<void()> task);
   void RunTasks();

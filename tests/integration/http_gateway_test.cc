@@ -1,0 +1,226 @@
+// The router's OpenAI-compatible HTTP front door (--http_listen) with real
+// processes over loopback: routes and status codes, and the connection load
+// it was built for: 2,000 idle keep-alive connections and 200 concurrent SSE
+// streams held by an event loop, with the router's thread count measured
+// (no thread per connection or stream).
+#include <dirent.h>
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/gguf/tiny_llama.h"
+#include "event2/event.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/child_process.h"
+#include "tests/testing/http_client.h"
+
+namespace kvcache {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::HttpFetch;
+using testing::HttpResult;
+using Json = nlohmann::json;
+
+// Open file descriptors of process `pid`.
+int OpenFiles(pid_t pid) {
+  DIR* dir = opendir(absl::StrCat("/proc/", pid, "/fd").c_str());
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (readdir(dir) != nullptr) ++n;
+  closedir(dir);
+  return n - 2;  // . and ..
+}
+
+class HttpGatewayTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new std::string(::testing::TempDir() + "/kvcache_http_gateway_test_tiny.gguf");
+    gguf::TinyLlamaOptions o;
+    o.n_ctx = 1024;
+    ASSERT_TRUE(gguf::WriteTinyLlama(o, *model_).ok());
+  }
+  static void TearDownTestSuite() {
+    std::remove(model_->c_str());
+    delete model_;
+  }
+
+  void SetUp() override {
+    auto w = testing::ServerUnderTest::Start(
+        testing::BinaryPath("worker/kvcache-worker"),
+        {"--model=" + *model_, "--worker_id=w0", "--threads=1", "--load_report_interval=100ms",
+         "--max_running=256", "--max_batch_tokens=8192"});
+    ASSERT_TRUE(w.ok()) << w.status();
+    worker_ = std::move(*w);
+    auto r = testing::ServerUnderTest::Start(
+        testing::BinaryPath("router/kvcache-router"),
+        {"--workers=" + worker_->grpc_address(), "--model=" + *model_, "--rebalance_interval=0s",
+         "--http_listen=127.0.0.1:0", "--served_model_name=tiny,tiny-alias"});
+    ASSERT_TRUE(r.ok()) << r.status();
+    router_ = std::move(*r);
+    // The listening line: "kvcache-router listening grpc=... metrics=... http=127.0.0.1:PORT".
+    const std::string& out = router_->process().output();
+    const size_t at = out.find(" http=127.0.0.1:");
+    ASSERT_NE(at, std::string::npos) << out;
+    const std::string rest = out.substr(at + 16);
+    ASSERT_TRUE(absl::SimpleAtoi(rest.substr(0, rest.find_first_not_of("0123456789")), &port_)) << out;
+    ASSERT_GT(port_, 0);
+  }
+
+  static std::string* model_;
+  std::unique_ptr<testing::ServerUnderTest> worker_;
+  std::unique_ptr<testing::ServerUnderTest> router_;
+  int port_ = 0;
+};
+
+std::string* HttpGatewayTest::model_ = nullptr;
+
+int Count(const std::string& s, const std::string& needle) {
+  int n = 0;
+  for (size_t at = s.find(needle); at != std::string::npos; at = s.find(needle, at + needle.size())) ++n;
+  return n;
+}
+
+std::string StreamBody(int seed, int max_tokens) {
+  Json ids = Json::array();
+  for (int i = 0; i < 24; ++i) ids.push_back(100 + (seed * 37 + i * 11) % 200);
+  return Json{{"model", "tiny"},  {"prompt", ids},  {"max_tokens", max_tokens},
+              {"temperature", 0}, {"stream", true}, {"ignore_eos", true}}
+      .dump();
+}
+
+TEST_F(HttpGatewayTest, RoutesAndStatuses) {
+  HttpResult models = HttpFetch(port_, "GET", "/v1/models");
+  EXPECT_EQ(models.status, 200);
+  Json m = Json::parse(models.body);
+  ASSERT_EQ(m["data"].size(), 2u);
+  EXPECT_EQ(m["data"][0]["id"], "tiny");
+  EXPECT_EQ(m["data"][1]["id"], "tiny-alias");
+  EXPECT_EQ(HttpFetch(port_, "GET", "/v1/models/tiny-alias").status, 200);
+  EXPECT_EQ(HttpFetch(port_, "GET", "/v1/models/nope").status, 404);
+  EXPECT_EQ(HttpFetch(port_, "GET", "/health").status, 200);
+  EXPECT_EQ(HttpFetch(port_, "GET", "/ready").status, 200);
+  HttpResult wrong_method = HttpFetch(port_, "GET", "/v1/chat/completions");
+  EXPECT_EQ(wrong_method.status, 405);
+  EXPECT_THAT(wrong_method.body, HasSubstr("\"error\""));
+  EXPECT_EQ(HttpFetch(port_, "GET", "/nowhere").status, 404);
+
+  // A request without a model gets the first name; the alias is echoed.
+  HttpResult plain = HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [5, 6, 7], "max_tokens": 3})");
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  Json p = Json::parse(plain.body);
+  EXPECT_EQ(p["model"], "tiny");
+  EXPECT_EQ(p["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(p["usage"]["prompt_tokens"], 3);
+  HttpResult alias = HttpFetch(port_, "POST", "/v1/completions",
+                               R"({"model": "tiny-alias", "prompt": [5], "max_tokens": 1})");
+  EXPECT_EQ(Json::parse(alias.body)["model"], "tiny-alias");
+
+  // The router's own validation, as OpenAI errors: a token id outside the vocabulary.
+  HttpResult bad = HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [999999], "max_tokens": 1})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_EQ(Json::parse(bad.body)["error"]["type"], "invalid_request_error");
+  // Hostile bodies: not JSON, a deep nesting.
+  EXPECT_EQ(HttpFetch(port_, "POST", "/v1/chat/completions", "\x01\x02{{").status, 400);
+  EXPECT_EQ(HttpFetch(port_, "POST", "/v1/chat/completions", std::string(200000, '[')).status, 400);
+  EXPECT_EQ(HttpFetch(port_, "GET", "/health").status, 200) << "the router survived them";
+}
+
+TEST_F(HttpGatewayTest, ThousandsOfIdleConnectionsAndHundredsOfStreamsOnFewThreads) {
+  constexpr int kIdle = 2000, kStreams = 200;
+  // The client's descriptors: 2,200 sockets.
+  rlimit rl;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &rl), 0);
+  rl.rlim_cur = rl.rlim_max;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &rl), 0);
+  ASSERT_GE(rl.rlim_cur, static_cast<rlim_t>(kIdle + kStreams + 256))
+      << "the hard open-files limit is too low";
+
+  const pid_t pid = router_->process().pid();
+  ASSERT_EQ(HttpFetch(port_, "POST", "/v1/completions", StreamBody(0, 2)).status, 200);  // warm
+  const int threads_before = testing::ThreadCount(pid);
+  const int files_before = OpenFiles(pid);
+
+  event_base* base = event_base_new();
+  std::vector<std::unique_ptr<testing::HttpConnection>> idle, streams;
+  int idle_ok = 0, idle_done = 0;
+  for (int i = 0; i < kIdle; ++i) {
+    idle.push_back(std::make_unique<testing::HttpConnection>(base, port_));
+    idle.back()->Send("GET", "/health", "", {}, [&](const HttpResult& r) {
+      idle_ok += r.status == 200;
+      if (++idle_done == kIdle) event_base_loopbreak(base);
+    });
+  }
+  timeval limit{120, 0};
+  event_base_loopexit(base, &limit);
+  event_base_dispatch(base);
+  ASSERT_EQ(idle_ok, kIdle);
+  // They stay open (keep-alive): the router holds a socket for each.
+  const int files_idle = OpenFiles(pid);
+  EXPECT_GE(files_idle, kIdle);
+  const int threads_idle = testing::ThreadCount(pid);
+
+  int streams_ok = 0, streams_done = 0, streaming_at_once = 0, max_streaming = 0, threads_max = threads_idle;
+  for (int i = 0; i < kStreams; ++i) {
+    streams.push_back(std::make_unique<testing::HttpConnection>(base, port_));
+    streams.back()->Send(
+        "POST", "/v1/completions", StreamBody(i + 1, 48), {},
+        [&](const HttpResult& r) {
+          --streaming_at_once;
+          // Every token (ignore_eos: all kTokens of them, so the finish
+          // reason is "length"), then [DONE]. Tokens that end inside a UTF-8
+          // character carry no text and so no event of their own.
+          const bool complete = r.status == 200 && absl::EndsWith(r.body, "data: [DONE]\n\n") &&
+                                Count(r.body, "\"finish_reason\":\"length\"") == 1 &&
+                                Count(r.body, "data: ") >= 3;
+          EXPECT_TRUE(complete) << r.status << " " << r.body.substr(0, 300);
+          streams_ok += complete;
+          if (++streams_done == kStreams) event_base_loopbreak(base);
+        },
+        [&](const HttpResult& r) {
+          if (r.chunks == 1) max_streaming = std::max(max_streaming, ++streaming_at_once);
+          if (r.chunks % 8 == 0) threads_max = std::max(threads_max, testing::ThreadCount(pid));
+        });
+  }
+  limit = {300, 0};
+  event_base_loopexit(base, &limit);
+  event_base_dispatch(base);
+  EXPECT_EQ(streams_ok, kStreams);
+  const int files_streams = OpenFiles(pid);
+  std::printf(
+      "router threads: %d before, %d with %d idle keep-alive connections, at most %d while %d SSE streams "
+      "ran "
+      "(%d at once had their first token); open files %d -> %d -> %d\n",
+      threads_before, threads_idle, kIdle, threads_max, kStreams, max_streaming, files_before, files_idle,
+      files_streams);
+  EXPECT_GE(max_streaming, kStreams / 2) << "the streams should overlap";
+  // An event loop, not a thread per connection: 2,200 connections cost a few
+  // threads at most (gRPC's callback pool may grow by some under load).
+  EXPECT_LE(threads_idle - threads_before, 2);
+  EXPECT_LE(threads_max - threads_before, 16);
+  // Idle connections are still there after the streams.
+  int again = 0, again_done = 0;
+  for (int i = 0; i < kIdle; i += 100) {
+    idle[i]->Send("GET", "/ready", "", {}, [&](const HttpResult& r) {
+      again += r.status == 200;
+      if (++again_done == kIdle / 100) event_base_loopbreak(base);
+    });
+  }
+  limit = {60, 0};
+  event_base_loopexit(base, &limit);
+  event_base_dispatch(base);
+  EXPECT_EQ(again, kIdle / 100);
+  idle.clear();
+  streams.clear();
+  event_base_free(base);
+}
+
+}  // namespace
+}  // namespace kvcache
