@@ -10,7 +10,7 @@ APT_PACKAGES=(
   clang libclang-rt-14-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libxxhash-dev
-  libspdlog-dev libfmt-dev libssl-dev
+  libspdlog-dev libfmt-dev libssl-dev libevent-dev nlohmann-json3-dev
   prometheus yamllint openssl shellcheck python3-yaml
 )
 
@@ -56,11 +56,12 @@ fetch_model() {
   log "model saved: $KVCACHE_MODEL"
 }
 
-# Python tools the tests use: validators of the deployment manifests, and gRPC
-# for the Python client example (its stubs are generated at test time).
-PIP_PACKAGES=(kubernetes-validate==1.37.0 grpcio==1.85.1 grpcio-tools==1.85.1)
+# Python tools the tests use: validators of the deployment manifests, gRPC
+# for the Python client example (its stubs are generated at test time), and
+# the official OpenAI SDK that drives the router's HTTP API.
+PIP_PACKAGES=(kubernetes-validate==1.37.0 grpcio==1.85.1 grpcio-tools==1.85.1 openai==3.57.0)
 install_python_tools() {
-  if python3 -c "import kubernetes_validate, grpc, grpc_tools" 2>/dev/null; then
+  if python3 -c "import kubernetes_validate, grpc, grpc_tools, openai" 2>/dev/null; then
     return
   fi
   log "installing ${PIP_PACKAGES[*]} from PyPI"

@@ -11,6 +11,11 @@
 //                             full at that load, is left out) through the
 //                             router, minus the same p99 straight to the worker
 //                             (alternating rounds in the same run)
+//  http_added_ttft_p50_ms     p50 time to first token through the router's
+//                             OpenAI HTTP API (a streaming /v1/completions on
+//                             a keep-alive connection, first SSE event) minus
+//                             p50 through its gRPC API (same requests,
+//                             alternating)
 //  decisions_per_second       placement decisions (hash a 512-token prompt's
 //                             pages, match them in a directory of 10,000
 //                             sessions on 8 workers, score, choose) per second,
@@ -22,16 +27,20 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/bench_json.h"
 #include "common/block_hash.h"
 #include "common/gguf/model_path.h"
+#include "event2/event.h"
 #include "kvcache/v1/router.grpc.pb.h"
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "router/directory.h"
 #include "router/placement.h"
 #include "tests/testing/child_process.h"
+#include "tests/testing/http_client.h"
 #include "worker/backend/cpu/omp_env.h"
 
 ABSL_FLAG(int, requests, 40, "Requests per path for the time-to-first-token comparison");
@@ -90,6 +99,23 @@ Timing Measure(Stub* stub, const std::vector<int32_t>& prompt, int max_tokens) {
   t.worker_ttft_ms = t_worker_ms;
   t.tokens_per_s = n > 1 ? (n - 1) / absl::ToDoubleSeconds(last - first) : 0;
   return t;
+}
+
+// The same single-token request through the router's HTTP API, on a
+// keep-alive connection: ms from sending it to the first SSE event (the
+// status line and the first token leave the router together).
+double MeasureHttp(event_base* base, testing::HttpConnection* conn, const std::vector<int32_t>& prompt) {
+  const std::string body = absl::StrCat("{\"prompt\": [", absl::StrJoin(prompt, ","),
+                                        "], \"max_tokens\": 1, \"temperature\": 0, \"ignore_eos\": true, "
+                                        "\"stream\": true}");
+  testing::HttpResult result;
+  conn->Send("POST", "/v1/completions", body, {}, [&](const testing::HttpResult& r) {
+    result = r;
+    event_base_loopbreak(base);
+  });
+  event_base_dispatch(base);
+  if (result.status != 200 || result.body.find("data: [DONE]") == std::string::npos) return -1;
+  return absl::ToDoubleMilliseconds(result.first_chunk - result.sent);
 }
 
 // What one call of a concurrent run took, in ms.
@@ -261,10 +287,10 @@ int Run() {
     std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
     return 1;
   }
-  auto router =
-      testing::ServerUnderTest::Start(testing::BinaryPath("router/kvcache-router"),
-                                      {"--workers=" + (*worker)->grpc_address(),
-                                       "--model=" + gguf::DefaultModelPath(), "--rebalance_interval=0s"});
+  auto router = testing::ServerUnderTest::Start(
+      testing::BinaryPath("router/kvcache-router"),
+      {"--workers=" + (*worker)->grpc_address(), "--model=" + gguf::DefaultModelPath(),
+       "--rebalance_interval=0s", "--http_listen=127.0.0.1:0"});
   if (!router.ok()) {
     std::fprintf(stderr, "router: %s\n", router.status().ToString().c_str());
     return 1;
@@ -307,6 +333,35 @@ int Run() {
     path_routed.push_back(ttft_routed[i] - worker_routed[i]);
   }
   report.metrics["router_added_path_ms_p50"] = Percentile(path_routed, 0.5) - Percentile(path_direct, 0.5);
+  // HTTP against gRPC, both through the router, alternating.
+  int http_port = 0;
+  {
+    const std::string& out = (*router)->process().output();
+    const size_t at = out.find(" http=");
+    const size_t colon = at == std::string::npos ? at : out.find(':', at);
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(out.substr(colon + 1, out.find_first_of(" \n", colon) - colon - 1), &http_port)) {
+      std::fprintf(stderr, "no http= on the router's listening line: %s\n", out.c_str());
+      return 1;
+    }
+  }
+  event_base* base = event_base_new();
+  std::vector<double> ttft_grpc, ttft_http;
+  {
+    testing::HttpConnection conn(base, http_port);
+    for (int i = 0; i < n; ++i) {
+      Timing g = Measure(routed.get(), Prompt(5000 + 2 * i, 24), 1);
+      const double h = MeasureHttp(base, &conn, Prompt(5001 + 2 * i, 24));
+      if (!g.ok || h < 0) return 1;
+      ttft_grpc.push_back(g.ttft_ms);
+      ttft_http.push_back(h);
+    }
+  }
+  event_base_free(base);
+  report.metrics["ttft_p50_ms_http"] = Percentile(ttft_http, 0.5);
+  report.baseline["ttft_p50_ms_grpc_router"] = Percentile(ttft_grpc, 0.5);
+  report.metrics["http_added_ttft_p50_ms"] = Percentile(ttft_http, 0.5) - Percentile(ttft_grpc, 0.5);
+
   report.metrics["router_tokens_per_s"] = Percentile(tps_routed, 0.5);
   report.baseline["direct_tokens_per_s"] = Percentile(tps_direct, 0.5);
   report.ratio["router_vs_direct_tokens"] = Percentile(tps_routed, 0.5) / Percentile(tps_direct, 0.5);
@@ -341,7 +396,9 @@ int Run() {
   report.metrics["decisions_per_second"] = DecisionsPerSecond();
   report.notes["method"] = absl::StrCat(
       "one SmolLM2 worker and one router on loopback; ", n,
-      " single-token requests of 24-token prompts per path alternating direct/router (TTFT p50), 3 x ",
+      " single-token requests of 24-token prompts per path alternating direct/router (TTFT p50), and as many "
+      "alternating router gRPC/HTTP (streaming /v1/completions on a keep-alive connection: first SSE event), "
+      "3 x ",
       absl::GetFlag(FLAGS_decode_tokens), "-token streams per path (median tokens/s); ",
       absl::GetFlag(FLAGS_concurrent_rounds), " rounds x ", calls,
       " calls per path of 16-token prompts and 4 tokens with ", streams,
