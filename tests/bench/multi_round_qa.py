@@ -14,7 +14,11 @@ has to find the cached prefix itself (the session id is a hint for placement).
 
 Targets: a kvcache router (--target=router, default) or one worker
 (--target=worker) over gRPC, or an OpenAI-compatible HTTP server (--openai_url,
-e.g. llama-cpp-python's `python3 -m llama_cpp.server`) for a baseline.
+e.g. llama-cpp-python's `python3 -m llama_cpp.server`) for a baseline. A
+kvcache router's own HTTP API (--http_listen) is such a server too:
+`--openai_url=http://HOST:PORT/v1 --openai_ignore_eos` (the session id goes in
+`user`, its affinity key), so kvcache and llama.cpp can be measured on the same
+client path.
 
 Metrics (all client-measured unless noted):
   ttft      time to first token: request sent -> first token received
@@ -192,13 +196,18 @@ class OpenAiClient:
         # No ignore_eos in the OpenAI API: ban the end tokens instead, so every
         # answer has --answer_tokens tokens as on the gRPC targets.
         self.logit_bias = {str(t): -100 for t in args.openai_ban_tokens}
+        # vLLM's extension, which kvcache's HTTP API takes too (it refuses logit_bias).
+        self.ignore_eos = args.openai_ignore_eos
         self.token = args.token
 
     def run(self, session_id, messages, timeout, res):
         body = {"model": self.model, "messages": [{"role": r, "content": c} for r, c in messages],
                 "max_tokens": self.answer_tokens, "temperature": 0, "stream": True,
-                "logit_bias": self.logit_bias, "logit_bias_type": "input_ids",
                 "stream_options": {"include_usage": True}, "user": session_id}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        else:
+            body.update({"logit_bias": self.logit_bias, "logit_bias_type": "input_ids"})
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -466,6 +475,8 @@ def main():
     p.add_argument("--openai_model", default="default", help="model name sent to --openai_url")
     p.add_argument("--openai_ban_tokens", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 2],
                    help="token ids banned with logit_bias on --openai_url (SmolLM2: 0 <|endoftext|>, 2 <|im_end|>)")
+    p.add_argument("--openai_ignore_eos", action="store_true",
+                   help="send ignore_eos instead of --openai_ban_tokens (a kvcache router's --http_listen, vLLM)")
     p.add_argument("--token", default=None, help="bearer token")
     p.add_argument("--tls_ca", default=None, help="PEM CA file; TLS when set (gRPC)")
     p.add_argument("--users", type=int, default=8)
