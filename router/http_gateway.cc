@@ -328,9 +328,10 @@ class HttpGateway::HealthProbe final : public Pending {
 
   void Start() {
     gateway_->CallStarted();
-    gateway_->health_stub_->async()->Check(&ctx_, &request_, &response_, [this](grpc::Status status) {
-      gateway_->Post([this, status] { Done(status); });
-      gateway_->CallEnded();
+    HttpGateway* gateway = gateway_;  // the task may delete `this` before CallEnded
+    gateway->health_stub_->async()->Check(&ctx_, &request_, &response_, [this, gateway](grpc::Status status) {
+      gateway->Post([this, status] { Done(status); });
+      gateway->CallEnded();
     });
   }
 

@@ -3,9 +3,14 @@
 // it was built for: 2,000 idle keep-alive connections and 200 concurrent SSE
 // streams held by an event loop, with the router's thread count measured
 // (no thread per connection or stream).
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -17,6 +22,7 @@
 #include "event2/event.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvcache/v1/worker.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/child_process.h"
 #include "tests/testing/http_client.h"
@@ -131,6 +137,74 @@ TEST_F(HttpGatewayTest, RoutesAndStatuses) {
   EXPECT_EQ(HttpFetch(port_, "POST", "/v1/chat/completions", "\x01\x02{{").status, 400);
   EXPECT_EQ(HttpFetch(port_, "POST", "/v1/chat/completions", std::string(200000, '[')).status, 400);
   EXPECT_EQ(HttpFetch(port_, "GET", "/health").status, 200) << "the router survived them";
+}
+
+// A raw socket, so that the test decides when the connection closes.
+class RawClient {
+ public:
+  explicit RawClient(int port) : fd_(socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    timeval tv{30, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawClient() { Close(); }
+  bool Post(const std::string& path, const std::string& body) {
+    const std::string req =
+        absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n",
+                     "Content-Length: ", body.size(), "\r\n\r\n", body);
+    return connected_ && send(fd_, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size());
+  }
+  // Reads until `needle` occurs `times` times in what arrived (or the read times out).
+  bool ReadUntil(const std::string& needle, int times) {
+    char buf[4096];
+    while (Count(received_, needle) < times) {
+      const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) return false;
+      received_.append(buf, static_cast<size_t>(n));
+    }
+    return true;
+  }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+  const std::string& received() const { return received_; }
+
+ private:
+  int fd_;
+  bool connected_ = false;
+  std::string received_;
+};
+
+TEST_F(HttpGatewayTest, AClientThatGoesAwayCancelsTheWorkersRequest) {
+  RawClient client(port_);
+  ASSERT_TRUE(client.Post("/v1/completions", StreamBody(7, 900)));
+  ASSERT_TRUE(client.ReadUntil("data: ", 4)) << client.received();
+  EXPECT_THAT(client.received(), HasSubstr("HTTP/1.1 200 OK"));
+  client.Close();  // mid-stream: 900 tokens were asked for
+  // The worker's load reports (every 100 ms) are the clock: once it runs
+  // nothing, its request counter says how the stream ended.
+  grpc::ClientContext watch_ctx;
+  watch_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto watch = v1::Worker::NewStub(worker_->channel())->Watch(&watch_ctx, v1::WatchRequest());
+  v1::WatchEvent ev;
+  std::string metrics;
+  while (watch->Read(&ev)) {
+    if (!ev.has_snapshot() && !ev.has_load()) continue;
+    const v1::WorkerLoad& load = ev.has_snapshot() ? ev.snapshot().load() : ev.load();
+    if (load.running_requests() + load.waiting_requests() > 0) continue;
+    metrics = testing::HttpGet(worker_->metrics_port(), "/metrics").value_or("");
+    if (metrics.find("kvcache_requests_total{code=") != std::string::npos) break;
+  }
+  watch_ctx.TryCancel();
+  watch->Finish();
+  EXPECT_THAT(metrics, HasSubstr("kvcache_requests_total{code=\"CANCELLED\"} 1"));
+  EXPECT_THAT(metrics, ::testing::Not(HasSubstr("kvcache_requests_total{code=\"OK\"}")));
+  EXPECT_EQ(HttpFetch(port_, "GET", "/ready").status, 200) << "the router carries on";
 }
 
 TEST_F(HttpGatewayTest, ThousandsOfIdleConnectionsAndHundredsOfStreamsOnFewThreads) {
