@@ -8,9 +8,16 @@
 # Workers get a small tier-0 budget (KVCACHE_DEMO_TIER0_BYTES, default 12 MiB =
 # 34 SmolLM2 pages of 16 tokens) so that the six conversations do not all fit and
 # cold pages are offloaded to host RAM and restored.
+#
+# The router also serves its OpenAI-compatible HTTP API (--http_listen); the
+# script prints its address and token and sends it one chat request. With
+# --serve it keeps everything running after the demo, until Ctrl-C, for the
+# README's curl and openai examples.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/common.sh
+SERVE=0
+if [ "${1:-}" = "--serve" ]; then SERVE=1; fi
 scripts/setup.sh
 
 TIER0=${KVCACHE_DEMO_TIER0_BYTES:-$((12 << 20))}
@@ -41,9 +48,13 @@ start() {
   done
   [ -n "$line" ] || { cat "$RUN_DIR/$name.log" >&2; log "$name did not start"; exit 1; }
   local grpc=${line#*grpc=}; grpc=${grpc%% *}
-  local metrics=${line#*metrics=}
+  local metrics=${line#*metrics=}; metrics=${metrics%% *}
   printf -v "ADDR_$name" '%s' "$grpc"
   printf -v "METRICS_$name" '%s' "$metrics"
+  if [[ $line == *" http="* ]]; then
+    local http=${line#* http=}
+    printf -v "HTTP_$name" '%s' "${http%% *}"
+  fi
   log "$name serving on $grpc (metrics http://$metrics/metrics)"
 }
 
@@ -61,7 +72,7 @@ start w0 worker/kvcache-worker --worker_id=w0 --tier0_bytes="$TIER0" --threads="
 start w1 worker/kvcache-worker --worker_id=w1 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL" \
   --cluster_token_file="$RUN_DIR/cluster-token"
 start router router/kvcache-router --workers="$ADDR_w0,$ADDR_w1" --min_ready_workers=2 \
-  --rebalance_interval=0s --model="$KVCACHE_MODEL" \
+  --rebalance_interval=0s --model="$KVCACHE_MODEL" --http_listen=127.0.0.1:0 \
   --cluster_token_file="$RUN_DIR/cluster-token" --auth_tokens_file="$RUN_DIR/client-tokens"
 
 status=0
@@ -74,5 +85,21 @@ for w in w0 w1; do
   curl -s "http://${!var}/metrics" | grep -E '^kvcache_(offload|restore|migration)_bytes_total|^kvcache_prefix_(hit|query)_tokens_total|^kvcache_preemptions_total' \
     | sed "s/^/  $w  /"
 done
+
+MODEL_NAME=$(basename "$KVCACHE_MODEL" .gguf)
+log "OpenAI-compatible HTTP API of the router: http://$HTTP_router/v1 (model $MODEL_NAME)"
+echo "  export KVCACHE_HTTP=http://$HTTP_router KVCACHE_TOKEN=$DEMO_TOKEN"
+echo "  curl -s \$KVCACHE_HTTP/v1/chat/completions -H \"Authorization: Bearer \$KVCACHE_TOKEN\" \\"
+echo "    -H 'Content-Type: application/json' -d '{\"model\": \"$MODEL_NAME\", \"max_tokens\": 24,"
+echo "    \"messages\": [{\"role\": \"user\", \"content\": \"What is a KV cache?\"}]}'"
+curl -sf "http://$HTTP_router/v1/chat/completions" -H "Authorization: Bearer $DEMO_TOKEN" \
+  -H 'Content-Type: application/json' \
+  -d "{\"model\": \"$MODEL_NAME\", \"max_tokens\": 24, \"messages\": [{\"role\": \"user\", \"content\": \"What is a KV cache?\"}]}" \
+  | sed 's/^/  -> /' || status=1
+echo
+if [ "$SERVE" = 1 ]; then
+  log "serving until Ctrl-C (--serve)"
+  wait "${pids[@]}" || true
+fi
 log "stopping everything this script started"
 exit $status
