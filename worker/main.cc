@@ -41,6 +41,10 @@ ABSL_FLAG(int32_t, page_tokens, 16, "Tokens per KV page");
 ABSL_FLAG(std::string, kv_dtype, "f16", "KV element type: f16, bf16 or f32");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, max_batch_tokens, 256, "New tokens per engine step (decode + chunked prefill)");
+ABSL_FLAG(double, max_step_ms, 0,
+          "Step-time target while requests decode: prefill chunks are sized (from the engine's own step "
+          "timings) so that a step takes about this long, bounding inter-token latency. 0: automatic (twice "
+          "the time of the step's decodes alone); negative: none (max_batch_tokens only)");
 ABSL_FLAG(int64_t, max_context, 8192, "Tokens per session (clamped to the model's context)");
 ABSL_FLAG(int32_t, max_running, 64, "Requests in engine steps at once");
 ABSL_FLAG(int32_t, max_waiting, 1024, "Queued requests before RESOURCE_EXHAUSTED");
@@ -187,6 +191,9 @@ int Run() {
 
   sched::EngineOptions eo;
   eo.max_batch_tokens = ro.max_batch_tokens;
+  eo.max_step_time = absl::GetFlag(FLAGS_max_step_ms) < 0
+                         ? absl::Milliseconds(-1)
+                         : absl::Microseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_max_step_ms) * 1000));
   eo.max_running = absl::GetFlag(FLAGS_max_running);
   eo.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   eo.max_context = absl::GetFlag(FLAGS_max_context);

@@ -431,4 +431,10 @@ absl::StatusOr<std::vector<int32_t>> KvCacheManager::GetTokens(const std::string
   return s->tokens;
 }
 
+absl::StatusOr<int64_t> KvCacheManager::NumTokens(const std::string& id) const {
+  absl::MutexLock l(&mu_);
+  KVCACHE_ASSIGN_OR_RETURN(const Session* s, Find(id));
+  return static_cast<int64_t>(s->tokens.size());
+}
+
 }  // namespace kvcache::kv

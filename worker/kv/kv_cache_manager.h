@@ -194,6 +194,8 @@ class KvCacheManager {
 
   absl::StatusOr<SessionInfo> GetSession(const std::string& id) const;
   absl::StatusOr<std::vector<int32_t>> GetTokens(const std::string& id) const;
+  // Tokens the session holds (GetSession's num_tokens, without the page lists).
+  absl::StatusOr<int64_t> NumTokens(const std::string& id) const;
 
   // --- Page bytes ---------------------------------------------------------------
   // Host pointer of a tier-0 page (nullptr for device tiers or a bad id). Valid while

@@ -1,6 +1,7 @@
 #include "worker/sched/engine.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -8,6 +9,13 @@
 #include "worker/kv/session_key.h"
 
 namespace kvcache::sched {
+namespace {
+
+// The automatic step-time target: a step with prefill may take this many times as
+// long as its decodes alone (EngineOptions::max_step_time).
+constexpr double kAutoStepTimeFactor = 2.0;
+
+}  // namespace
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
@@ -52,6 +60,7 @@ struct Engine::Request {
   bool decoding = false;         // the prompt is in the cache; pending holds the sampled token
   std::vector<int32_t> context;  // every token of the conversation so far
   std::vector<int32_t> pending;  // tokens of `context` without K/V yet, in order
+  int64_t prefix_restored = 0;   // of the cached tokens attached before it started, from tier 1
   GenerateResult result;
 };
 
@@ -259,7 +268,8 @@ bool Engine::Prepare(Request& r) {
       Finish(r, st, std::nullopt);
       return false;
     }
-    auto attached = kv_->AttachPrefix(r.sid, absl::MakeConstSpan(r.context.data(), r.context.size() - 1));
+    auto attached = kv_->AttachPrefix(r.sid, absl::MakeConstSpan(r.context.data(), r.context.size() - 1),
+                                      &r.prefix_restored);
     cached = attached.ok() ? *attached : 0;
     absl::MutexLock lock(&mu_);
     AddSessionLocked(r.sid, SessionState{q.tenant, r.context, absl::Now()});
@@ -360,6 +370,47 @@ absl::StatusOr<int64_t> Engine::Resync(Request& r, int64_t held) {
   return lost;
 }
 
+int64_t Engine::JoinCachedPrefix(Request& r) {
+  const int64_t pos = static_cast<int64_t>(r.context.size() - r.pending.size());
+  if (!r.result.output.empty() || pos % page_tokens_ != 0 ||
+      static_cast<int64_t>(r.pending.size()) <= page_tokens_) {
+    return 0;
+  }
+  // The cache may hold less than the engine expects (pages lost under pressure):
+  // Reserve recomputes those first.
+  absl::StatusOr<int64_t> held = kv_->NumTokens(r.sid);
+  if (!held.ok() || *held != pos) return 0;
+  int64_t restored = 0;
+  absl::StatusOr<int64_t> hit =
+      kv_->AttachPrefix(r.sid, absl::MakeConstSpan(r.context.data(), r.context.size() - 1), &restored);
+  if (!hit.ok() || *hit == 0) return 0;
+  r.pending.erase(r.pending.begin(), r.pending.begin() + *hit);
+  r.result.cached_tokens += *hit;
+  if (r.started) {
+    r.result.restored_tokens += restored;
+  } else {
+    r.prefix_restored += restored;
+  }
+  return *hit;
+}
+
+bool Engine::AwaitsSharedPrefill(const Request& r, const std::vector<const Request*>& planned) const {
+  const size_t pos = r.context.size() - r.pending.size();
+  const size_t page_end = pos + static_cast<size_t>(page_tokens_);
+  // Only a full page before the prompt's last token can be shared (AttachPrefix).
+  if (pos % page_tokens_ != 0 || page_end >= r.context.size()) return false;
+  for (const Request* a : planned) {
+    if (a == &r || a->decoding || a->req.tenant != r.req.tenant) continue;
+    const size_t a_pos = a->context.size() - a->pending.size();
+    if (a_pos > pos || a->context.size() < page_end) continue;
+    if (std::equal(r.context.begin(), r.context.begin() + static_cast<std::ptrdiff_t>(page_end),
+                   a->context.begin())) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool Engine::Step() {
   const absl::Time start = absl::Now();
   int budget = options_.max_batch_tokens;
@@ -369,15 +420,52 @@ bool Engine::Step() {
     kv::StepReservation res;
   };
   std::vector<Planned> plan;
-  // Decode first: one token per request past its prompt; then prefill chunks.
+  std::vector<const Request*> planned_prefills;
+  StepShape shape;
   int64_t recomputed = 0;
+  int64_t joined = 0;
+  // Seconds left for prefill in this step; infinite while nothing decodes (no
+  // stream waits on this step) or when there is no target.
+  double prefill_seconds = HUGE_VAL;
   absl::flat_hash_set<const Request*> planned;  // a decode that must recompute turns into a prefill
+  // Decode first: one token per request past its prompt; then prefill chunks.
   for (int pass = 0; pass < 2 && budget > 0; ++pass) {
+    if (pass == 1 && shape.decode_tokens > 0 && options_.max_step_time >= absl::ZeroDuration() &&
+        step_cost_.ready()) {
+      const double decodes = absl::ToDoubleSeconds(step_cost_.Predict(shape));
+      const double target = options_.max_step_time > absl::ZeroDuration()
+                                ? absl::ToDoubleSeconds(options_.max_step_time)
+                                : kAutoStepTimeFactor * decodes;
+      prefill_seconds = target - decodes;
+    }
     for (auto& rp : active_) {
       Request& r = *rp;
       if (r.done || !r.prepared || r.decoding != (pass == 0) || r.pending.empty() || budget == 0) continue;
       if (planned.contains(&r)) continue;
-      absl::StatusOr<kv::StepReservation> res = Reserve(r, budget, &recomputed);
+      int limit = budget;
+      if (pass == 1) {
+        joined += JoinCachedPrefix(r);
+        if (AwaitsSharedPrefill(r, planned_prefills)) continue;
+        const int64_t pos = static_cast<int64_t>(r.context.size() - r.pending.size());
+        if (prefill_seconds != HUGE_VAL) {
+          const double fit = std::floor(std::max(prefill_seconds, 0.0) / step_cost_.PrefillTokenSeconds(pos));
+          // Every step moves prefill on by at least a page.
+          const double floor_tokens = planned_prefills.empty() ? page_tokens_ : 0;
+          limit = static_cast<int>(std::min<double>(limit, std::max(fit, floor_tokens)));
+          if (limit == 0) continue;
+        }
+        // End a partial chunk on a page boundary, so that its pages are published
+        // (and shareable) when it commits and the next chunk can join cached ones.
+        if (limit < static_cast<int>(r.pending.size())) {
+          const int64_t end = (pos + limit) / page_tokens_ * page_tokens_;
+          if (end > pos) {
+            limit = static_cast<int>(end - pos);
+          } else if (!planned_prefills.empty()) {
+            continue;  // less than a page left in this step, and others used it
+          }
+        }
+      }
+      absl::StatusOr<kv::StepReservation> res = Reserve(r, limit, &recomputed);
       if (!res.ok()) {
         if (res.status().code() == absl::StatusCode::kResourceExhausted) continue;  // wait for room
         Finish(r, res.status(), std::nullopt);
@@ -388,10 +476,21 @@ bool Engine::Step() {
         r.started = true;
         r.result.queue_time = absl::Now() - r.submitted;
         r.result.restored_tokens =
-            std::min<int64_t>(res->restored_pages * page_tokens_, r.result.cached_tokens);
+            std::min<int64_t>(res->restored_pages * page_tokens_ + r.prefix_restored, r.result.cached_tokens);
       }
       budget -= n;
       planned.insert(&r);
+      if (r.decoding) {
+        shape.decode_tokens += n;
+        shape.decode_context += res->first_pos;
+      } else {
+        shape.prefill_tokens += n;
+        shape.prefill_attention += static_cast<double>(n) * (static_cast<double>(res->first_pos) + n / 2.0);
+        planned_prefills.push_back(&r);
+        if (prefill_seconds != HUGE_VAL) {
+          prefill_seconds -= n * step_cost_.PrefillTokenSeconds(res->first_pos + n / 2);
+        }
+      }
       plan.push_back(Planned{&r, n, std::move(*res)});
     }
   }
@@ -462,7 +561,13 @@ bool Engine::Step() {
   while (!recent_decode_.empty() && end - recent_decode_.front().first > absl::Seconds(1)) {
     recent_decode_.pop_front();
   }
-  StepStats stats{static_cast<int>(plan.size()), decode_tokens, prefill_tokens, end - start, recomputed};
+  if (prefill_tokens > 0) {
+    recent_prefill_.push_back(PrefillStep{end, prefill_tokens, end - start});
+    while (end - recent_prefill_.front().end > absl::Seconds(10)) recent_prefill_.pop_front();
+  }
+  step_cost_.Observe(shape, end - start);
+  StepStats stats{
+      static_cast<int>(plan.size()), decode_tokens, prefill_tokens, end - start, recomputed, joined};
   std::function<void(const StepStats&)> cb;
   {
     absl::MutexLock lock(&mu_);
@@ -578,6 +683,14 @@ void Engine::Loop() {
       int decoded = 0;
       for (const auto& [t, n] : recent_decode_) decoded += n;
       load_.decode_tokens_per_second = decoded;
+      int64_t prefilled = 0;
+      absl::Duration took;
+      for (const PrefillStep& p : recent_prefill_) {
+        prefilled += p.tokens;
+        took += p.took;
+      }
+      if (took > absl::ZeroDuration())
+        load_.prefill_tokens_per_second = prefilled / absl::ToDoubleSeconds(took);
       if (stopping && active_.empty()) return;
     }
   }

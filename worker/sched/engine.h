@@ -2,8 +2,16 @@
 // the paged KV cache.
 //
 // One engine thread runs steps. Each step decodes one token for every running
-// request that has finished its prompt, then spends the rest of the token budget
-// (--max_batch_tokens) on chunked prefill of the others, oldest first. Before a
+// request that has finished its prompt, then spends the rest of the step on
+// chunked prefill of the others, oldest first: at most --max_batch_tokens tokens
+// in all, and, while anything decodes, only as many prefill tokens as fit in the
+// step-time target (max_step_time, predicted by a StepCostModel fitted to the
+// engine's own step timings), so that a long prompt never stalls running streams
+// for more than about one target. Prefill chunks end on page boundaries; at each
+// boundary a prefilling request picks up pages that are cached by then
+// (AttachPrefix), and a request whose next page another request is computing in
+// the same step waits for it instead of computing it again, so a burst of
+// requests sharing a long system prompt computes it once. Before a
 // step the KV cache's pressure policy runs inside BeginStep (offload idle
 // sessions, restore this step's sessions, preempt others), so memory never
 // exceeds the tier budgets. Cancellation and deadlines take effect at the next
@@ -47,6 +55,7 @@
 #include "worker/kv/session_key.h"
 #include "worker/model/model_runner.h"
 #include "worker/model/sampler.h"
+#include "worker/sched/step_cost_model.h"
 
 namespace kvcache::sched {
 
@@ -64,6 +73,10 @@ struct EngineOptions {
   int max_waiting = 1024;        // queued beyond that: RESOURCE_EXHAUSTED
   int64_t max_context = 8192;    // tokens per session (clamped to the model's)
   int default_max_tokens = 256;  // when a request gives 0
+  // Step-time target while requests decode (see above). Zero: automatic, twice
+  // the predicted time of the step's decodes alone; negative: none (the token
+  // budget only, every prefill chunk as large as max_batch_tokens allows).
+  absl::Duration max_step_time = absl::ZeroDuration();
   int max_tokens_per_request = 4096;
   // A named session no request has used for this long is closed (its pages freed,
   // routers told); pinned sessions and sessions being exported never expire.
@@ -125,6 +138,9 @@ struct StepStats {
   int prefill_tokens = 0;
   absl::Duration duration;
   int64_t recomputed_tokens = 0;  // tokens the cache had lost, put back in this step's plan
+  // Prompt tokens that prefilling requests found cached at a chunk boundary
+  // (computed meanwhile by a request sharing their prefix), so not computed again.
+  int64_t joined_tokens = 0;
 };
 
 // Load, for Watch reports and admission decisions.
@@ -133,7 +149,10 @@ struct EngineLoad {
   int waiting = 0;
   int64_t queued_prefill_tokens = 0;
   double decode_tokens_per_second = 0;  // over the last second of steps
-  int64_t sessions_expired = 0;         // since start, by session_idle_ttl
+  // Prompt tokens per second of prefill over recent steps with prefill (the last
+  // 10 s of them; the last value is kept while no prefill runs). 0 until then.
+  double prefill_tokens_per_second = 0;
+  int64_t sessions_expired = 0;  // since start, by session_idle_ttl
 };
 
 // The engine's view of one named session.
@@ -239,6 +258,13 @@ class Engine {
   bool Prepare(Request& r);
   // Runs one step over active_. Returns false when nothing could run.
   bool Step();
+  // At a page boundary of a prefill that has not sampled yet, attaches the pages
+  // of its prompt that are cached by now. Returns the tokens attached.
+  int64_t JoinCachedPrefix(Request& r);
+  // Whether the next page of `r`'s prefill is one that a request planned in this
+  // step (`planned`) is computing or will compute: same tenant, same tokens up to
+  // the end of that page, not further along than `r`.
+  bool AwaitsSharedPrefill(const Request& r, const std::vector<const Request*>& planned) const;
   // BeginStep for up to `budget` of the request's pending tokens, after checking
   // that the cache still holds every token the engine expects it to; what it lost
   // is queued for recompute first (added to `recomputed`).
@@ -287,6 +313,13 @@ class Engine {
   // Engine thread only.
   std::vector<std::unique_ptr<Request>> active_;
   std::deque<std::pair<absl::Time, int>> recent_decode_;  // (step end, tokens)
+  struct PrefillStep {
+    absl::Time end;
+    int tokens;
+    absl::Duration took;
+  };
+  std::deque<PrefillStep> recent_prefill_;
+  StepCostModel step_cost_;
   uint64_t ephemeral_counter_ = 0;
   absl::Time next_expiry_ = absl::InfinitePast();
 

@@ -69,6 +69,12 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                      "again (same tokens, more time)")
                .Register(r)
                .Add({})),
+      prefill_tokens_(&BuildCounter()
+                           .Name("kvcache_prefill_tokens_total")
+                           .Help("Prompt tokens computed by prefill (what the cache did not serve), "
+                                 "recomputed ones included")
+                           .Register(r)
+                           .Add({})),
       unauthenticated_(&BuildCounter()
                             .Name("kvcache_worker_unauthenticated_calls_total")
                             .Help("Calls refused because the caller is not a peer of the fleet (wrong "
@@ -190,6 +196,7 @@ void WorkerMetrics::OnStep(const sched::StepStats& step) {
   batch_size_->Observe(step.sequences);
   batch_tokens_->Observe(step.decode_tokens + step.prefill_tokens);
   if (step.recomputed_tokens > 0) recomputed_tokens_->Increment(static_cast<double>(step.recomputed_tokens));
+  if (step.prefill_tokens > 0) prefill_tokens_->Increment(static_cast<double>(step.prefill_tokens));
 }
 
 void WorkerMetrics::OnRequestDone(const std::string& code, const sched::GenerateResult* result) {

@@ -53,6 +53,7 @@ class WorkerMetrics {
   prometheus::Counter* restore_bytes_;
   prometheus::Counter* preemptions_;
   prometheus::Counter* recomputed_tokens_;
+  prometheus::Counter* prefill_tokens_;
   prometheus::Counter* unauthenticated_;
   prometheus::Counter* sessions_expired_;
   prometheus::Family<prometheus::Counter>& migration_bytes_;

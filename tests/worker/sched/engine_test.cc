@@ -349,6 +349,73 @@ TEST_F(EngineTest, SessionsSurviveMemoryPressureWithIdenticalOutput) {
   EXPECT_EQ(stats.tier[1].session_private_pages, 0);
 }
 
+TEST_F(EngineTest, BurstSharingAPrefixComputesItOnce) {
+  // Eight new conversations with one 96-token system prompt arrive together; the
+  // first computes the prompt (in two steps: the fake runner takes 64 tokens a
+  // step), the others wait for its pages and join them.
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/0);
+  int64_t prefill_tokens = 0, joined_tokens = 0;
+  engine_->SetStepCallback([&](const StepStats& s) {
+    prefill_tokens += s.prefill_tokens;
+    joined_tokens += s.joined_tokens;
+  });
+  constexpr int kUsers = 8, kShared = 96, kPrivate = 5, kAnswer = 4;
+  runner_->LimitSteps(0);  // everything is queued before the first step runs
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::unique_ptr<Collector>> out;
+  for (int i = 0; i < kUsers; ++i) {
+    std::vector<int32_t> p = Prompt(kShared);
+    for (int32_t t : Prompt(kPrivate, 30 + i)) p.push_back(t);
+    prompts.push_back(p);
+    out.push_back(std::make_unique<Collector>());
+    ASSERT_TRUE(
+        engine_->Submit(Req("u" + std::to_string(i), RequestMode::kFullContext, p, kAnswer), out.back().get())
+            .ok());
+  }
+  runner_->LimitSteps(-1);
+  int64_t cached = 0;
+  for (int i = 0; i < kUsers; ++i) {
+    const GenerateResult& r = out[i]->Wait();
+    ASSERT_TRUE(out[i]->status.ok()) << out[i]->status;
+    EXPECT_EQ(out[i]->tokens, Expected(prompts[i], kAnswer)) << "user " << i;
+    cached += r.cached_tokens;
+  }
+  ASSERT_TRUE(engine_->WaitIdle(absl::Seconds(10)));
+  const int64_t ideal = kShared + kUsers * kPrivate;
+  EXPECT_EQ(prefill_tokens, ideal) << "joined " << joined_tokens;
+  EXPECT_GT(joined_tokens, 0);
+  EXPECT_GE(cached, (kUsers - 1) * kShared);
+  EXPECT_EQ(prefill_tokens + cached, kUsers * (kShared + kPrivate))
+      << "every prompt token is either computed or served from cache";
+}
+
+TEST_F(EngineTest, NewSessionRestoresAPrefixFoundInTier1) {
+  Build(/*tier0_pages=*/16, /*tier1_pages=*/64);
+  const std::vector<int32_t> system = Prompt(160);
+  Collector a;
+  std::vector<int32_t> pa = system;
+  pa.push_back(kFirstByteToken + 'z');
+  ASSERT_TRUE(engine_->Submit(Req("a", RequestMode::kFullContext, pa, 3), &a).ok());
+  a.Wait();
+  ASSERT_TRUE(engine_->Offload("a", "t").ok());
+  // A large unrelated session evicts the tier-0 copies of a's prefix pages.
+  Collector f;
+  ASSERT_TRUE(engine_->Submit(Req("f", RequestMode::kFullContext, Prompt(200, 17), 2), &f).ok());
+  f.Wait();
+  ASSERT_TRUE(f.status.ok()) << f.status;
+  ASSERT_EQ(kv_->LookupPrefix("t", system), 160);  // found, in tier 1 only
+  Collector b;
+  std::vector<int32_t> pb = system;
+  for (int32_t t : Prompt(9, 4)) pb.push_back(t);
+  ASSERT_TRUE(engine_->Submit(Req("b", RequestMode::kFullContext, pb, 5), &b).ok());
+  const GenerateResult& r = b.Wait();
+  ASSERT_TRUE(b.status.ok()) << b.status;
+  EXPECT_EQ(b.tokens, Expected(pb, 5));
+  EXPECT_EQ(r.cached_tokens, 160);
+  EXPECT_EQ(r.restored_tokens, 160);
+  EXPECT_EQ(r.recomputed_tokens, 0);
+}
+
 TEST_F(EngineTest, TenantLimitsAnswerResourceExhausted) {
   EngineOptions o;
   o.tenant_limits.max_sessions = 2;
