@@ -3,16 +3,22 @@
 // In order:
 //  1. affinity: the worker that holds the session, if it is a candidate
 //     (healthy, not draining, not excluded);
-//  2. otherwise the candidate with the best score
-//        score = reuse_value - load_cost
-//        reuse_value = page_tokens * (device_pages + host_restore_weight * host_pages)
-//        load_cost   = load_weight * (queued_prefill_tokens + decode_token_weight * running)
-//                    + eviction_weight * page_tokens * max(0, pages_needed - pages_free_device)
-//     (pages_needed: the request's pages not already cached there; placing it
-//     where tier 0 is full evicts other sessions' pages to host RAM)
-//     among candidates under the bounded-load cap: a worker whose load exceeds
-//     cap_factor * (mean load + cap_slack) is skipped unless every worker is over
-//     it (so one hot prefix cannot herd all traffic onto one worker);
+//  2. otherwise the candidate with the earliest estimated time to first token,
+//     one unit for reuse and queueing alike:
+//        ttft = (request_tokens - reuse + load_weight * queued + eviction) / prefill_rate
+//        reuse    = page_tokens * (device_pages + host_restore_weight * host_pages)
+//        queued   = max(reported queued_prefill_tokens, dispatched_prefill_tokens)
+//                 + decode_token_weight * max(reported running + waiting, dispatched_requests)
+//        eviction = eviction_weight * page_tokens * max(0, pages_needed - pages_free_device)
+//     (dispatched_*: what this router sent the worker and has not seen finish,
+//     counted at once, so a burst does not herd onto one worker between load
+//     reports; prefill_rate: the worker's reported prompt tokens per second, or
+//     the fastest reported rate for a worker that has not prefilled yet;
+//     pages_needed: the request's pages not already cached there, placing it
+//     where tier 0 is full evicts other sessions' pages to host RAM), among
+//     candidates under the bounded-load cap: a worker whose queued tokens exceed
+//     cap_factor * (mean + cap_slack) is skipped unless every worker is over it
+//     (so one hot prefix cannot herd all traffic onto one worker);
 //  3. ties go to the worker holding fewer sessions (so new sessions without a
 //     cached prefix spread over idle workers: the directory hears of each
 //     session before its client does), then by rendezvous hashing of (session
@@ -53,8 +59,10 @@ struct PlacementConfig {
 struct Candidate {
   WorkerId worker;
   v1::WorkerLoad load;
-  PrefixMatch match;     // leading pages of the request's chain held there
-  int64_t sessions = 0;  // sessions the directory places there
+  PrefixMatch match;                // leading pages of the request's chain held there
+  int64_t sessions = 0;             // sessions the directory places there
+  int64_t dispatched_requests = 0;  // WorkerView's
+  int64_t dispatched_prefill_tokens = 0;
 };
 
 enum class PlacementReason { kAffinity, kPrefix, kLoad, kRetry };
@@ -64,7 +72,7 @@ struct Placement {
   WorkerId worker;
   PlacementReason reason = PlacementReason::kLoad;
   int32_t predicted_cached_tokens = 0;
-  double score = 0;
+  double score = 0;  // minus the estimated time to first token, seconds
 };
 
 // REQUIRES: candidates hold only workers allowed for this request (healthy, not
@@ -75,8 +83,9 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& config, const std::strin
                                  const WorkerId& affinity_worker, int page_tokens, int request_pages,
                                  const std::vector<Candidate>& candidates, bool retry);
 
-// Load of a worker in queued-token units (what the cap and load_cost use).
-double LoadTokens(const PlacementConfig& config, const v1::WorkerLoad& load);
+// Load of a worker in queued-token units (`queued` above: what the cap and the
+// estimate use).
+double LoadTokens(const PlacementConfig& config, const Candidate& candidate);
 
 // Rendezvous (highest random weight) hash of a (key, worker) pair.
 uint64_t RendezvousWeight(const std::string& key, const WorkerId& worker);

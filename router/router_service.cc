@@ -188,6 +188,12 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       call->Unref();  // never started
       return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     }
+    // Counted against the worker until the attempt ends (its prompt until the
+    // first token), so the next placement sees it at once.
+    const int64_t context = static_cast<int64_t>(tokens_.size() + emitted_.size());
+    dispatched_prefill_ =
+        append_ ? context : std::max<int64_t>(1, context - placement_.predicted_cached_tokens);
+    router_->pool_->AddDispatched(placement_.worker, 1, dispatched_prefill_);
     call->Start();  // last: its callbacks may run at once, on other threads
   }
 
@@ -195,6 +201,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   void OnWorkerMessage(v1::GenerateResponse* msg) {
     if (msg->has_token()) {
       if (emitted_.empty()) router_->metrics_->OnFirstToken(absl::ToDoubleSeconds(absl::Now() - start_));
+      if (dispatched_prefill_ > 0) {  // the attempt's prompt is in the worker's cache now
+        router_->pool_->AddDispatched(placement_.worker, 0, -dispatched_prefill_);
+        dispatched_prefill_ = 0;
+      }
       emitted_.push_back(msg->token().id());
       Push(std::move(*msg));
     } else if (msg->has_final()) {
@@ -218,8 +228,12 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   // The current attempt ended with `st` (`call` is null when it never started).
   void OnAttemptDone(WorkerCall* call, const grpc::Status& st) {
     if (call != nullptr) {
-      absl::MutexLock lock(&mu_);
-      if (call_ == call) call_ = nullptr;
+      {
+        absl::MutexLock lock(&mu_);
+        if (call_ == call) call_ = nullptr;
+      }
+      router_->pool_->AddDispatched(placement_.worker, -1, -dispatched_prefill_);
+      dispatched_prefill_ = 0;
     }
     last_ = st;
     if (st.ok()) return Finish(st);
@@ -289,7 +303,8 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   size_t continued_from_ = 0;     // tokens already streamed when the current attempt began
   std::vector<WorkerId> tried_;
   int attempts_ = 0;
-  Placement placement_;  // the current attempt's
+  Placement placement_;             // the current attempt's
+  int64_t dispatched_prefill_ = 0;  // of the current attempt, counted in the pool until its first token
   grpc::Status last_{grpc::UNAVAILABLE, "no healthy worker"};
 
   std::atomic<bool> client_gone_{false};
@@ -413,6 +428,8 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     Candidate c;
     c.worker = w.address;
     c.load = w.load;
+    c.dispatched_requests = w.dispatched_requests;
+    c.dispatched_prefill_tokens = w.dispatched_prefill_tokens;
     auto m = matches.find(w.address);
     if (m != matches.end()) c.match = m->second;
     if (auto n = session_counts.find(w.address); n != session_counts.end()) c.sessions = n->second;

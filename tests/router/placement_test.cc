@@ -102,6 +102,58 @@ TEST(PlacementTest, FullTierZeroCostsEvictions) {
   EXPECT_EQ(Choose({}, "s", "", 16, 30, {full, empty}, false)->worker, "full");
 }
 
+// A burst placed before any load report arrives: each placement counts what it
+// dispatched (as the router does), `rounds` requests of `prompt_pages` pages
+// whose first `shared_pages` the candidates hold as `cands[i].match`.
+std::map<std::string, int> Burst(std::vector<Candidate> cands, int rounds, int prompt_pages) {
+  std::map<std::string, int> placed;
+  for (int i = 0; i < rounds; ++i) {
+    auto p = Choose({}, absl::StrCat("new-", i), "", 16, prompt_pages, cands, false);
+    EXPECT_TRUE(p.ok());
+    for (Candidate& c : cands) {
+      if (c.worker != p->worker) continue;
+      ++c.dispatched_requests;
+      c.dispatched_prefill_tokens += 16 * prompt_pages - p->predicted_cached_tokens;
+      ++c.sessions;
+    }
+    ++placed[p->worker];
+  }
+  return placed;
+}
+
+TEST(PlacementTest, BurstSharingAPrefixSpreadsOverWorkers) {
+  // 32 new sessions of 20 pages whose first 12 pages "a" holds: the prefix
+  // draws them to "a" until its queue outweighs recomputing 12 pages on "b"
+  // (which, before any report, is not known to have cached them since).
+  auto placed = Burst({Cand("a", 0, 12), Cand("b")}, 32, 20);
+  EXPECT_GT(placed["a"], placed["b"]);
+  EXPECT_GE(placed["b"], 8) << "a took " << placed["a"];
+}
+
+TEST(PlacementTest, BurstOfDistinctSessionsSpreadsEvenly) {
+  auto placed = Burst({Cand("a"), Cand("b"), Cand("c"), Cand("d")}, 32, 10);
+  for (const auto& [w, n] : placed) EXPECT_EQ(n, 8) << w;
+}
+
+TEST(PlacementTest, FasterWorkersTakeMoreOfABurst) {
+  std::vector<Candidate> cands = {Cand("fast"), Cand("slow")};
+  cands[0].load.set_prefill_tokens_per_second(2000);
+  cands[1].load.set_prefill_tokens_per_second(1000);
+  auto placed = Burst(cands, 30, 10);
+  EXPECT_NEAR(placed["fast"], 20, 2);
+}
+
+TEST(PlacementTest, DispatchedWorkCountsUntilTheReportCatchesUp) {
+  // The report says idle, but this router has just sent "a" 3,000 tokens.
+  Candidate a = Cand("a", 0, 4);
+  a.dispatched_requests = 2;
+  a.dispatched_prefill_tokens = 3000;
+  EXPECT_EQ(Choose({}, "s", "", 16, 8, {a, Cand("b")}, false)->worker, "b");
+  // Once the report covers it, the larger of the two counts (not their sum).
+  a.load.set_queued_prefill_tokens(3000);
+  EXPECT_EQ(LoadTokens({}, a), 3000 + 32 * 2);
+}
+
 TEST(PlacementTest, RetryReason) {
   EXPECT_EQ(Choose({}, "s", "", 16, 0, {Cand("a")}, true)->reason, PlacementReason::kRetry);
 }

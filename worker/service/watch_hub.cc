@@ -121,6 +121,7 @@ v1::WorkerLoad WatchHub::CurrentLoad() const {
   load.set_waiting_requests(el.waiting);
   load.set_queued_prefill_tokens(el.queued_prefill_tokens);
   load.set_decode_tokens_per_second(el.decode_tokens_per_second);
+  load.set_prefill_tokens_per_second(el.prefill_tokens_per_second);
   load.set_sessions(static_cast<int32_t>(st.sessions));
   load.set_draining(draining_());
   return load;
