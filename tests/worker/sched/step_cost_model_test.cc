@@ -1,0 +1,71 @@
+#include "worker/sched/step_cost_model.h"
+
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace kvcache::sched {
+namespace {
+
+// A machine whose steps cost 2 ms + 0.5 ms per decode + 1 µs per decode context
+// token + 0.2 ms per prefill token + 10 ns per prefill attention pair.
+absl::Duration TrueCost(const StepShape& s) {
+  return absl::Microseconds(2000 + 500 * s.decode_tokens + s.decode_context + 200 * s.prefill_tokens) +
+         absl::Nanoseconds(10 * s.prefill_attention);
+}
+
+StepShape RandomShape(std::mt19937& rng) {
+  StepShape s;
+  s.decode_tokens = std::uniform_int_distribution<int>(0, 16)(rng);
+  s.decode_context = s.decode_tokens * std::uniform_int_distribution<int>(50, 4000)(rng);
+  s.prefill_tokens = std::uniform_int_distribution<int>(0, 1)(rng) != 0
+                         ? std::uniform_int_distribution<int>(1, 256)(rng)
+                         : 0;
+  const int pos = std::uniform_int_distribution<int>(0, 4000)(rng);
+  s.prefill_attention = static_cast<double>(s.prefill_tokens) * (pos + s.prefill_tokens / 2.0);
+  return s;
+}
+
+TEST(StepCostModelTest, LearnsALinearMachineFromItsSteps) {
+  StepCostModel m;
+  EXPECT_FALSE(m.ready());
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200; ++i) {
+    const StepShape s = RandomShape(rng);
+    // 2% multiplicative noise, as a shared machine has.
+    const double noise = std::uniform_real_distribution<double>(0.98, 1.02)(rng);
+    m.Observe(s, TrueCost(s) * noise);
+  }
+  ASSERT_TRUE(m.ready());
+  for (int i = 0; i < 50; ++i) {
+    const StepShape s = RandomShape(rng);
+    const double want = absl::ToDoubleSeconds(TrueCost(s));
+    EXPECT_NEAR(absl::ToDoubleSeconds(m.Predict(s)), want, 0.05 * want);
+  }
+  EXPECT_NEAR(m.PrefillTokenSeconds(0), 200e-6, 20e-6);
+  EXPECT_NEAR(m.PrefillTokenSeconds(4000), 200e-6 + 4000 * 10e-9, 20e-6);
+}
+
+TEST(StepCostModelTest, FollowsAMachineThatSlowsDown) {
+  StepCostModel m;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 200; ++i) {
+    const StepShape s = RandomShape(rng);
+    m.Observe(s, TrueCost(s));
+  }
+  for (int i = 0; i < 400; ++i) {  // another process now takes half the machine
+    const StepShape s = RandomShape(rng);
+    m.Observe(s, 2 * TrueCost(s));
+  }
+  EXPECT_NEAR(m.PrefillTokenSeconds(0), 400e-6, 40e-6);
+}
+
+TEST(StepCostModelTest, NeverPredictsNegativeTimes) {
+  StepCostModel m;
+  m.Observe(StepShape{1, 100, 0, 0}, absl::Milliseconds(5));
+  EXPECT_GE(m.Predict(StepShape{}), absl::ZeroDuration());
+  EXPECT_GT(m.PrefillTokenSeconds(0), 0);
+}
+
+}  // namespace
+}  // namespace kvcache::sched
