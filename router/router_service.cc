@@ -145,8 +145,8 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   }
 
   void Attempt(absl::Duration session_wait) {
-    auto placement =
-        router_->Place(request_.session_id(), request_.tenant(), append_, tokens_, tried_, session_wait);
+    auto placement = router_->Place(request_.session_id(), request_.tenant(), append_, tokens_, tried_,
+                                    session_wait, &chain_);
     if (!placement.ok()) return Finish(tried_.empty() ? ToGrpcStatus(placement.status()) : last_);
     if (attempts_ > 0) {
       placement->reason = PlacementReason::kRetry;
@@ -193,7 +193,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     const int64_t context = static_cast<int64_t>(tokens_.size() + emitted_.size());
     dispatched_prefill_ =
         append_ ? context : std::max<int64_t>(1, context - placement_.predicted_cached_tokens);
-    router_->pool_->AddDispatched(placement_.worker, 1, dispatched_prefill_);
+    router_->ledger_.Dispatch(placement_.worker, chain_, dispatched_prefill_);
     call->Start();  // last: its callbacks may run at once, on other threads
   }
 
@@ -202,7 +202,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     if (msg->has_token()) {
       if (emitted_.empty()) router_->metrics_->OnFirstToken(absl::ToDoubleSeconds(absl::Now() - start_));
       if (dispatched_prefill_ > 0) {  // the attempt's prompt is in the worker's cache now
-        router_->pool_->AddDispatched(placement_.worker, 0, -dispatched_prefill_);
+        router_->ledger_.PrefillDone(placement_.worker, dispatched_prefill_);
         dispatched_prefill_ = 0;
       }
       emitted_.push_back(msg->token().id());
@@ -232,7 +232,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         absl::MutexLock lock(&mu_);
         if (call_ == call) call_ = nullptr;
       }
-      router_->pool_->AddDispatched(placement_.worker, -1, -dispatched_prefill_);
+      router_->ledger_.Finish(placement_.worker, chain_, dispatched_prefill_);
       dispatched_prefill_ = 0;
     }
     last_ = st;
@@ -303,8 +303,12 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   size_t continued_from_ = 0;     // tokens already streamed when the current attempt began
   std::vector<WorkerId> tried_;
   int attempts_ = 0;
-  Placement placement_;             // the current attempt's
-  int64_t dispatched_prefill_ = 0;  // of the current attempt, counted in the pool until its first token
+  Placement placement_;  // the current attempt's
+  // The current attempt's entry in the router's DispatchLedger: its prompt's
+  // page chain (empty unless placed by affinity), and its prompt tokens until
+  // the first token arrives.
+  std::vector<BlockHash> chain_;
+  int64_t dispatched_prefill_ = 0;
   grpc::Status last_{grpc::UNAVAILABLE, "no healthy worker"};
 
   std::atomic<bool> client_gone_{false};
@@ -367,7 +371,9 @@ bool RouterService::MustWaitForSession(const SessionKey& key) const {
 
 absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, const std::string& tenant,
                                                bool append, const std::vector<int32_t>& tokens,
-                                               const std::vector<WorkerId>& exclude, absl::Duration wait) {
+                                               const std::vector<WorkerId>& exclude, absl::Duration wait,
+                                               std::vector<BlockHash>* chain_out) {
+  if (chain_out != nullptr) chain_out->clear();
   std::vector<WorkerView> healthy = pool_->Healthy();
   auto excluded = [&exclude](const WorkerId& w) {
     return std::find(exclude.begin(), exclude.end(), w) != exclude.end();
@@ -420,7 +426,7 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
   // Affinity: prefix hashes with the model id and page size the workers report.
   const int page_tokens =
       cands.front().kv_shape.page_tokens() > 0 ? cands.front().kv_shape.page_tokens() : 16;
-  const std::vector<BlockHash> chain = ChainBlockHashes(tokens, page_tokens, cands.front().model_id, tenant);
+  std::vector<BlockHash> chain = ChainBlockHashes(tokens, page_tokens, cands.front().model_id, tenant);
   const auto matches = directory_->MatchPrefix(chain);
   const auto session_counts = directory_->SessionCounts();
   std::vector<Candidate> candidates;
@@ -428,10 +434,15 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     Candidate c;
     c.worker = w.address;
     c.load = w.load;
-    c.dispatched_requests = w.dispatched_requests;
-    c.dispatched_prefill_tokens = w.dispatched_prefill_tokens;
+    const DispatchLedger::Outstanding out = ledger_.Get(w.address);
+    c.dispatched_requests = out.requests;
+    c.dispatched_prefill_tokens = out.prefill_tokens;
     auto m = matches.find(w.address);
     if (m != matches.end()) c.match = m->second;
+    // Pages a request in flight there is computing count as cached: they will
+    // be by the time this one's prefill reaches them.
+    const int computing = ledger_.LeadingPages(w.address, chain);
+    if (computing > c.match.total_pages()) c.match = PrefixMatch{computing, 0};
     if (auto n = session_counts.find(w.address); n != session_counts.end()) c.sessions = n->second;
     candidates.push_back(std::move(c));
   }
@@ -441,8 +452,10 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
           ? absl::StrJoin(tokens.begin(), tokens.begin() + std::min<size_t>(tokens.size(), 64), ",")
           : session_id;
   const int request_pages = static_cast<int>((tokens.size() + page_tokens - 1) / page_tokens);
-  return Choose(options_.placement, key, loc.has_value() ? loc->worker : WorkerId(), page_tokens,
-                request_pages, candidates, /*retry=*/false);
+  auto placed = Choose(options_.placement, key, loc.has_value() ? loc->worker : WorkerId(), page_tokens,
+                       request_pages, candidates, /*retry=*/false);
+  if (placed.ok() && chain_out != nullptr) *chain_out = std::move(chain);
+  return placed;
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(grpc::CallbackServerContext* context,

@@ -43,6 +43,7 @@
 #include "kvcache/v1/router.grpc.pb.h"
 #include "router/auth.h"
 #include "router/directory.h"
+#include "router/dispatch_ledger.h"
 #include "router/executor.h"
 #include "router/placement.h"
 #include "router/router_metrics.h"
@@ -143,15 +144,18 @@ class RouterService final : public v1::KvCache::CallbackService {
   bool BeginCall();
   void EndCall();
 
-  // The worker for a request, or why there is none. `exclude` holds workers
-  // already tried. `wait`: how long an APPEND's session may take to appear in
-  // the directory; anything but zero blocks, so only the executor passes it.
   // An APPEND on `key` must wait (on the executor) before placement: the
   // directory has not heard of the session yet, or its worker drains.
   bool MustWaitForSession(const SessionKey& key) const;
+  // The worker for a request, or why there is none. `exclude` holds workers
+  // already tried. `wait`: how long an APPEND's session may take to appear in
+  // the directory; anything but zero blocks, so only the executor passes it.
+  // `chain` (optional) gets the prompt's page hashes when placement computed
+  // them (affinity mode, FULL_CONTEXT), else is cleared: the ledger entry.
   absl::StatusOr<Placement> Place(const std::string& session_id, const std::string& tenant, bool append,
                                   const std::vector<int32_t>& tokens, const std::vector<WorkerId>& exclude,
-                                  absl::Duration wait = absl::ZeroDuration());
+                                  absl::Duration wait = absl::ZeroDuration(),
+                                  std::vector<BlockHash>* chain = nullptr);
   void Rebalance();
   // Moves the sessions of workers that report `draining` (SIGTERM) elsewhere.
   void EvacuateDraining();
@@ -159,6 +163,7 @@ class RouterService final : public v1::KvCache::CallbackService {
   const RouterOptions options_;
   WorkerPool* const pool_;
   Directory* const directory_;
+  DispatchLedger ledger_;
   const tok::Tokenizer* const tokenizer_;
   const tok::ChatTemplate* const chat_template_;
   const Authenticator* const auth_;

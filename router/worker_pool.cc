@@ -29,8 +29,6 @@ struct WorkerPool::Worker {
   bool departed = false;                  // a DNS-discovered worker no longer in its name's answer
   bool refused_draining = false;          // it answered new work with kWorkerDrainingMessage
   grpc::ClientContext* stream = nullptr;  // the open Watch call, to cancel it
-  int64_t dispatched_requests = 0;
-  int64_t dispatched_prefill_tokens = 0;
 
   // Takes no new work: it announced a drain, an admin started one, or it
   // refused work as draining. Under the pool's mutex.
@@ -327,8 +325,6 @@ WorkerView WorkerPool::ViewLocked(const Worker& w) const {
   v.load = w.load;
   v.model_id = w.model_id;
   v.kv_shape = w.kv_shape;
-  v.dispatched_requests = w.dispatched_requests;
-  v.dispatched_prefill_tokens = w.dispatched_prefill_tokens;
   return v;
 }
 
@@ -379,14 +375,6 @@ void WorkerPool::MarkDraining(const WorkerId& address) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(address);
   if (it != workers_.end()) it->second->refused_draining = true;
-}
-
-void WorkerPool::AddDispatched(const WorkerId& address, int64_t requests, int64_t prefill_tokens) {
-  absl::MutexLock lock(&mu_);
-  auto it = workers_.find(address);
-  if (it == workers_.end()) return;
-  it->second->dispatched_requests += requests;
-  it->second->dispatched_prefill_tokens += prefill_tokens;
 }
 
 void WorkerPool::MarkSuspect(const WorkerId& address) {

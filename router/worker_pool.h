@@ -54,11 +54,6 @@ struct WorkerView {
   v1::WorkerLoad load;
   std::string model_id;
   v1::KvShape kv_shape;
-  // What this router has sent the worker and not seen finish, counted as it
-  // happens (the load report is up to a report interval old): requests in
-  // flight, and the prompt tokens it expects them still to prefill.
-  int64_t dispatched_requests = 0;
-  int64_t dispatched_prefill_tokens = 0;
 };
 
 class WorkerPool {
@@ -94,9 +89,6 @@ class WorkerPool {
   // The worker answered that it drains (kWorkerDrainingMessage): take it as
   // draining now, before its Watch stream says so.
   void MarkDraining(const WorkerId& address);
-  // Adds to the worker's dispatched counts (WorkerView); callers pair every
-  // addition with its subtraction. A worker no longer in the pool is ignored.
-  void AddDispatched(const WorkerId& address, int64_t requests, int64_t prefill_tokens);
   // Blocks until "at least `n` workers are healthy" equals `want`, or `timeout`
   // passes; returns whether it does.
   bool AwaitHealthy(size_t n, bool want, absl::Duration timeout) const;

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/gguf/tiny_llama.h"
@@ -48,11 +49,12 @@ class RouterTest : public ::testing::Test {
     delete model_;
   }
 
-  void StartWorkers(int n) {
+  void StartWorkers(int n, std::vector<std::string> extra = {}) {
     for (int i = 0; i < n; ++i) {
-      auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"),
-                                               {"--model=" + *model_, "--worker_id=w" + std::to_string(i),
-                                                "--threads=1", "--load_report_interval=100ms"});
+      std::vector<std::string> args = {"--model=" + *model_, "--worker_id=w" + std::to_string(i),
+                                       "--threads=1", "--load_report_interval=100ms"};
+      args.insert(args.end(), extra.begin(), extra.end());
+      auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"), args);
       ASSERT_TRUE(w.ok()) << w.status();
       workers_.push_back(std::move(*w));
     }
@@ -123,6 +125,106 @@ TEST_F(RouterTest, NewSessionWithACachedPrefixGoesToItsWorker) {
     EXPECT_GT(r.final.usage().cached_tokens(), 200);
     EXPECT_GT(r.final.predicted_cached_tokens(), 200);
   }
+}
+
+// Sends `requests` at once, one thread each; returns the replies in order.
+std::vector<Reply> Burst(v1::KvCache::Stub* stub, const std::vector<v1::GenerateRequest>& requests) {
+  std::vector<Reply> replies(requests.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] { replies[i] = Generate(stub, requests[i]); });
+  }
+  for (std::thread& t : threads) t.join();
+  return replies;
+}
+
+TEST_F(RouterTest, BurstSharingACachedPrefixSpreadsAndLaterTurnsStay) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  const std::string system(400, 's');
+  Reply seed = Generate(stub.get(), Text("seed", system + " warm up", 2));
+  ASSERT_TRUE(seed.status.ok()) << seed.status.error_message();
+  // 32 new sessions at once, all sharing the prefix one worker holds: placement
+  // counts what it has dispatched, so they do not all herd onto that worker
+  // before its load reports catch up.
+  std::vector<v1::GenerateRequest> burst;
+  for (int i = 0; i < 32; ++i) {
+    burst.push_back(Text("burst-" + std::to_string(i),
+                         system + " question " + std::to_string(i) + " " + std::string(120, 'a' + i % 26),
+                         4));
+  }
+  std::vector<Reply> replies = Burst(stub.get(), burst);
+  std::map<std::string, int> per_worker;
+  for (const Reply& r : replies) {
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ++per_worker[r.final.worker_id()];
+  }
+  EXPECT_GE(per_worker[seed.final.worker_id()], 8);
+  for (const auto& [w, n] : per_worker) EXPECT_GE(n, 8) << w << " of 32";
+  // Each session's next turn stays where its first one ran.
+  for (int i = 0; i < 32; ++i) {
+    Reply next = Generate(stub.get(), Text("burst-" + std::to_string(i), " and then?", 2, v1::APPEND));
+    ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+    EXPECT_EQ(next.final.worker_id(), replies[i].final.worker_id()) << "burst-" << i;
+    EXPECT_GT(next.final.usage().cached_tokens(), 100);
+  }
+}
+
+TEST_F(RouterTest, BurstOfDistinctSessionsSpreadsEvenly) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  std::vector<v1::GenerateRequest> burst;
+  for (int i = 0; i < 32; ++i) {
+    std::string text;
+    for (int j = 0; j < 40; ++j) text += std::to_string(i * 1000 + j * 7) + " ";
+    burst.push_back(Text("distinct-" + std::to_string(i), text, 4));
+  }
+  std::map<std::string, int> per_worker;
+  for (const Reply& r : Burst(stub.get(), burst)) {
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ++per_worker[r.final.worker_id()];
+  }
+  ASSERT_EQ(per_worker.size(), 2u);
+  for (const auto& [w, n] : per_worker) EXPECT_NEAR(n, 16, 4) << w;
+}
+
+TEST_F(RouterTest, PrefixOffloadedToHostRamIsRestoredNotRecomputed) {
+  // Tier 0 holds 48 pages of 16 tokens (256 bytes a token for this model), tier 1
+  // plenty: a's prompt is offloaded, then a larger unrelated prompt evicts the
+  // tier-0 copies of its pages, so only tier 1 holds the shared prefix.
+  StartWorkers(1, {"--tier0_bytes=" + std::to_string(48 * 16 * 256), "--tier1_bytes=4000000"});
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  const std::string system(500, 'q');
+  Reply a = Generate(stub.get(), Text("a", system + " first question", 2));
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  auto worker = v1::Worker::NewStub(workers_[0]->channel());
+  {
+    grpc::ClientContext ctx;
+    v1::SessionRequest req;
+    req.set_session_id("a");
+    req.set_tenant("default");
+    v1::SessionInfo info;
+    ASSERT_TRUE(worker->OffloadSession(&ctx, req, &info).ok());
+  }
+  std::string filler;
+  for (int j = 0; j < 160; ++j) filler += std::to_string(j * 13) + " ";
+  Reply f = Generate(stub.get(), Text("filler", filler, 2));
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  ASSERT_GT(f.final.usage().prompt_tokens(), 40 * 16) << "the filler must evict the cached copies";
+
+  Reply b = Generate(stub.get(), Text("b", system + " second question", 2));
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_GT(b.final.usage().cached_tokens(), 100);
+  EXPECT_EQ(b.final.usage().restored_tokens(), b.final.usage().cached_tokens())
+      << "the shared prefix came back from host RAM";
+  // The router knew: its directory holds the host-tier hashes the worker reported.
+  EXPECT_GE(b.final.predicted_cached_tokens(), b.final.usage().cached_tokens());
 }
 
 TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {

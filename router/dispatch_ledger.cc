@@ -1,0 +1,63 @@
+#include "router/dispatch_ledger.h"
+
+#include <cassert>
+
+namespace kvcache::router {
+
+void DispatchLedger::Dispatch(const std::string& worker, absl::Span<const BlockHash> chain,
+                              int64_t prefill_tokens) {
+  absl::MutexLock lock(&mu_);
+  PerWorker& w = workers_[worker];
+  ++w.out.requests;
+  w.out.prefill_tokens += prefill_tokens;
+  for (const BlockHash& h : chain) ++w.pages[h];
+}
+
+void DispatchLedger::PrefillDone(const std::string& worker, int64_t prefill_tokens) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker);
+  assert(it != workers_.end());
+  if (it != workers_.end()) it->second.out.prefill_tokens -= prefill_tokens;
+}
+
+void DispatchLedger::Finish(const std::string& worker, absl::Span<const BlockHash> chain,
+                            int64_t prefill_tokens) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker);
+  assert(it != workers_.end());
+  if (it == workers_.end()) return;
+  PerWorker& w = it->second;
+  --w.out.requests;
+  w.out.prefill_tokens -= prefill_tokens;
+  for (const BlockHash& h : chain) {
+    auto p = w.pages.find(h);
+    assert(p != w.pages.end());
+    if (p != w.pages.end() && --p->second == 0) w.pages.erase(p);
+  }
+  if (w.out.requests == 0) {
+    assert(w.out.prefill_tokens == 0 && w.pages.empty());
+    workers_.erase(it);
+  }
+}
+
+DispatchLedger::Outstanding DispatchLedger::Get(const std::string& worker) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker);
+  return it == workers_.end() ? Outstanding{} : it->second.out;
+}
+
+int DispatchLedger::LeadingPages(const std::string& worker, absl::Span<const BlockHash> chain) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker);
+  if (it == workers_.end()) return 0;
+  int n = 0;
+  while (n < static_cast<int>(chain.size()) && it->second.pages.contains(chain[n])) ++n;
+  return n;
+}
+
+size_t DispatchLedger::workers_tracked() const {
+  absl::MutexLock lock(&mu_);
+  return workers_.size();
+}
+
+}  // namespace kvcache::router

@@ -1,0 +1,65 @@
+// DispatchLedger: what this router has sent each worker and not yet seen finish.
+//
+// The directory is built from the workers' own reports, which trail a dispatch
+// by a report interval (load) or by the request's prefill (cache events). In a
+// burst, every placement in between would see the same idle worker and the same
+// uncached prefix. The ledger closes that gap with this router's own knowledge,
+// counted at once: requests in flight per worker, the prompt tokens it expects
+// them still to prefill, and the prefix pages they are computing there (so a
+// second request with the same new prefix counts it as cached where the first
+// went: the worker's engine computes a prefix shared by concurrent requests
+// once). Entries leave when the request ends; by then the worker's own reports
+// cover them.
+//
+// Unlike the directory, the ledger is per router: replicas do not share it.
+//
+// Thread-safety: all methods take an internal lock; safe from any thread.
+#ifndef KVCACHE_ROUTER_DISPATCH_LEDGER_H_
+#define KVCACHE_ROUTER_DISPATCH_LEDGER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "common/block_hash.h"
+
+namespace kvcache::router {
+
+class DispatchLedger {
+ public:
+  struct Outstanding {
+    int64_t requests = 0;
+    int64_t prefill_tokens = 0;
+  };
+
+  // A request was sent to `worker`: `prefill_tokens` of its prompt are expected
+  // to be computed there, and `chain` (its prompt's full-page hashes) will be
+  // cached there. Pair with Finish (same worker, chain and what is left of the
+  // prefill tokens).
+  void Dispatch(const std::string& worker, absl::Span<const BlockHash> chain, int64_t prefill_tokens);
+  // The request's prompt is computed (its first token arrived).
+  void PrefillDone(const std::string& worker, int64_t prefill_tokens);
+  void Finish(const std::string& worker, absl::Span<const BlockHash> chain, int64_t prefill_tokens);
+
+  Outstanding Get(const std::string& worker) const;
+  // Leading pages of `chain` that requests in flight on `worker` are computing.
+  int LeadingPages(const std::string& worker, absl::Span<const BlockHash> chain) const;
+  // Workers with anything outstanding (for leak tests).
+  size_t workers_tracked() const;
+
+ private:
+  struct PerWorker {
+    Outstanding out;
+    absl::flat_hash_map<BlockHash, int> pages;  // hash -> requests computing it
+  };
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, PerWorker> workers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcache::router
+
+#endif  // KVCACHE_ROUTER_DISPATCH_LEDGER_H_

@@ -1,0 +1,38 @@
+#include "router/dispatch_ledger.h"
+
+#include "gtest/gtest.h"
+
+namespace kvcache::router {
+namespace {
+
+std::vector<BlockHash> Chain(std::vector<int32_t> tokens) {
+  return ChainBlockHashes(tokens, 2, "model", "tenant");
+}
+
+TEST(DispatchLedgerTest, CountsUntilEachRequestFinishes) {
+  DispatchLedger ledger;
+  const auto a = Chain({1, 2, 3, 4, 5, 6});
+  const auto b = Chain({1, 2, 3, 4, 9, 9, 9, 9});
+  ledger.Dispatch("w0", a, 100);
+  ledger.Dispatch("w0", b, 40);
+  EXPECT_EQ(ledger.Get("w0").requests, 2);
+  EXPECT_EQ(ledger.Get("w0").prefill_tokens, 140);
+  EXPECT_EQ(ledger.Get("w1").requests, 0);
+  // Pages in flight, leading pages only.
+  EXPECT_EQ(ledger.LeadingPages("w0", Chain({1, 2, 3, 4, 5, 6, 7, 8})), 3);
+  EXPECT_EQ(ledger.LeadingPages("w0", Chain({1, 2, 3, 4, 9, 9, 9, 9, 9, 9})), 4);
+  EXPECT_EQ(ledger.LeadingPages("w0", Chain({7, 7, 3, 4})), 0);
+  EXPECT_EQ(ledger.LeadingPages("w1", a), 0);
+
+  ledger.PrefillDone("w0", 100);
+  EXPECT_EQ(ledger.Get("w0").prefill_tokens, 40);
+  ledger.Finish("w0", a, 0);
+  // b still computes the shared first two pages.
+  EXPECT_EQ(ledger.LeadingPages("w0", a), 2);
+  ledger.Finish("w0", b, 40);
+  EXPECT_EQ(ledger.LeadingPages("w0", a), 0);
+  EXPECT_EQ(ledger.workers_tracked(), 0u);
+}
+
+}  // namespace
+}  // namespace kvcache::router
