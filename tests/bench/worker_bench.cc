@@ -14,11 +14,23 @@
 //                            and closing --churn_sessions sessions, divided by
 //                            after the first round (the larger of the two; both
 //                            are in metrics)
-// Each figure is the median of --reps runs, taken in this one run.
+//  shared_prefix_burst_prefill_vs_ideal
+//                            --burst_sessions new conversations sharing one
+//                            --burst_system_tokens system prompt, arriving
+//                            evenly within one second: prompt tokens the worker
+//                            computed (kvcache_prefill_tokens_total) ÷ one system
+//                            prompt plus every private part
+//  burst_two_workers_vs_one  32 concurrent new sessions sharing a system prompt
+//                            one worker has cached, through a router: time for
+//                            all to finish on one worker ÷ on two (1 thread each)
+// Each figure is the median of --reps runs, taken in this one run (the two burst
+// figures: one run each).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <map>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -28,6 +40,7 @@
 #include "common/bench_json.h"
 #include "common/gguf/model_path.h"
 #include "common/tokenizer/tokenizer.h"
+#include "kvcache/v1/router.grpc.pb.h"
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "tests/testing/child_process.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
@@ -41,6 +54,9 @@ ABSL_FLAG(int, migrate_tokens, 4000, "Length of the migrated session");
 ABSL_FLAG(int, decode_tokens, 256, "Tokens generated for the streaming comparison");
 ABSL_FLAG(int, churn_sessions, 10000, "Sessions opened and closed per churn round");
 ABSL_FLAG(int, churn_rounds, 10, "Churn rounds");
+ABSL_FLAG(int, burst_sessions, 16, "New conversations in the shared-prefix burst");
+ABSL_FLAG(int, burst_system_tokens, 1500, "Shared system prompt of the shared-prefix burst");
+ABSL_FLAG(int, burst_private_tokens, 100, "Private part of each burst conversation");
 
 namespace kvcache {
 namespace {
@@ -77,7 +93,8 @@ struct Result {
   grpc::Status status;
 };
 
-Result Call(v1::Worker::Stub* stub, const v1::GenerateRequest& req) {
+template <typename Stub>  // a worker's or a router's
+Result Call(Stub* stub, const v1::GenerateRequest& req) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
   const absl::Time start = absl::Now();
@@ -149,6 +166,117 @@ absl::StatusOr<double> InProcessDecode(int threads, int n_tokens, const std::vec
     rates.push_back((c.tokens - 1) / absl::ToDoubleSeconds(c.last - c.first));
   }
   return Median(rates);
+}
+
+// The value of an unlabelled Prometheus sample `name` on the metrics port.
+absl::StatusOr<double> MetricValue(int port, const std::string& name) {
+  auto body = testing::HttpGet(port, "/metrics");
+  if (!body.ok()) return body.status();
+  const std::string prefix = "\n" + name + " ";
+  const size_t at = body->find(prefix);
+  if (at == std::string::npos) return absl::NotFoundError(name + " not exported");
+  return std::strtod(body->c_str() + at + prefix.size(), nullptr);
+}
+
+// Sends `requests` through `stub`, request i at start + i * spacing, each on its
+// own thread; returns the results in order.
+template <typename Stub>
+std::vector<Result> Burst(Stub* stub, const std::vector<v1::GenerateRequest>& requests,
+                          absl::Duration spacing) {
+  std::vector<Result> out(requests.size());
+  std::vector<std::thread> threads;
+  const absl::Time start = absl::Now();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] {
+      absl::SleepFor(start + spacing * static_cast<double>(i) - absl::Now());  // arrival pacing
+      out[i] = Call(stub, requests[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+// 5. New conversations sharing a long system prompt, arriving within a second.
+bool SharedPrefixBurst(v1::Worker::Stub* stub, int metrics_port, bench::BenchReport& report) {
+  const int n = absl::GetFlag(FLAGS_burst_sessions);
+  const int sys = absl::GetFlag(FLAGS_burst_system_tokens);
+  const int priv = absl::GetFlag(FLAGS_burst_private_tokens);
+  const std::vector<int32_t> system = History(sys, 777);
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < n; ++i) {
+    std::vector<int32_t> prompt = system;
+    for (int32_t t : History(priv, 900 + i)) prompt.push_back(t);
+    requests.push_back(TokensRequest(absl::StrCat("burst-", i), "burst", prompt, 16, v1::FULL_CONTEXT));
+  }
+  auto before = MetricValue(metrics_port, "kvcache_prefill_tokens_total");
+  const absl::Time start = absl::Now();
+  std::vector<Result> results = Burst(stub, requests, absl::Seconds(1) / n);
+  const double total_s = absl::ToDoubleSeconds(absl::Now() - start);
+  auto after = MetricValue(metrics_port, "kvcache_prefill_tokens_total");
+  if (!before.ok() || !after.ok()) {
+    std::fprintf(stderr, "prefill counter: %s\n", (before.ok() ? after : before).status().ToString().c_str());
+    return false;
+  }
+  std::vector<double> ttft;
+  for (const Result& r : results) {
+    if (!r.status.ok()) {
+      std::fprintf(stderr, "burst request failed: %s\n", r.status.error_message().c_str());
+      return false;
+    }
+    ttft.push_back(r.final.usage().time_to_first_token_us() / 1e3);
+  }
+  const double ideal = sys + static_cast<double>(n) * priv;
+  report.metrics["shared_prefix_burst_prefill_tokens"] = *after - *before;
+  report.baseline["shared_prefix_burst_ideal_prefill_tokens"] = ideal;
+  report.ratio["shared_prefix_burst_prefill_vs_ideal"] = (*after - *before) / ideal;
+  report.metrics["shared_prefix_burst_ttft_p50_ms"] = Median(ttft);
+  report.metrics["shared_prefix_burst_ttft_max_ms"] = *std::max_element(ttft.begin(), ttft.end());
+  report.metrics["shared_prefix_burst_seconds"] = total_s;
+  report.notes["shared_prefix_burst"] = absl::StrCat(
+      n, " new sessions of a ", sys, "-token shared system prompt plus ", priv,
+      " private tokens (16 generated), arriving evenly within 1 s; prefill tokens from the worker's "
+      "kvcache_prefill_tokens_total; ideal = one system prompt + every private part");
+  return true;
+}
+
+// 6. 32 concurrent new sessions sharing a system prompt one worker has cached,
+// through a router over `workers` workers of one thread each. Returns the
+// seconds until all finished and how many went to each worker.
+absl::StatusOr<double> RouterBurst(int workers, std::map<std::string, int>* per_worker) {
+  std::vector<std::unique_ptr<testing::ServerUnderTest>> ws;
+  std::string list;
+  for (int i = 0; i < workers; ++i) {
+    auto w = testing::ServerUnderTest::Start(
+        testing::BinaryPath("worker/kvcache-worker"),
+        {absl::StrCat("--worker_id=burst-", i), "--threads=1", "--tier0_bytes=1073741824",
+         "--load_report_interval=200ms", "--model=" + gguf::DefaultModelPath()});
+    if (!w.ok()) return w.status();
+    list += (list.empty() ? "" : ",") + (*w)->grpc_address();
+    ws.push_back(std::move(*w));
+  }
+  auto router = testing::ServerUnderTest::Start(
+      testing::BinaryPath("router/kvcache-router"),
+      {"--workers=" + list, "--model=" + gguf::DefaultModelPath(), "--rebalance_interval=0s",
+       absl::StrCat("--min_ready_workers=", workers)});
+  if (!router.ok()) return router.status();
+  auto stub = v1::KvCache::NewStub((*router)->channel());
+  const std::vector<int32_t> system = History(500, 555);
+  Result seed = Call(stub.get(), TokensRequest("seed", "", system, 1, v1::FULL_CONTEXT));
+  if (!seed.status.ok()) return absl::InternalError(seed.status.error_message());
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 32; ++i) {
+    std::vector<int32_t> prompt = system;
+    for (int32_t t : History(100, 300 + i)) prompt.push_back(t);
+    requests.push_back(TokensRequest(absl::StrCat("user-", i), "", prompt, 16, v1::FULL_CONTEXT));
+  }
+  const absl::Time start = absl::Now();
+  std::vector<Result> results = Burst(stub.get(), requests, absl::ZeroDuration());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  for (const Result& r : results) {
+    if (!r.status.ok()) return absl::InternalError(r.status.error_message());
+    ++(*per_worker)[r.final.worker_id()];
+  }
+  return seconds;
 }
 
 // Resident set size of a process in bytes (VmRSS), or 0.
@@ -330,8 +458,26 @@ int Run() {
                      " forks then closes of 32-token sessions (4 client threads), a router "
                      "watching; RSS from /proc/PID/status VmRSS after each round");
   }
+  if (!SharedPrefixBurst(stub.get(), (*w1)->metrics_port(), report)) return 1;
   w1->reset();
   w2->reset();
+
+  std::map<std::string, int> split_one, split_two;
+  auto one = RouterBurst(1, &split_one);
+  auto two = RouterBurst(2, &split_two);
+  if (!one.ok() || !two.ok()) {
+    std::fprintf(stderr, "router burst failed: %s\n", (one.ok() ? two : one).status().ToString().c_str());
+    return 1;
+  }
+  report.metrics["burst_one_worker_seconds"] = *one;
+  report.metrics["burst_two_workers_seconds"] = *two;
+  report.ratio["burst_two_workers_vs_one"] = *one / *two;
+  std::string split;
+  for (const auto& [w, k] : split_two) absl::StrAppend(&split, split.empty() ? "" : ", ", w, ": ", k);
+  report.notes["router_burst"] = absl::StrCat(
+      "32 concurrent new sessions (500-token system prompt cached on one worker + 100 private tokens, 16 "
+      "generated) through a router; workers of 1 thread each; two-worker split: ",
+      split);
 
   auto inproc = InProcessDecode(threads, n, prompt);
   if (!inproc.ok()) {
