@@ -284,7 +284,7 @@ class HttpGateway::Exchange final : public Pending, public grpc::ClientReadReact
       if (!stream_) {
         if (!status.ok()) return SendError(req, status);
         text_ += trimmer_.Flush();
-        return SendJson(req, 200, openai::ResponseJson(meta_, text_, finish, final_.usage()));
+        return SendJson(req, 200, openai::ResponseJson(meta_, text_, finish, final_));
       }
       if (!status.ok() && !started_) return SendError(req, status);
       StartStream();
@@ -292,7 +292,7 @@ class HttpGateway::Exchange final : public Pending, public grpc::ClientReadReact
         if (std::string rest = trimmer_.Flush(); !rest.empty())
           SendEvent(openai::ChunkJson(meta_, rest, false, nullptr, include_usage_));
         SendEvent(openai::ChunkJson(meta_, "", false, &finish, include_usage_));
-        if (include_usage_) SendEvent(openai::UsageChunkJson(meta_, final_.usage()));
+        if (include_usage_) SendEvent(openai::UsageChunkJson(meta_, final_));
       } else {
         SendEvent(openai::ErrorJson(status));  // the status line went out with the first token
       }

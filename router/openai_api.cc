@@ -304,6 +304,15 @@ OJson UsageObject(const v1::Usage& usage) {
   return u;
 }
 
+OJson KvcacheObject(const v1::GenerateResponse::Final& final) {
+  OJson k;
+  k["worker_id"] = final.worker_id();
+  k["session_id"] = final.session_id();
+  k["time_to_first_token_ms"] = final.usage().time_to_first_token_us() / 1e3;
+  k["predicted_cached_tokens"] = final.predicted_cached_tokens();
+  return k;
+}
+
 OJson Envelope(const ResponseMeta& meta, const char* chat_object, const char* completion_object) {
   OJson j;
   j["id"] = meta.id;
@@ -436,7 +445,7 @@ std::string NewResponseId(Endpoint endpoint, uint64_t random_hi, uint64_t random
 }
 
 std::string ResponseJson(const ResponseMeta& meta, absl::string_view text, v1::FinishReason finish,
-                         const v1::Usage& usage) {
+                         const v1::GenerateResponse::Final& final) {
   OJson j = Envelope(meta, "chat.completion", "text_completion");
   OJson choice;
   choice["index"] = 0;
@@ -448,7 +457,8 @@ std::string ResponseJson(const ResponseMeta& meta, absl::string_view text, v1::F
   choice["logprobs"] = nullptr;
   choice["finish_reason"] = FinishReasonName(finish);
   j["choices"] = OJson::array({std::move(choice)});
-  j["usage"] = UsageObject(usage);
+  j["usage"] = UsageObject(final.usage());
+  j["kvcache"] = KvcacheObject(final);
   return Dump(j);
 }
 
@@ -472,10 +482,11 @@ std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool wit
   return Dump(j);
 }
 
-std::string UsageChunkJson(const ResponseMeta& meta, const v1::Usage& usage) {
+std::string UsageChunkJson(const ResponseMeta& meta, const v1::GenerateResponse::Final& final) {
   OJson j = Envelope(meta, "chat.completion.chunk", "text_completion");
   j["choices"] = OJson::array();
-  j["usage"] = UsageObject(usage);
+  j["usage"] = UsageObject(final.usage());
+  j["kvcache"] = KvcacheObject(final);
   return Dump(j);
 }
 

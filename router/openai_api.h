@@ -90,9 +90,11 @@ struct ResponseMeta {
 // A fresh id for `endpoint`: its prefix and 24 hex digits from `random`.
 std::string NewResponseId(Endpoint endpoint, uint64_t random_hi, uint64_t random_lo);
 
-// The non-streaming response: chat.completion or text_completion.
+// The non-streaming response: chat.completion or text_completion, with the
+// usage of `final` and, beside OpenAI's fields, "kvcache": {worker_id,
+// session_id, time_to_first_token_ms (the worker's), predicted_cached_tokens}.
 std::string ResponseJson(const ResponseMeta& meta, absl::string_view text, v1::FinishReason finish,
-                         const v1::Usage& usage);
+                         const v1::GenerateResponse::Final& final);
 
 // One streaming chunk (without the SSE framing). A chat stream's first chunk
 // carries the assistant role (`with_role`); the last content chunk carries the
@@ -100,7 +102,7 @@ std::string ResponseJson(const ResponseMeta& meta, absl::string_view text, v1::F
 // "usage": null, and UsageChunkJson ends the stream.
 std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool with_role,
                       const v1::FinishReason* finish, bool include_usage);
-std::string UsageChunkJson(const ResponseMeta& meta, const v1::Usage& usage);
+std::string UsageChunkJson(const ResponseMeta& meta, const v1::GenerateResponse::Final& final);
 
 // GET /v1/models and /v1/models/{id}.
 std::string ModelsJson(const std::vector<std::string>& names, int64_t created);

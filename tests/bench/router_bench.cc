@@ -16,6 +16,9 @@
 //                             a keep-alive connection, first SSE event) minus
 //                             p50 through its gRPC API (same requests,
 //                             alternating)
+//  http_added_path_ms_p50     the same minus the worker's own time to first
+//                             token (gRPC: usage; HTTP: the "kvcache" field of
+//                             the usage chunk): the HTTP path alone
 //  decisions_per_second       placement decisions (hash a 512-token prompt's
 //                             pages, match them in a directory of 10,000
 //                             sessions on 8 workers, score, choose) per second,
@@ -23,6 +26,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 #include "absl/flags/flag.h"
@@ -104,17 +108,24 @@ Timing Measure(Stub* stub, const std::vector<int32_t>& prompt, int max_tokens) {
 // The same single-token request through the router's HTTP API, on a
 // keep-alive connection: ms from sending it to the first SSE event (the
 // status line and the first token leave the router together).
-double MeasureHttp(event_base* base, testing::HttpConnection* conn, const std::vector<int32_t>& prompt) {
+// `worker_ttft_ms` is the worker's own measure, from the usage chunk.
+double MeasureHttp(event_base* base, testing::HttpConnection* conn, const std::vector<int32_t>& prompt,
+                   double* worker_ttft_ms) {
   const std::string body = absl::StrCat("{\"prompt\": [", absl::StrJoin(prompt, ","),
                                         "], \"max_tokens\": 1, \"temperature\": 0, \"ignore_eos\": true, "
-                                        "\"stream\": true}");
+                                        "\"stream\": true, \"stream_options\": {\"include_usage\": true}}");
   testing::HttpResult result;
   conn->Send("POST", "/v1/completions", body, {}, [&](const testing::HttpResult& r) {
     result = r;
     event_base_loopbreak(base);
   });
   event_base_dispatch(base);
-  if (result.status != 200 || result.body.find("data: [DONE]") == std::string::npos) return -1;
+  constexpr char kField[] = "\"time_to_first_token_ms\":";
+  const size_t at = result.body.find(kField);
+  if (result.status != 200 || result.body.find("data: [DONE]") == std::string::npos ||
+      at == std::string::npos)
+    return -1;
+  *worker_ttft_ms = std::strtod(result.body.c_str() + at + sizeof(kField) - 1, nullptr);
   return absl::ToDoubleMilliseconds(result.first_chunk - result.sent);
 }
 
@@ -346,21 +357,27 @@ int Run() {
     }
   }
   event_base* base = event_base_new();
-  std::vector<double> ttft_grpc, ttft_http;
+  std::vector<double> ttft_grpc, ttft_http, path_grpc, path_http;
   {
     testing::HttpConnection conn(base, http_port);
     for (int i = 0; i < n; ++i) {
       Timing g = Measure(routed.get(), Prompt(5000 + 2 * i, 24), 1);
-      const double h = MeasureHttp(base, &conn, Prompt(5001 + 2 * i, 24));
+      double worker_ms = 0;
+      const double h = MeasureHttp(base, &conn, Prompt(5001 + 2 * i, 24), &worker_ms);
       if (!g.ok || h < 0) return 1;
       ttft_grpc.push_back(g.ttft_ms);
       ttft_http.push_back(h);
+      path_grpc.push_back(g.ttft_ms - g.worker_ttft_ms);
+      path_http.push_back(h - worker_ms);
     }
   }
   event_base_free(base);
   report.metrics["ttft_p50_ms_http"] = Percentile(ttft_http, 0.5);
   report.baseline["ttft_p50_ms_grpc_router"] = Percentile(ttft_grpc, 0.5);
   report.metrics["http_added_ttft_p50_ms"] = Percentile(ttft_http, 0.5) - Percentile(ttft_grpc, 0.5);
+  report.metrics["http_path_ms_p50"] = Percentile(path_http, 0.5);
+  report.baseline["grpc_router_path_ms_p50"] = Percentile(path_grpc, 0.5);
+  report.metrics["http_added_path_ms_p50"] = Percentile(path_http, 0.5) - Percentile(path_grpc, 0.5);
 
   report.metrics["router_tokens_per_s"] = Percentile(tps_routed, 0.5);
   report.baseline["direct_tokens_per_s"] = Percentile(tps_direct, 0.5);

@@ -107,11 +107,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const auto& stop : parsed->stop) Check(out.find(stop) == std::string::npos, "a stop string got out");
   if (!trimmer.matched()) Check(out == text, "the trimmer lost text without a stop string");
   openai::ResponseMeta meta{endpoint, openai::NewResponseId(endpoint, size, data[0]), 1, parsed->model};
-  kvcache::v1::Usage usage;
+  kvcache::v1::GenerateResponse::Final final;
+  final.set_session_id(g.session_id());
   const kvcache::v1::FinishReason finish = kvcache::v1::FINISH_REASON_STOP_STRING;
-  Check(ValidJson(openai::ResponseJson(meta, out, finish, usage)), "the response is not JSON");
+  Check(ValidJson(openai::ResponseJson(meta, out, finish, final)), "the response is not JSON");
   Check(ValidJson(openai::ChunkJson(meta, out, true, &finish, parsed->include_usage)), "a chunk is not JSON");
-  Check(ValidJson(openai::UsageChunkJson(meta, usage)), "the usage chunk is not JSON");
+  Check(ValidJson(openai::UsageChunkJson(meta, final)), "the usage chunk is not JSON");
   Check(ValidJson(openai::ModelJson(parsed->model, 1)), "the model object is not JSON");
   return 0;
 }

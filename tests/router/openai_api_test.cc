@@ -199,19 +199,24 @@ TEST(OpenAiStatusTest, ErrorObject) {
   EXPECT_EQ(model["error"]["code"], "model_not_found");
 }
 
-v1::Usage SomeUsage() {
-  v1::Usage u;
+v1::GenerateResponse::Final SomeFinal() {
+  v1::GenerateResponse::Final f;
+  v1::Usage& u = *f.mutable_usage();
   u.set_prompt_tokens(120);
   u.set_cached_tokens(96);
   u.set_generated_tokens(8);
-  return u;
+  u.set_time_to_first_token_us(2500);
+  f.set_worker_id("w1");
+  f.set_session_id("alice");
+  f.set_predicted_cached_tokens(80);
+  return f;
 }
 
 TEST(OpenAiResponseTest, ChatCompletionObject) {
   ResponseMeta meta{Endpoint::kChatCompletions, NewResponseId(Endpoint::kChatCompletions, 1, 2), 1700000000,
                     "m"};
   EXPECT_THAT(meta.id, ::testing::MatchesRegex("chatcmpl-[0-9a-f]{24}"));
-  Json j = Json::parse(ResponseJson(meta, "Hello!", v1::FINISH_REASON_LENGTH, SomeUsage()));
+  Json j = Json::parse(ResponseJson(meta, "Hello!", v1::FINISH_REASON_LENGTH, SomeFinal()));
   EXPECT_EQ(j["object"], "chat.completion");
   EXPECT_EQ(j["id"], meta.id);
   EXPECT_EQ(j["created"], 1700000000);
@@ -223,12 +228,16 @@ TEST(OpenAiResponseTest, ChatCompletionObject) {
   EXPECT_EQ(j["usage"]["completion_tokens"], 8);
   EXPECT_EQ(j["usage"]["total_tokens"], 128);
   EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
+  EXPECT_EQ(j["kvcache"]["worker_id"], "w1");
+  EXPECT_EQ(j["kvcache"]["session_id"], "alice");
+  EXPECT_DOUBLE_EQ(j["kvcache"]["time_to_first_token_ms"].get<double>(), 2.5);
+  EXPECT_EQ(j["kvcache"]["predicted_cached_tokens"], 80);
 }
 
 TEST(OpenAiResponseTest, TextCompletionAndChunks) {
   ResponseMeta meta{Endpoint::kCompletions, NewResponseId(Endpoint::kCompletions, 3, 4), 5, "m"};
   EXPECT_THAT(meta.id, ::testing::MatchesRegex("cmpl-[0-9a-f]{24}"));
-  Json full = Json::parse(ResponseJson(meta, "abc", v1::FINISH_REASON_STOP_STRING, SomeUsage()));
+  Json full = Json::parse(ResponseJson(meta, "abc", v1::FINISH_REASON_STOP_STRING, SomeFinal()));
   EXPECT_EQ(full["object"], "text_completion");
   EXPECT_EQ(full["choices"][0]["text"], "abc");
   EXPECT_EQ(full["choices"][0]["finish_reason"], "stop");
@@ -247,9 +256,10 @@ TEST(OpenAiResponseTest, TextCompletionAndChunks) {
   Json last = Json::parse(ChunkJson(chat, "", false, &stop, true));
   EXPECT_TRUE(last["choices"][0]["delta"].empty());
   EXPECT_EQ(last["choices"][0]["finish_reason"], "stop");
-  Json usage = Json::parse(UsageChunkJson(chat, SomeUsage()));
+  Json usage = Json::parse(UsageChunkJson(chat, SomeFinal()));
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
+  EXPECT_EQ(usage["kvcache"]["worker_id"], "w1");
 }
 
 TEST(OpenAiResponseTest, InvalidUtf8IsReplacedNotThrown) {
