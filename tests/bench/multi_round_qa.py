@@ -362,6 +362,7 @@ def summarize(run, grpc_target):
         "ttft_p99_ms": ms(percentile(ttft, 99)),
         "itl_p50_ms": ms(percentile(itl, 50)),
         "itl_p99_ms": ms(percentile(itl, 99)),
+        "itl_p99_over_p50": (percentile(itl, 99) / percentile(itl, 50)) if itl and percentile(itl, 50) else None,
         "e2e_p50_ms": ms(percentile(e2e, 50)),
         "e2e_p99_ms": ms(percentile(e2e, 99)),
         "request_throughput_per_s": len(ok) / run.wall if run.wall > 0 else 0.0,
@@ -410,9 +411,11 @@ def fmt(v, key):
     return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
 
 
-def write_json(path, benchmark, metrics, baseline, ratio, notes):
+def write_json(path, benchmark, metrics, baseline, ratio, notes, run_id=None):
     report = {"benchmark": benchmark, "metrics": metrics, "baseline": baseline, "ratio": ratio, "notes": notes,
               "machine": machine()}
+    if run_id:
+        report["run_id"] = run_id
     with open(path, "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -420,40 +423,64 @@ def write_json(path, benchmark, metrics, baseline, ratio, notes):
 
 # ----------------------------------------------------------------------------- combine
 
-TABLE_KEYS = ["ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+TABLE_KEYS = ["ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_p99_over_p50",
+              "e2e_p50_ms", "e2e_p99_ms",
               "request_throughput_per_s", "output_tokens_per_s", "cache_hit_ratio", "prompt_tokens_mean", "requests",
               "errors", "incomplete"]
-PER_MODE_KEYS = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "e2e_p50_ms", "request_throughput_per_s",
-                 "output_tokens_per_s", "cache_hit_ratio", "requests", "errors"]
+PER_MODE_KEYS = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_p99_over_p50", "e2e_p50_ms",
+                 "request_throughput_per_s", "output_tokens_per_s", "cache_hit_ratio", "requests", "errors"]
+# (key, lower is better) compared between affinity and every other mode of a shape.
+COMPARED = [("ttft_p50_ms", True), ("ttft_p99_ms", True), ("itl_p50_ms", True), ("itl_p99_ms", True),
+            ("output_tokens_per_s", False)]
 
 
 def combine(pairs, json_path):
-    """`pairs`: ["affinity=a.json", ...]. Writes multi_round_qa.json with ratios."""
+    """`pairs`: ["a/affinity=a.json", ...] (SHAPE/MODE=FILE, or MODE=FILE for one
+    unnamed shape). Writes multi_round_qa.json: every mode's figures under
+    SHAPE_MODE_, and for each shape affinity against every other mode, as
+    other ÷ affinity for latencies and affinity ÷ other for throughput (> 1:
+    affinity is better), favourable or not. Refuses reports of different runs."""
     modes = {}
     for p in pairs:
         name, _, path = p.partition("=")
         with open(path) as f:
             modes[name] = json.load(f)
+    run_ids = {rep.get("run_id") for rep in modes.values()}
+    if len(run_ids) != 1 or None in run_ids:
+        sys.exit(f"multi_round_qa.py: refusing to combine reports of different runs (run ids {sorted(map(str, run_ids))})")
     metrics, baseline, ratio, notes = {}, {}, {}, {}
+    shapes = {}
     for name, rep in modes.items():
+        shape, _, mode = name.rpartition("/")
+        shapes.setdefault(shape, {})[mode] = rep["metrics"]
+        prefix = f"{shape}_{mode}" if shape else mode
         for k in PER_MODE_KEYS:
             if k in rep["metrics"]:
-                metrics[f"{name}_{k}"] = rep["metrics"][k]
+                metrics[f"{prefix}_{k}"] = rep["metrics"][k]
         for k, v in rep.get("notes", {}).items():
-            notes[f"{name}_{k}"] = v
-    aff = modes.get("affinity", {}).get("metrics", {}).get("ttft_p50_ms")
-    for name, key in (("round_robin", "affinity_vs_roundrobin_ttft_p50"), ("random", "affinity_vs_random_ttft_p50"),
-                      ("llamacpp", "affinity_vs_llamacpp_ttft_p50")):
-        base = modes.get(name, {}).get("metrics", {}).get("ttft_p50_ms")
-        if base is not None:
-            baseline[f"{name}_ttft_p50_ms"] = base
-        if base is not None and aff:
-            ratio[key] = base / aff
-    print_table(modes)
+            notes[f"{prefix}_{k}"] = v
+    for shape, by_mode in shapes.items():
+        aff = by_mode.get("affinity")
+        if not aff:
+            continue
+        for mode, m in by_mode.items():
+            if mode == "affinity":
+                continue
+            for key, lower_better in COMPARED:
+                a, b = aff.get(key), m.get(key)
+                if not a or not b:
+                    continue
+                name = f"{shape + '_' if shape else ''}affinity_vs_{mode}_{key.removesuffix('_ms')}"
+                ratio[name] = b / a if lower_better else a / b
+                if mode != "affinity":
+                    baseline[f"{shape + '_' if shape else ''}{mode}_{key}"] = b
+    for shape, by_mode in shapes.items():
+        print(f"== shape {shape or '-'} ==")
+        print_table({mode: {"metrics": m} for mode, m in by_mode.items()})
     for k, v in sorted(ratio.items()):
-        print(f"{k:40s} {v:8.2f}")
+        print(f"{k:56s} {v:8.2f}")
     if json_path:
-        write_json(json_path, "multi_round_qa", metrics, baseline, ratio, notes)
+        write_json(json_path, "multi_round_qa", metrics, baseline, ratio, notes, run_id=run_ids.pop())
         print(f"wrote {json_path}")
 
 
@@ -493,10 +520,12 @@ def main():
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request at most")
     p.add_argument("--seed", type=int, default=10)
     p.add_argument("--label", default=None, help="name of this run in the report")
+    p.add_argument("--run_id", default=None,
+                   help="id of the benchmark run this report belongs to (--combine refuses mixed ids)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--proto_dir", default=DEFAULT_PROTO_DIR)
     p.add_argument("--combine", nargs="+", metavar="MODE=FILE",
-                   help="merge per-mode reports (affinity, round_robin, random, llamacpp) into --json and exit")
+                   help="merge per-mode reports of one run (SHAPE/MODE=FILE) into --json and exit")
     args = p.parse_args()
 
     if args.combine:
@@ -533,7 +562,7 @@ def main():
     for k, v in sorted(notes.items()):
         print(f"note {k}: {v}")
     if args.json:
-        write_json(args.json, f"multi_round_qa_{args.label}", metrics, {}, {}, notes)
+        write_json(args.json, f"multi_round_qa_{args.label}", metrics, {}, {}, notes, run_id=args.run_id)
     return 1 if metrics["errors"] else 0
 
 

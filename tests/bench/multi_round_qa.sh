@@ -1,46 +1,63 @@
 #!/usr/bin/env bash
-# Multi-round QA benchmark (issue #10): the same workload (tests/bench/multi_round_qa.py)
-# through a kvcache router over two workers with placement (a) affinity, (b)
-# round_robin, (c) random, and (d) against llama.cpp's OpenAI server
-# (llama-cpp-python), on this machine with the same total threads. Writes
-# OUTDIR/multi_round_qa.json with per-mode metrics and the ratios
-# affinity_vs_{roundrobin,random,llamacpp}_ttft_p50 (baseline p50 / affinity p50).
+# Multi-round QA load benchmark, one command, one run: every workload shape and
+# every mode below run in this one invocation (each report carries the run's id,
+# and tests/bench/multi_round_qa.py --combine refuses reports of different runs).
+# Writes OUTDIR/multi_round_qa.json (every mode's figures and, per shape, every
+# ratio of affinity against the other modes, favourable or not) and the per-mode
+# reports beside it.
 #
-# Tier 0 of each worker holds FRACTION (0.6) of half the workload's working set
-# (every user's final history, counted per user; at least two users' longest
-# contexts) and tier 1 (host RAM) TIER1_RATIO (1) times that, so a worker holds
-# about 1.2x half the histories: affinity keeps each user's history on one
-# worker and fits, round-robin and random make each worker see every user, and
-# what they cannot hold they evict and recompute.
+# Shapes (SHAPES, default "a b c"; each value below can be overridden with
+# <SHAPE>_<VAR>, e.g. B_USERS=4):
+#   a  the original workload (README's earlier table): 8 users x 6 rounds, a
+#      400-token shared system prompt, 1,200 tokens of private notes per user,
+#      questions of 50-100 tokens, 32-token answers, a new user every 4 s, 3 s
+#      between a user's rounds; tier 1 = tier 0
+#   b  vLLM production-stack's multi-round QA shape scaled to this machine: a
+#      ~1,000-token shared system prompt, a long per-user history (2,000 tokens
+#      of notes), ~100-token answers: 6 users x 4 rounds, a new user every 4 s,
+#      3 s between rounds
+#   c  shape a with tier 1 twice tier 0 (TIER1_RATIO=2): round-robin can keep
+#      most histories in host RAM, the unfavourable case for affinity
+# Tier 0 of each worker holds FRACTION (0.6) of half the shape's working set
+# (every user's final history; at least two users' longest contexts) and tier 1
+# TIER1_RATIO times that.
+#
+# Modes (MODES, default "affinity affinity_http round_robin llama_server"):
+#   affinity, round_robin, random   a kvcache router (--placement=...) over two
+#                                   workers, driven over gRPC
+#   affinity_http                   the same router driven through its OpenAI
+#                                   HTTP API (the client path of llama-server)
+#   affinity_token_budget           affinity with --max_step_ms=-1 (prefill chunks
+#                                   bounded by --max_batch_tokens only), shape a
+#                                   only unless TOKEN_BUDGET_SHAPES says otherwise
+#   llama_server                    llama.cpp's own llama-server, built for this
+#                                   machine from the source the llama-cpp-python
+#                                   sdist vendors (tests/bench/build_llamacpp.sh),
+#                                   --parallel = USERS slots, continuous batching,
+#                                   prompt cache reuse, THREADS threads
+#   llamacpp_py                     llama-cpp-python's server (one slot), if
+#                                   installed: `pip install 'llama-cpp-python[server]'`
+# Both kvcache workers together get THREADS threads (THREADS/2 each), as does
+# llama-server.
 #
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
-# Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, USERS (8), ROUNDS (4),
-#   QPS (0.5), THINK_TIME (0 s between a user's rounds), ANSWER_TOKENS (32), SYSTEM_TOKENS (400), USER_CONTEXT_TOKENS (1200), THREADS (2, in total),
-#   FRACTION (0.6), TIER1_RATIO (1), MODES ("affinity round_robin random llamacpp"), DURATION (240 s per mode).
-# Needs: grpcio and grpcio-tools; for llamacpp, `pip install 'llama-cpp-python[server]'`. Its
-# server runs with --interrupt_requests False: by default a new request cuts the
-# stream of the running one short, which would make its answers shorter than ours.
+# Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, SHAPES, MODES, THREADS (2),
+#   DURATION (240 s per mode at most), FRACTION (0.6), TOKEN_BUDGET_SHAPES ("a").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 
 OUT=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
-USERS=${USERS:-8}
-ROUNDS=${ROUNDS:-4}
-QPS=${QPS:-0.5}
-THINK_TIME=${THINK_TIME:-0}
-ANSWER_TOKENS=${ANSWER_TOKENS:-32}
-SYSTEM_TOKENS=${SYSTEM_TOKENS:-400}
-USER_CONTEXT_TOKENS=${USER_CONTEXT_TOKENS:-1200}
-QUESTION_TOKENS=${QUESTION_TOKENS:-50,100}
+SHAPES=${SHAPES:-a b c}
+MODES=${MODES:-affinity affinity_http round_robin llama_server}
+TOKEN_BUDGET_SHAPES=${TOKEN_BUDGET_SHAPES:-a}
 THREADS=${THREADS:-2}
-FRACTION=${FRACTION:-0.6}
-TIER1_RATIO=${TIER1_RATIO:-1}
 DURATION=${DURATION:-240}
-MODES=${MODES:-affinity round_robin random llamacpp}
+FRACTION=${FRACTION:-0.6}
 # K and V bytes per token of SmolLM2-135M with f16 pages: 2 * 30 layers * 3 KV heads * 64 * 2 bytes.
 KV_BYTES_PER_TOKEN=${KV_BYTES_PER_TOKEN:-23040}
+RUN_ID=$(python3 -c 'import uuid; print(uuid.uuid4())')
 
 WORKER="$KVCACHE_BUILD_DIR/worker/kvcache-worker"
 ROUTER="$KVCACHE_BUILD_DIR/router/kvcache-router"
@@ -48,18 +65,17 @@ for bin in "$WORKER" "$ROUTER"; do
   [ -x "$bin" ] || { log "missing $bin: build first (cmake --build $KVCACHE_BUILD_DIR)"; exit 1; }
 done
 [ -s "$KVCACHE_MODEL" ] || { log "missing model $KVCACHE_MODEL: run scripts/setup.sh"; exit 1; }
+LLAMA_BIN=""
+if [[ " $MODES " == *" llama_server "* ]]; then
+  LLAMA_BIN=$(tests/bench/build_llamacpp.sh native) || { log "cannot build llama-server"; exit 1; }
+fi
 
-# Working set: each user's final history (system prompt, every question and
-# answer, plus chat-template tokens), in tokens.
-qmin=${QUESTION_TOKENS%,*}
-qmax=${QUESTION_TOKENS#*,}
-ws_tokens=$((USERS * (SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * ((qmin + qmax) / 2 + ANSWER_TOKENS + 24))))
-# At least two users' longest contexts per worker, so that every request fits.
-max_context=$((SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * (qmax + ANSWER_TOKENS + 24)))
-tier0=$(python3 -c "print(int(max($FRACTION * $ws_tokens / 2, 2 * $max_context) * $KV_BYTES_PER_TOKEN))")
-tier1=$(python3 -c "print(int($tier0 * $TIER1_RATIO))")
-worker_threads=$(( THREADS / 2 > 0 ? THREADS / 2 : 1 ))
-log "working set ~$ws_tokens tokens ($((ws_tokens * KV_BYTES_PER_TOKEN >> 20)) MiB); tier 0 per worker $((tier0 >> 20)) MiB, tier 1 $((tier1 >> 20)) MiB; $worker_threads thread(s) per worker"
+# shape_var SHAPE VAR DEFAULT: $<SHAPE>_<VAR> if set, else DEFAULT.
+shape_var() {
+  local name
+  name="$(echo "$1" | tr '[:lower:]' '[:upper:]')_$2"
+  echo "${!name:-$3}"
+}
 
 WORK=$(mktemp -d)
 PIDS=()
@@ -75,8 +91,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# start NAME BINARY ARGS...: starts a server on port 0 and sets ADDRESS from its
-# "listening grpc=HOST:PORT" line.
+# start NAME BINARY ARGS...: starts a server on port 0 and sets ADDRESS (and
+# HTTP_ADDRESS when it serves HTTP) from its "listening grpc=HOST:PORT" line.
 start() {
   local name=$1
   shift
@@ -85,47 +101,129 @@ start() {
   local pid=$!
   for _ in $(seq 1 600); do
     ADDRESS=$(sed -n 's/.* listening grpc=\([^ ]*\).*/\1/p' "$WORK/$name.out")
+    HTTP_ADDRESS=$(sed -n 's/.* http=\([^ ]*\).*/\1/p' "$WORK/$name.out")
     [ -n "$ADDRESS" ] && return 0
     kill -0 "$pid" 2>/dev/null || { log "$name exited:"; cat "$WORK/$name.err" >&2; exit 1; }
-    sleep 0.1
+    sleep 0.1  # an external process's start: no event to wait on
   done
   log "$name did not start"
   exit 1
 }
 
-BENCH=(python3 tests/bench/multi_round_qa.py --users="$USERS" --rounds="$ROUNDS" --qps="$QPS" --think_time="$THINK_TIME"
-       --answer_tokens="$ANSWER_TOKENS" --system_tokens="$SYSTEM_TOKENS" --question_tokens="$QUESTION_TOKENS"
-       --user_context_tokens="$USER_CONTEXT_TOKENS"
-       --duration="$DURATION")
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# wait_http URL: until it answers 200 (a server loading its model).
+wait_http() {
+  for _ in $(seq 1 1200); do
+    curl -sf "$1" >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  log "$1 did not come up"
+  return 1
+}
+
 failed=0
 reports=()
-for mode in $MODES; do
-  log "mode $mode"
-  if [ "$mode" = llamacpp ]; then
-    python3 -c 'import llama_cpp.server' 2>/dev/null || {
-      log "llama-cpp-python[server] missing: pip install 'llama-cpp-python[server]'"; failed=1; continue; }
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    python3 -m llama_cpp.server --model "$KVCACHE_MODEL" --n_threads "$THREADS" --n_threads_batch "$THREADS" \
-      --n_ctx 4096 --interrupt_requests False --host 127.0.0.1 --port "$port" --verbose False >"$WORK/llamacpp.log" 2>&1 &
-    PIDS+=($!)
-    for _ in $(seq 1 600); do
-      curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1 && break
-      sleep 0.2
-    done
-    "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --label=llamacpp --json="$WORK/llamacpp.json" || failed=1
-  else
-    start w1 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w1 --model="$KVCACHE_MODEL" \
-      --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated
-    w1=$ADDRESS
-    start w2 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w2 --model="$KVCACHE_MODEL" \
-      --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated
-    w2=$ADDRESS
-    start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --workers="$w1,$w2" --placement="$mode" \
-      --allow_unauthenticated
-    "${BENCH[@]}" --address="$ADDRESS" --target=router --label="$mode" --json="$WORK/$mode.json" || failed=1
+worker_threads=$(( THREADS / 2 > 0 ? THREADS / 2 : 1 ))
+for shape in $SHAPES; do
+  case $shape in
+    #     users rounds qps answer system notes questions tier1_ratio think
+    a) d=(8 6 0.25 32 400 1200 "50,100" 1 3) ;;
+    b) d=(6 4 0.25 100 1000 2000 "50,100" 1 3) ;;
+    c) d=(8 6 0.25 32 400 1200 "50,100" 2 3) ;;
+    *) log "unknown shape $shape"; exit 2 ;;
+  esac
+  USERS=$(shape_var "$shape" USERS "${d[0]}")
+  ROUNDS=$(shape_var "$shape" ROUNDS "${d[1]}")
+  QPS=$(shape_var "$shape" QPS "${d[2]}")
+  ANSWER_TOKENS=$(shape_var "$shape" ANSWER_TOKENS "${d[3]}")
+  SYSTEM_TOKENS=$(shape_var "$shape" SYSTEM_TOKENS "${d[4]}")
+  USER_CONTEXT_TOKENS=$(shape_var "$shape" USER_CONTEXT_TOKENS "${d[5]}")
+  QUESTION_TOKENS=$(shape_var "$shape" QUESTION_TOKENS "${d[6]}")
+  TIER1_RATIO=$(shape_var "$shape" TIER1_RATIO "${d[7]}")
+  THINK_TIME=$(shape_var "$shape" THINK_TIME "${d[8]}")
+  # Working set: each user's final history (system prompt, notes, every question
+  # and answer, plus chat-template tokens), in tokens.
+  qmin=${QUESTION_TOKENS%,*}
+  qmax=${QUESTION_TOKENS#*,}
+  ws_tokens=$((USERS * (SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * ((qmin + qmax) / 2 + ANSWER_TOKENS + 24))))
+  max_context=$((SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * (qmax + ANSWER_TOKENS + 24)))
+  tier0=$(python3 -c "print(int(max($FRACTION * $ws_tokens / 2, 2 * $max_context) * $KV_BYTES_PER_TOKEN))")
+  tier1=$(python3 -c "print(int($tier0 * $TIER1_RATIO))")
+  log "shape $shape: $USERS users x $ROUNDS rounds, system $SYSTEM_TOKENS, notes $USER_CONTEXT_TOKENS," \
+    "answers $ANSWER_TOKENS, qps $QPS; working set ~$ws_tokens tokens; tier 0 per worker $((tier0 >> 20)) MiB," \
+    "tier 1 $((tier1 >> 20)) MiB; $worker_threads thread(s) per worker"
+  BENCH=(python3 tests/bench/multi_round_qa.py --users="$USERS" --rounds="$ROUNDS" --qps="$QPS" --think_time="$THINK_TIME"
+         --answer_tokens="$ANSWER_TOKENS" --system_tokens="$SYSTEM_TOKENS" --question_tokens="$QUESTION_TOKENS"
+         --user_context_tokens="$USER_CONTEXT_TOKENS" --duration="$DURATION" --run_id="$RUN_ID")
+  modes=$MODES
+  if [[ " $TOKEN_BUDGET_SHAPES " == *" $shape "* ]] && [[ " $modes " != *" affinity_token_budget "* ]]; then
+    modes="$modes affinity_token_budget"
   fi
-  stop_all
-  [ -s "$WORK/$mode.json" ] && reports+=("$mode=$WORK/$mode.json")
+  for mode in $modes; do
+    log "shape $shape, mode $mode"
+    json="$WORK/$shape-$mode.json"
+    case $mode in
+      llama_server)
+        port=$(free_port)
+        # --parallel slots share -c: each slot holds the longest conversation.
+        "$LLAMA_BIN/llama-server" -m "$KVCACHE_MODEL" -t "$THREADS" -tb "$THREADS" --parallel "$USERS" \
+          -c $(( USERS * (max_context + 256) )) --cont-batching --cache-reuse 256 --host 127.0.0.1 \
+          --port "$port" >"$WORK/llama-server-$shape.log" 2>&1 &
+        PIDS+=($!)
+        wait_http "http://127.0.0.1:$port/health" || { failed=1; stop_all; continue; }
+        "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --openai_ignore_eos --label="$mode" \
+          --json="$json" || failed=1
+        ;;
+      llamacpp_py)
+        python3 -c 'import llama_cpp.server' 2>/dev/null || {
+          log "llama-cpp-python[server] missing: pip install 'llama-cpp-python[server]'"; failed=1; continue; }
+        port=$(free_port)
+        # --interrupt_requests False: by default a new request cuts the stream
+        # of the running one short, which would make its answers shorter.
+        python3 -m llama_cpp.server --model "$KVCACHE_MODEL" --n_threads "$THREADS" --n_threads_batch "$THREADS" \
+          --n_ctx $(( max_context + 256 )) --interrupt_requests False --host 127.0.0.1 --port "$port" \
+          --verbose False >"$WORK/llamacpp-py-$shape.log" 2>&1 &
+        PIDS+=($!)
+        wait_http "http://127.0.0.1:$port/v1/models" || { failed=1; stop_all; continue; }
+        "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --label="$mode" --json="$json" || failed=1
+        ;;
+      affinity | affinity_http | affinity_token_budget | round_robin | random)
+        placement=$mode
+        step=()
+        case $mode in
+          affinity_http) placement=affinity ;;
+          affinity_token_budget) placement=affinity; step=(--max_step_ms=-1) ;;
+        esac
+        start w1 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w1 --model="$KVCACHE_MODEL" \
+          --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated "${step[@]}"
+        w1=$ADDRESS
+        start w2 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w2 --model="$KVCACHE_MODEL" \
+          --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated "${step[@]}"
+        w2=$ADDRESS
+        start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --http_listen=127.0.0.1:0 --workers="$w1,$w2" \
+          --placement="$placement" --model="$KVCACHE_MODEL" --allow_unauthenticated
+        if [ "$mode" = affinity_http ]; then
+          wait_http "http://$HTTP_ADDRESS/ready" || { failed=1; stop_all; continue; }
+          model=$(curl -sf "http://$HTTP_ADDRESS/v1/models" |
+                  python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+          "${BENCH[@]}" --openai_url="http://$HTTP_ADDRESS/v1" --openai_model="$model" --openai_ignore_eos \
+            --label="$mode" --json="$json" || failed=1
+        else
+          "${BENCH[@]}" --address="$ADDRESS" --target=router --label="$mode" --json="$json" || failed=1
+        fi
+        ;;
+      *)
+        log "unknown mode $mode"
+        exit 2
+        ;;
+    esac
+    stop_all
+    if [ -s "$json" ]; then
+      cp "$json" "$OUT/multi_round_qa_$shape-$mode.json"
+      reports+=("$shape/$mode=$json")
+    fi
+  done
 done
 
 if [ ${#reports[@]} -gt 0 ]; then
