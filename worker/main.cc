@@ -43,8 +43,8 @@ ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, max_batch_tokens, 256, "New tokens per engine step (decode + chunked prefill)");
 ABSL_FLAG(double, max_step_ms, 0,
           "Step-time target while requests decode: prefill chunks are sized (from the engine's own step "
-          "timings) so that a step takes about this long, bounding inter-token latency. 0: automatic (twice "
-          "the time of the step's decodes alone); negative: none (max_batch_tokens only)");
+          "timings) so that a step takes about this long, bounding inter-token latency. 0: automatic (1.5 "
+          "times the time of the step's decodes alone); negative: none (max_batch_tokens only)");
 ABSL_FLAG(int64_t, max_context, 8192, "Tokens per session (clamped to the model's context)");
 ABSL_FLAG(int32_t, max_running, 64, "Requests in engine steps at once");
 ABSL_FLAG(int32_t, max_waiting, 1024, "Queued requests before RESOURCE_EXHAUSTED");

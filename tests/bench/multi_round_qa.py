@@ -520,6 +520,7 @@ def main():
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request at most")
     p.add_argument("--seed", type=int, default=10)
     p.add_argument("--label", default=None, help="name of this run in the report")
+    p.add_argument("--server_note", default=None, help="what the server is (version, flags), for the report")
     p.add_argument("--run_id", default=None,
                    help="id of the benchmark run this report belongs to (--combine refuses mixed ids)")
     p.add_argument("--json", default=None, help="write the report here")
@@ -557,6 +558,8 @@ def main():
                          f"questions {args.question_tokens[0]}-{args.question_tokens[1]} words, "
                          f"answers {args.answer_tokens} tokens, qps {args.qps}, think {args.think_time}s")
     notes["target"] = args.openai_url or f"{args.target} {args.address}"
+    if args.server_note:
+        notes["server"] = args.server_note
     print(f"== multi_round_qa [{args.label}] {notes['workload']} ==")
     print_table({args.label: {"metrics": metrics}})
     for k, v in sorted(notes.items()):

@@ -167,12 +167,29 @@ for shape in $SHAPES; do
       llama_server)
         port=$(free_port)
         # --parallel slots share -c: each slot holds the longest conversation.
-        "$LLAMA_BIN/llama-server" -m "$KVCACHE_MODEL" -t "$THREADS" -tb "$THREADS" --parallel "$USERS" \
-          -c $(( USERS * (max_context + 256) )) --cont-batching --cache-reuse 256 --host 127.0.0.1 \
-          --port "$port" >"$WORK/llama-server-$shape.log" 2>&1 &
-        PIDS+=($!)
-        wait_http "http://127.0.0.1:$port/health" || { failed=1; stop_all; continue; }
+        args=(-m "$KVCACHE_MODEL" -t "$THREADS" -tb "$THREADS" --parallel "$USERS"
+              -c $(( USERS * (max_context + 256) )) --cont-batching --cache-reuse 256 --host 127.0.0.1 --port "$port")
+        started=0
+        # Weight repacking picks AMX kernels on CPUs that advertise AMX; on a VM
+        # that does not grant AMX they crash at the first matmul (seen: SIGSEGV
+        # in ggml_backend_amx_mul_mat). Then run without repacking, and say so.
+        for extra in "" --no-repack; do
+          # shellcheck disable=SC2086  # $extra is one flag or none
+          "$LLAMA_BIN/llama-server" "${args[@]}" $extra >"$WORK/llama-server-$shape.log" 2>&1 &
+          pid=$!
+          PIDS+=("$pid")
+          for _ in $(seq 1 1200); do
+            curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && { started=1; break; }
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.2  # an external process's start: no event to wait on
+          done
+          [ $started = 1 ] && break
+          log "llama-server ${extra:-(default flags)} did not start: $(tail -c 300 "$WORK/llama-server-$shape.log")"
+        done
+        [ $started = 1 ] || { failed=1; stop_all; continue; }
+        info=$(grep -m1 -o 'system_info:.*' "$WORK/llama-server-$shape.log" || true)
         "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --openai_ignore_eos --label="$mode" \
+          --server_note="llama-server from the llama-cpp-python ${LLAMACPP_PY_VERSION:-0.3.36} sdist ($("$LLAMA_BIN/llama-server" --version 2>&1 | head -1)), flags: ${args[*]} $extra; $info" \
           --json="$json" || failed=1
         ;;
       llamacpp_py)
@@ -219,6 +236,10 @@ for shape in $SHAPES; do
         ;;
     esac
     stop_all
+    for log_file in "$WORK"/w1.err "$WORK"/w2.err "$WORK/llama-server-$shape.log"; do
+      [ -s "$log_file" ] && cp "$log_file" "$OUT/$shape-$mode-$(basename "$log_file")"
+    done
+    rm -f "$WORK"/w1.err "$WORK"/w2.err
     if [ -s "$json" ]; then
       cp "$json" "$OUT/multi_round_qa_$shape-$mode.json"
       reports+=("$shape/$mode=$json")

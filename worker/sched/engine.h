@@ -3,7 +3,9 @@
 //
 // One engine thread runs steps. Each step decodes one token for every running
 // request that has finished its prompt, then spends the rest of the step on
-// chunked prefill of the others, oldest first: at most --max_batch_tokens tokens
+// chunked prefill of the others, shortest remaining prompt first (a short turn
+// is not queued behind a long cold prompt; ties: oldest first): at most
+// --max_batch_tokens tokens
 // in all, and, while anything decodes, only as many prefill tokens as fit in the
 // step-time target (max_step_time, predicted by a StepCostModel fitted to the
 // engine's own step timings), so that a long prompt never stalls running streams
@@ -73,9 +75,9 @@ struct EngineOptions {
   int max_waiting = 1024;        // queued beyond that: RESOURCE_EXHAUSTED
   int64_t max_context = 8192;    // tokens per session (clamped to the model's)
   int default_max_tokens = 256;  // when a request gives 0
-  // Step-time target while requests decode (see above). Zero: automatic, twice
-  // the predicted time of the step's decodes alone; negative: none (the token
-  // budget only, every prefill chunk as large as max_batch_tokens allows).
+  // Step-time target while requests decode (see above). Zero: automatic, 1.5
+  // times the predicted time of the step's decodes alone; negative: none (the
+  // token budget only, every prefill chunk as large as max_batch_tokens allows).
   absl::Duration max_step_time = absl::ZeroDuration();
   int max_tokens_per_request = 4096;
   // A named session no request has used for this long is closed (its pages freed,
@@ -320,6 +322,7 @@ class Engine {
   };
   std::deque<PrefillStep> recent_prefill_;
   StepCostModel step_cost_;
+  absl::Time last_cost_log_ = absl::InfinitePast();
   uint64_t ephemeral_counter_ = 0;
   absl::Time next_expiry_ = absl::InfinitePast();
 

@@ -36,31 +36,49 @@ void StepCostModel::Observe(const StepShape& shape, absl::Duration took) {
 }
 
 void StepCostModel::Solve() {
-  // Ridge-regularised normal equations, Gaussian elimination with partial pivoting.
-  // The small ridge keeps features the recent steps never varied (say, no prefill
-  // at all) at zero instead of making the system singular.
+  // Non-negative least squares by active sets: every cost is at least zero (a
+  // decode never makes a step faster), and features that move together (decode
+  // tokens and their context, prefill tokens and their attention) cannot trade
+  // a large positive coefficient for a large negative one. Solve the ridge-
+  // regularised normal equations over the free features; drop the most negative
+  // one and solve again. The small ridge keeps features the recent steps never
+  // varied at zero instead of making the system singular.
   double trace = 0;
   for (int i = 0; i < kFeatures; ++i) trace += xtx_[i][i];
   const double ridge = 1e-9 * std::max(trace, 1.0);
-  std::array<std::array<double, kFeatures + 1>, kFeatures> a{};
-  for (int i = 0; i < kFeatures; ++i) {
-    for (int j = 0; j < kFeatures; ++j) a[i][j] = xtx_[i][j] + (i == j ? ridge : 0.0);
-    a[i][kFeatures] = xty_[i];
-  }
-  for (int col = 0; col < kFeatures; ++col) {
-    int pivot = col;
-    for (int r = col + 1; r < kFeatures; ++r) {
-      if (std::fabs(a[r][col]) > std::fabs(a[pivot][col])) pivot = r;
+  std::array<bool, kFeatures> free;
+  free.fill(true);
+  std::array<double, kFeatures> coef{};
+  for (int round = 0; round < kFeatures; ++round) {
+    std::array<std::array<double, kFeatures + 1>, kFeatures> a{};
+    for (int i = 0; i < kFeatures; ++i) {
+      for (int j = 0; j < kFeatures; ++j) a[i][j] = free[i] && free[j] ? xtx_[i][j] : 0.0;
+      a[i][i] += free[i] ? ridge : 1.0;
+      a[i][kFeatures] = free[i] ? xty_[i] : 0.0;
     }
-    if (std::fabs(a[pivot][col]) < 1e-300) return;  // keep the previous fit
-    std::swap(a[col], a[pivot]);
-    for (int r = 0; r < kFeatures; ++r) {
-      if (r == col) continue;
-      const double f = a[r][col] / a[col][col];
-      for (int c = col; c <= kFeatures; ++c) a[r][c] -= f * a[col][c];
+    for (int col = 0; col < kFeatures; ++col) {
+      int pivot = col;
+      for (int r = col + 1; r < kFeatures; ++r) {
+        if (std::fabs(a[r][col]) > std::fabs(a[pivot][col])) pivot = r;
+      }
+      if (std::fabs(a[pivot][col]) < 1e-300) return;  // keep the previous fit
+      std::swap(a[col], a[pivot]);
+      for (int r = 0; r < kFeatures; ++r) {
+        if (r == col) continue;
+        const double f = a[r][col] / a[col][col];
+        for (int c = col; c <= kFeatures; ++c) a[r][c] -= f * a[col][c];
+      }
     }
+    for (int i = 0; i < kFeatures; ++i) coef[i] = free[i] ? a[i][kFeatures] / a[i][i] : 0.0;
+    int worst = -1;
+    for (int i = 1; i < kFeatures; ++i) {  // the fixed cost may be anything
+      if (free[i] && coef[i] < 0 && (worst < 0 || coef[i] < coef[worst])) worst = i;
+    }
+    if (worst < 0) break;
+    free[worst] = false;
   }
-  for (int i = 0; i < kFeatures; ++i) coef_[i] = a[i][kFeatures] / a[i][i];
+  for (int i = 1; i < kFeatures; ++i) coef[i] = std::max(coef[i], 0.0);
+  coef_ = coef;
 }
 
 absl::Duration StepCostModel::Predict(const StepShape& shape) const {

@@ -11,8 +11,10 @@
 // decode_context is the sum of the decoding sequences' context lengths (their
 // attention reads), prefill_attention the sum over prefill chunks of
 // n * (first_pos + n / 2) (the keys each new token attends to). The coefficients are
-// fitted by least squares over recent steps, older steps weighing exponentially
-// less, so the model follows a machine whose speed changes (other load, thermal).
+// fitted by non-negative least squares over recent steps, older steps weighing
+// exponentially less, so the model follows a machine whose speed changes (other
+// load, thermal), and correlated features (decodes and their context) cannot
+// cancel each other out with coefficients of opposite signs.
 //
 // Thread-compatible: the engine thread owns it.
 #ifndef KVCACHE_WORKER_SCHED_STEP_COST_MODEL_H_

@@ -60,6 +60,29 @@ TEST(StepCostModelTest, FollowsAMachineThatSlowsDown) {
   EXPECT_NEAR(m.PrefillTokenSeconds(0), 400e-6, 40e-6);
 }
 
+TEST(StepCostModelTest, CorrelatedFeaturesGetNoNegativeCosts) {
+  // Every decoding stream has about 2,000 tokens of context, so decodes and
+  // their context move together; plain least squares may then fit one of the
+  // two with a negative cost. The fit must stay non-negative and predictive.
+  StepCostModel m;
+  std::mt19937 rng(5);
+  for (int i = 0; i < 300; ++i) {
+    StepShape s;
+    s.decode_tokens = std::uniform_int_distribution<int>(1, 6)(rng);
+    s.decode_context = s.decode_tokens * std::uniform_int_distribution<int>(1990, 2010)(rng);
+    if (i % 2 == 0) {
+      s.prefill_tokens = 16 * std::uniform_int_distribution<int>(1, 4)(rng);
+      s.prefill_attention = static_cast<double>(s.prefill_tokens) * 1000;
+    }
+    const double noise = std::uniform_real_distribution<double>(0.9, 1.1)(rng);
+    m.Observe(s, TrueCost(s) * noise);
+  }
+  for (double c : m.coefficients()) EXPECT_GE(c, 0);
+  const StepShape probe{4, 8000, 32, 32000};
+  const double want = absl::ToDoubleSeconds(TrueCost(probe));
+  EXPECT_NEAR(absl::ToDoubleSeconds(m.Predict(probe)), want, 0.15 * want);
+}
+
 TEST(StepCostModelTest, NeverPredictsNegativeTimes) {
   StepCostModel m;
   m.Observe(StepShape{1, 100, 0, 0}, absl::Milliseconds(5));
