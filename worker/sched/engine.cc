@@ -405,8 +405,13 @@ bool Engine::AwaitsSharedPrefill(const Request& r, const std::vector<const Reque
     if (a == &r || a->decoding || a->req.tenant != r.req.tenant) continue;
     const size_t a_pos = a->context.size() - a->pending.size();
     if (a_pos > pos || a->context.size() < page_end) continue;
-    if (std::equal(r.context.begin(), r.context.begin() + static_cast<std::ptrdiff_t>(page_end),
-                   a->context.begin())) {
+    // The page itself first: it tells most requests apart in page_tokens
+    // comparisons, so only a sharer pays for comparing the whole prefix.
+    const auto r_begin = r.context.begin();
+    const auto a_begin = a->context.begin();
+    const auto p = static_cast<std::ptrdiff_t>(pos);
+    const auto e = static_cast<std::ptrdiff_t>(page_end);
+    if (std::equal(r_begin + p, r_begin + e, a_begin + p) && std::equal(r_begin, r_begin + p, a_begin)) {
       return true;
     }
   }
