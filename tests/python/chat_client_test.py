@@ -10,59 +10,16 @@ when grpcio or grpcio-tools are missing, or the model file is absent.
 
 import argparse
 import os
-import queue
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+
+from server_process import Server, fail
 
 PIP_LINE = "pip install grpcio==1.85.1 grpcio-tools==1.85.1"
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_DIR = os.path.join(HERE, "..", "..", "proto")
-
-
-def fail(message):
-    print(f"FAIL: {message}", file=sys.stderr)
-    sys.exit(1)
-
-
-class Server:
-    """A server binary on 127.0.0.1:0; `address` is read from its listening line."""
-
-    def __init__(self, argv, timeout=120.0):
-        self.argv = argv
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        lines = queue.Queue()
-        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        self.address = None
-        while self.address is None:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self.stop()
-                fail(f"{argv[0]} printed no listening line within {timeout:.0f}s")
-            if line is None:
-                fail(f"{argv[0]} exited ({self.proc.wait()}) before listening")
-            for field in line.split():
-                if field.startswith("grpc="):
-                    self.address = field[len("grpc="):]
-
-    def _pump(self, lines):
-        for line in self.proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def wait_ready(address, timeout=60.0):

@@ -17,66 +17,24 @@ is missing (scripts/setup.sh installs it) or the model file is absent.
 import argparse
 import json
 import os
-import queue
 import re
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
+
+from server_process import Server, fail
 
 PIP_LINE = "pip install openai==3.57.0"
 MODEL_NAME = "smollm2"
 FAILURES = []
 
 
-def fail(message):
-    print(f"FAIL: {message}", file=sys.stderr)
-    sys.exit(1)
-
-
 def check(condition, message):
     if not condition:
         FAILURES.append(message)
         print(f"  check failed: {message}", file=sys.stderr, flush=True)
-
-
-class Server:
-    """A server binary on 127.0.0.1:0; its listening line's fields are in `fields`."""
-
-    def __init__(self, argv, timeout=120.0):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        lines = queue.Queue()
-        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        self.fields = None
-        while self.fields is None:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self.stop()
-                fail(f"{argv[0]} printed no listening line within {timeout:.0f}s")
-            if line is None:
-                fail(f"{argv[0]} exited ({self.proc.wait()}) before listening")
-            if " listening " in line:
-                self.fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-
-    def _pump(self, lines):
-        for line in self.proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def http_get(url):
