@@ -17,42 +17,19 @@
 #include <memory>
 #include <string>
 
-#include "common/gguf/gguf_reader.h"
-#include "common/gguf/tiny_llama.h"
 #include "common/input_tokens.h"
-#include "common/tokenizer/chat_template.h"
-#include "common/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "router/openai_api.h"
+#include "tests/fuzz/fuzz_env.h"
 #include "worker/service/request_convert.h"
 
 namespace {
 
 namespace openai = kvcache::router::openai;
 
-struct Env {
-  std::unique_ptr<kvcache::tok::Tokenizer> tokenizer;
-  kvcache::tok::ChatTemplate chat = kvcache::tok::ChatTemplate::ChatMl();
-};
-
-const Env& GetEnv() {
-  static const Env* env = [] {
-    auto* e = new Env;
-    kvcache::gguf::TinyLlamaOptions o;
-    o.n_layer = 1;
-    auto file = kvcache::gguf::GgufFile::OpenFromBuffer(*kvcache::gguf::BuildTinyLlama(o));
-    e->tokenizer = std::move(*kvcache::tok::Tokenizer::FromGguf(**file));
-    return e;
-  }();
-  return *env;
-}
-
-void Check(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "violated: %s\n", what);
-    std::abort();
-  }
-}
+using kvcache::fuzz::Check;
+using kvcache::fuzz::Env;
+using kvcache::fuzz::GetEnv;
 
 bool ValidJson(const std::string& s) { return nlohmann::json::accept(s); }
 
