@@ -301,8 +301,10 @@ class KvCacheManager {
   // `page` holds `h` (unless another page does already) and appends `h` to `stored`;
   // FreeTier1PageLocked frees a tier-1 page, unindexing it (announced by the next
   // FlushHostRemovedLocked, which every operation that frees tier-1 pages calls).
+  // UnindexHostPageLocked only unindexes (announced the same way).
   void IndexHostPageLocked(PageId page, const BlockHash& h, std::vector<BlockHash>* stored)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnindexHostPageLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeTier1PageLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FlushHostRemovedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Registers tier-0 `page` (full, holding `h`) in the prefix index unless `h` is

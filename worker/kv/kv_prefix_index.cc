@@ -26,12 +26,15 @@ void KvCacheManager::IndexHostPageLocked(PageId page, const BlockHash& h, std::v
   stored->push_back(h);
 }
 
+void KvCacheManager::UnindexHostPageLocked(PageId page) {
+  if (!host_indexed_[page]) return;
+  host_index_.erase(host_page_hash_[page]);
+  host_indexed_[page] = 0;
+  host_removed_.push_back(host_page_hash_[page]);
+}
+
 void KvCacheManager::FreeTier1PageLocked(PageId page) {
-  if (host_indexed_[page]) {
-    host_index_.erase(host_page_hash_[page]);
-    host_indexed_[page] = 0;
-    host_removed_.push_back(host_page_hash_[page]);
-  }
+  UnindexHostPageLocked(page);
   pool_[1].DecRef(page);
 }
 
@@ -81,10 +84,7 @@ PageId KvCacheManager::CopyHostPageLocked(const BlockHash& h, const Session& s) 
   if (!sum.ok() || *sum != tier1_checksum_[src]) {
     if (sum.ok()) ++counters_.checksum_failures;
     pool_[0].DecRef(dst);
-    // Not served again; its own session finds out on its restore.
-    host_index_.erase(it);
-    host_indexed_[src] = 0;
-    host_removed_.push_back(host_page_hash_[src]);
+    UnindexHostPageLocked(src);  // not served again; its own session finds out on its restore
     return kNoPage;
   }
   ++counters_.restores;

@@ -579,7 +579,13 @@ bool Engine::Step() {
   }
   if (prefill_tokens > 0) {
     recent_prefill_.push_back(PrefillStep{end, prefill_tokens, end - start});
-    while (end - recent_prefill_.front().end > absl::Seconds(10)) recent_prefill_.pop_front();
+    recent_prefill_tokens_ += prefill_tokens;
+    recent_prefill_time_ += end - start;
+    while (end - recent_prefill_.front().end > absl::Seconds(10)) {
+      recent_prefill_tokens_ -= recent_prefill_.front().tokens;
+      recent_prefill_time_ -= recent_prefill_.front().took;
+      recent_prefill_.pop_front();
+    }
   }
   step_cost_.Observe(shape, end - start);
   if (end - last_cost_log_ > absl::Seconds(30) && step_cost_.ready()) {
@@ -707,14 +713,10 @@ void Engine::Loop() {
       int decoded = 0;
       for (const auto& [t, n] : recent_decode_) decoded += n;
       load_.decode_tokens_per_second = decoded;
-      int64_t prefilled = 0;
-      absl::Duration took;
-      for (const PrefillStep& p : recent_prefill_) {
-        prefilled += p.tokens;
-        took += p.took;
+      if (recent_prefill_time_ > absl::ZeroDuration()) {
+        load_.prefill_tokens_per_second =
+            recent_prefill_tokens_ / absl::ToDoubleSeconds(recent_prefill_time_);
       }
-      if (took > absl::ZeroDuration())
-        load_.prefill_tokens_per_second = prefilled / absl::ToDoubleSeconds(took);
       if (stopping && active_.empty()) return;
     }
   }

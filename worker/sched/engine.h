@@ -320,7 +320,9 @@ class Engine {
     int tokens;
     absl::Duration took;
   };
-  std::deque<PrefillStep> recent_prefill_;
+  std::deque<PrefillStep> recent_prefill_;  // steps with prefill, the last 10 s
+  int64_t recent_prefill_tokens_ = 0;       // their sums
+  absl::Duration recent_prefill_time_;
   StepCostModel step_cost_;
   absl::Time last_cost_log_ = absl::InfinitePast();
   uint64_t ephemeral_counter_ = 0;
