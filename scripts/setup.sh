@@ -58,10 +58,11 @@ fetch_model() {
 
 # Python tools the tests use: validators of the deployment manifests, gRPC
 # for the Python client example (its stubs are generated at test time), and
-# the official OpenAI SDK that drives the router's HTTP API.
-PIP_PACKAGES=(kubernetes-validate==1.37.0 grpcio==1.85.1 grpcio-tools==1.85.1 openai==3.57.0)
+# the official OpenAI SDK that drives the router's HTTP API, and jinja2 that
+# renders the real chat templates the C++ renderers are checked against.
+PIP_PACKAGES=(kubernetes-validate==1.37.0 grpcio==1.85.1 grpcio-tools==1.85.1 openai==3.57.0 jinja2==3.1.6)
 install_python_tools() {
-  if python3 -c "import kubernetes_validate, grpc, grpc_tools, openai" 2>/dev/null; then
+  if python3 -c "import kubernetes_validate, grpc, grpc_tools, openai, jinja2" 2>/dev/null; then
     return
   fi
   log "installing ${PIP_PACKAGES[*]} from PyPI"
@@ -78,8 +79,16 @@ build() {
   cmake --build "$KVCACHE_BUILD_DIR" --parallel "$(nproc)"
 }
 
+# llama.cpp's tokenizer test vectors (models/ggml-vocab-*.gguf and their
+# .inp/.out), from the llama.cpp source the llama-cpp-python sdist vendors;
+# llamacpp_vocab_test fails without them.
+fetch_llamacpp_src() {
+  scripts/fetch_llamacpp_src.sh >/dev/null
+}
+
 install_packages
 install_python_tools
 fetch_model
+fetch_llamacpp_src
 if [ "${1:-}" != "--no-build" ]; then build; fi
 log "set-up done (build: $KVCACHE_BUILD_DIR, model: $KVCACHE_MODEL)"

@@ -4,8 +4,10 @@
 #include <queue>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "common/status_macros.h"
 #include "common/tokenizer/unicode.h"
 
@@ -82,6 +84,131 @@ void SplitGpt2(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, Em
   }
 }
 
+// Llama 3 / Qwen2 pre-tokenizer regex, hand-written:
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,D}|
+//    ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+// with D = max_digits (3 for Llama 3, 1 for Qwen2), over code points [b, e)
+// of a piece, in the order llama.cpp's unicode_regex_split_custom_llama3 /
+// _qwen2 try the alternatives.
+template <typename Emit>
+void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, size_t max_digits,
+                 Emit&& emit) {
+  auto flag_at = [&](size_t i) -> uint8_t { return i < e ? flags[i] : kSentinel; };
+  auto cp_at = [&](size_t i) -> uint32_t { return i < e ? cps[i] : 0xFFFFFFFFu; };
+  auto lower = [](uint32_t c) { return c >= 'A' && c <= 'Z' ? c + 32 : c; };
+  auto is_letter = [&](size_t i) { return (flag_at(i) & (kLetter | kSentinel)) == kLetter; };
+  auto is_number = [&](size_t i) { return (flag_at(i) & (kNumber | kSentinel)) == kNumber; };
+  auto is_space = [&](size_t i) { return (flag_at(i) & (kWhitespace | kSentinel)) == kWhitespace; };
+  // [^\s\p{L}\p{N}] inside the piece.
+  auto other = [](uint8_t f) { return (f & (kWhitespace | kLetter | kNumber | kSentinel)) == 0; };
+  size_t prev = b;
+  auto add = [&](size_t end) {
+    if (end > prev) emit(prev, end);
+    prev = end;
+  };
+  size_t pos = b;
+  while (pos < e) {
+    const uint32_t cp = cps[pos];
+    if (cp == '\'' && pos + 1 < e) {
+      const uint32_t n1 = lower(cps[pos + 1]);
+      if (n1 == 's' || n1 == 't' || n1 == 'm' || n1 == 'd') {
+        pos += 2;
+        add(pos);
+        continue;
+      }
+      if (pos + 2 < e) {
+        const uint32_t n2 = lower(cps[pos + 2]);
+        if ((n1 == 'r' && n2 == 'e') || (n1 == 'v' && n2 == 'e') || (n1 == 'l' && n2 == 'l')) {
+          pos += 3;
+          add(pos);
+          continue;
+        }
+      }
+    }
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    if (!(cp == '\r' || cp == '\n' || is_number(pos)) && (is_letter(pos) || is_letter(pos + 1))) {
+      ++pos;
+      while (is_letter(pos)) ++pos;
+      add(pos);
+      continue;
+    }
+    // \p{N}{1,max_digits}
+    if (is_number(pos)) {
+      size_t run = 0;
+      while (is_number(pos)) {
+        ++pos;
+        if (++run == max_digits) {
+          add(pos);
+          run = 0;
+        }
+      }
+      add(pos);
+      continue;
+    }
+    // " ?[^\s\p{L}\p{N}]+[\r\n]*"
+    const uint8_t f2 = cp == ' ' ? flag_at(pos + 1) : flags[pos];
+    if ((f2 & (kWhitespace | kLetter | kNumber)) == 0) {
+      if (cp == ' ') ++pos;
+      while (other(flag_at(pos))) ++pos;
+      while (cp_at(pos) == '\r' || cp_at(pos) == '\n') ++pos;
+      add(pos);
+      continue;
+    }
+    size_t n_ws = 0;
+    size_t last_newline_end = 0;
+    while (is_space(pos + n_ws)) {
+      const uint32_t c = cps[pos + n_ws];
+      if (c == '\r' || c == '\n') last_newline_end = pos + n_ws + 1;
+      ++n_ws;
+    }
+    if (last_newline_end > 0) {  // \s*[\r\n]+
+      pos = last_newline_end;
+    } else if (n_ws > 1 && pos + n_ws < e) {  // \s+(?!\S): leave the last one for the next word
+      pos += n_ws - 1;
+    } else if (n_ws > 0) {  // \s+
+      pos += n_ws;
+    } else {
+      ++pos;
+    }
+    add(pos);
+  }
+}
+
+// Length llama.cpp gives the UTF-8 sequence starting with `lead` when it
+// splits text into characters (a stray byte counts as one).
+size_t CharLength(uint8_t lead) {
+  static constexpr uint8_t kLengths[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+  return kLengths[lead >> 4];
+}
+
+// Token texts llama.cpp treats as end-of-generation or FIM control tokens
+// whatever their GGUF type (it forces them to control).
+bool IsForcedControlText(absl::string_view s) {
+  static constexpr absl::string_view kTexts[] = {"<|eot_id|>",     "<|im_end|>",     "<|end|>",
+                                                 "<end_of_turn>",  "<|endoftext|>",  "<|end_of_text|>",
+                                                 "<EOT>",          "_<EOT>",         "</s>",
+                                                 "<|eom_id|>",     "<|fim_prefix|>", "<|fim_suffix|>",
+                                                 "<|fim_middle|>", "<|fim_pad|>",    "<|repo_name|>",
+                                                 "<|fim_repo|>",   "<|file_sep|>",   "<end_of_utterance>"};
+  for (absl::string_view t : kTexts) {
+    if (s == t) return true;
+  }
+  return false;
+}
+
+// llama.cpp's end-of-generation texts (special_eog_ids), plus Qwen's FIM
+// pad / repo / file-separator tokens that it also counts as EOG.
+bool IsEogText(absl::string_view s) {
+  static constexpr absl::string_view kTexts[] = {
+      "<|eot_id|>",    "<|im_end|>",   "<|end|>",     "<end_of_turn>",   "<|endoftext|>",      "</s>",
+      "<|eom_id|>",    "<EOT>",        "_<EOT>",      "<|end_of_text|>", "<end_of_utterance>", "<|fim_pad|>",
+      "<|repo_name|>", "<|fim_repo|>", "<|file_sep|>"};
+  for (absl::string_view t : kTexts) {
+    if (s == t) return true;
+  }
+  return false;
+}
+
 struct Bigram {
   int32_t rank;
   int32_t left;   // symbol index
@@ -116,14 +243,31 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const gguf::GgufF
       spec.token_types.push_back(t >= 0 && t <= 6 ? static_cast<TokenType>(t) : TokenType::kUndefined);
     }
   }
+  if (const gguf::GgufValue* scores = file.FindValue("tokenizer.ggml.scores")) {
+    KVCACHE_ASSIGN_OR_RETURN(auto raw_scores, scores->AsDoubleArray());
+    spec.scores.assign(raw_scores.begin(), raw_scores.end());
+  }
   if (const gguf::GgufValue* merges = file.FindValue("tokenizer.ggml.merges")) {
     KVCACHE_ASSIGN_OR_RETURN(auto merge_views, merges->AsStringArray());
     for (absl::string_view v : merge_views) spec.merges.emplace_back(v);
   }
+  // llama.cpp's defaults per model, before the GGUF keys override them.
+  if (spec.model == "llama") {
+    spec.bos_id = 1;
+    spec.eos_id = 2;
+    spec.unk_id = 0;
+    spec.add_bos = true;
+    spec.add_space_prefix = true;
+    for (int32_t* d : {&spec.bos_id, &spec.eos_id, &spec.unk_id}) {
+      if (*d >= static_cast<int32_t>(spec.tokens.size())) *d = -1;
+    }
+  } else if (spec.pre == "llama3" || spec.pre == "llama-v3" || spec.pre == "llama-bpe") {
+    spec.add_bos = true;
+  }
   auto id = [&](const char* key, int32_t* out) -> absl::Status {
     if (file.FindValue(key) == nullptr) return absl::OkStatus();
     KVCACHE_ASSIGN_OR_RETURN(uint64_t v, file.GetUint64(key));
-    *out = v < spec.tokens.size() ? static_cast<int32_t>(v) : -1;
+    if (v < spec.tokens.size()) *out = static_cast<int32_t>(v);  // else: keep the default
     return absl::OkStatus();
   };
   KVCACHE_RETURN_IF_ERROR(id("tokenizer.ggml.bos_token_id", &spec.bos_id));
@@ -136,6 +280,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const gguf::GgufF
   }
   if (file.FindValue("tokenizer.ggml.add_eos_token") != nullptr) {
     KVCACHE_ASSIGN_OR_RETURN(spec.add_eos, file.GetBool("tokenizer.ggml.add_eos_token"));
+  }
+  if (file.FindValue("tokenizer.ggml.add_space_prefix") != nullptr) {
+    KVCACHE_ASSIGN_OR_RETURN(spec.add_space_prefix, file.GetBool("tokenizer.ggml.add_space_prefix"));
   }
   return Create(std::move(spec));
 }
@@ -153,17 +300,23 @@ int32_t Tokenizer::InternSymbol(const std::string& text) {
 }
 
 absl::Status Tokenizer::Init(VocabSpec spec) {
-  if (spec.model == "llama") {
-    return absl::UnimplementedError(
-        "SentencePiece vocabularies (tokenizer.ggml.model = llama) are not supported; "
-        "only byte-level BPE (gpt2)");
+  if (spec.model != "gpt2" && spec.model != "llama") {
+    return absl::UnimplementedError(absl::StrCat("tokenizer model '", spec.model,
+                                                 "' is not supported (supported: gpt2 byte-level BPE, "
+                                                 "llama SentencePiece)"));
   }
-  if (spec.model != "gpt2") {
-    return absl::UnimplementedError(
-        absl::StrCat("tokenizer model '", spec.model, "' is not supported (only gpt2 BPE)"));
-  }
-  if (spec.pre == "smollm" || spec.pre == "starcoder" || spec.pre == "refact" || spec.pre == "command-r" ||
-      spec.pre == "codeshell" || spec.pre == "exaone" || spec.pre == "minerva-7b") {
+  spm_ = spec.model == "llama";
+  if (spm_) {
+    // SentencePiece has no pre-tokenizer; tokenizer.ggml.pre is ignored.
+  } else if (spec.pre == "llama3" || spec.pre == "llama-v3" || spec.pre == "llama-bpe") {
+    pre_ = PreKind::kLlama3;
+    ignore_merges_ = true;
+  } else if (spec.pre == "qwen2" || spec.pre == "deepseek-r1-qwen" || spec.pre == "megrez" ||
+             spec.pre == "stablelm2") {
+    pre_ = PreKind::kQwen2;
+  } else if (spec.pre == "smollm" || spec.pre == "starcoder" || spec.pre == "refact" ||
+             spec.pre == "command-r" || spec.pre == "codeshell" || spec.pre == "exaone" ||
+             spec.pre == "minerva-7b") {
     pre_ = PreKind::kSmollm;
   } else if (spec.pre == "gpt-2" || spec.pre == "gpt2" || spec.pre == "mpt" || spec.pre == "olmo" ||
              spec.pre == "jais") {
@@ -171,8 +324,9 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
   } else {
     return absl::UnimplementedError(
         absl::StrCat("pre-tokenizer '", spec.pre,
-                     "' is not supported (supported: smollm, starcoder, refact, command-r, codeshell, "
-                     "exaone, minerva-7b, gpt-2, mpt, olmo, jais)"));
+                     "' is not supported (supported: llama-bpe, llama3, qwen2, deepseek-r1-qwen, "
+                     "smollm, starcoder, refact, command-r, codeshell, exaone, minerva-7b, gpt-2, mpt, "
+                     "olmo, jais)"));
   }
   if (spec.tokens.empty() || spec.tokens.size() > (1u << 24)) {
     return absl::InvalidArgumentError(
@@ -189,9 +343,21 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
           absl::StrCat("special token id ", *id, " is outside the vocabulary of ", n));
     }
   }
+  if (!spec.scores.empty() && spec.scores.size() != spec.tokens.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scores has ", spec.scores.size(), " entries for ", spec.tokens.size(), " tokens"));
+  }
+  if (spm_ && !spec.merges.empty()) {
+    return absl::InvalidArgumentError("a SentencePiece vocabulary carries no merges");
+  }
   tokens_ = spec.tokens;
   types_ = spec.token_types;
   if (types_.empty()) types_.assign(tokens_.size(), TokenType::kNormal);
+  scores_ = spec.scores;
+  if (scores_.empty()) scores_.assign(tokens_.size(), 0.0f);
+  for (int32_t i = 0; i < n; ++i) {
+    if (IsForcedControlText(tokens_[i])) types_[i] = TokenType::kControl;
+  }
 
   // Token ids are the first symbol ids. On duplicate texts the first id wins.
   symbol_text_ = tokens_;
@@ -229,12 +395,7 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
     if (id >= 0) eog_[id] = true;
   }
   for (int32_t i = 0; i < n; ++i) {
-    const std::string& s = tokens_[i];
-    if (types_[i] == TokenType::kControl &&
-        (s == "<|im_end|>" || s == "<|endoftext|>" || s == "<|eot_id|>" || s == "<|eom_id|>" ||
-         s == "<|end|>" || s == "<end_of_turn>" || s == "</s>")) {
-      eog_[i] = true;
-    }
+    if (IsEogText(tokens_[i])) eog_[i] = true;
   }
   spec_ = std::move(spec);
   return absl::OkStatus();
@@ -258,7 +419,8 @@ std::vector<int32_t> Tokenizer::Encode(absl::string_view text, const EncodeOptio
     int32_t id;  // -1: raw text [begin, end)
     size_t begin, end;
   };
-  std::vector<Fragment> frags = {{-1, 0, text.size()}};
+  std::vector<Fragment> frags;
+  if (!text.empty()) frags.push_back({-1, 0, text.size()});
   std::vector<Fragment> next;
   for (int32_t id : special_ids_) {
     const TokenType t = types_[id];
@@ -283,12 +445,32 @@ std::vector<int32_t> Tokenizer::Encode(absl::string_view text, const EncodeOptio
     }
     frags.swap(next);
   }
+  // SentencePiece: a space goes before the text at the start and after every
+  // special token; spaces are then written as U+2581 ("\xe2\x96\x81").
+  bool prev_special = true;
+  std::string escaped;
   for (const Fragment& f : frags) {
     if (f.id >= 0) {
       out.push_back(f.id);
-    } else {
-      EncodeFragment(text.substr(f.begin, f.end - f.begin), &out);
+      prev_special = true;
+      continue;
     }
+    const absl::string_view raw = text.substr(f.begin, f.end - f.begin);
+    if (!spm_) {
+      EncodeFragment(raw, &out);
+      continue;
+    }
+    escaped.clear();
+    if (spec_.add_space_prefix && prev_special) escaped = "\xe2\x96\x81";
+    for (char c : raw) {
+      if (c == ' ') {
+        escaped += "\xe2\x96\x81";
+      } else {
+        escaped.push_back(c);
+      }
+    }
+    EncodeSpm(escaped, &out);
+    prev_special = false;
   }
   if (options.add_special && spec_.add_eos && spec_.eos_id >= 0) out.push_back(spec_.eos_id);
   return out;
@@ -307,6 +489,10 @@ void Tokenizer::EncodeFragment(absl::string_view text, std::vector<int32_t>* out
   };
   if (pre_ == PreKind::kGpt2) {
     SplitGpt2(cps.data(), flags.data(), 0, cps.size(), emit);
+    return;
+  }
+  if (pre_ == PreKind::kLlama3 || pre_ == PreKind::kQwen2) {
+    SplitLlama3(cps.data(), flags.data(), 0, cps.size(), pre_ == PreKind::kLlama3 ? 3 : 1, emit);
     return;
   }
   // smollm: first `\p{N}` isolates every number code point, then GPT-2 runs
@@ -328,6 +514,15 @@ void Tokenizer::EncodeWord(absl::string_view word, std::vector<int32_t>* out) co
     int32_t prev, next;
   };
   const int32_t n = static_cast<int32_t>(word.size());
+  if (ignore_merges_ && n > 1) {
+    std::string encoded;
+    for (char c : word) AppendUtf8(ByteToCodepoint(static_cast<uint8_t>(c)), &encoded);
+    const int32_t whole = FindToken(encoded);
+    if (whole >= 0) {
+      out->push_back(whole);
+      return;
+    }
+  }
   std::vector<Symbol> symbols(n);
   for (int32_t i = 0; i < n; ++i) {
     const uint8_t b = static_cast<uint8_t>(word[i]);
@@ -380,6 +575,81 @@ void Tokenizer::EncodeWord(absl::string_view word, std::vector<int32_t>* out) co
   }
 }
 
+int32_t Tokenizer::SpmByteToken(uint8_t b) const {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  const char name[6] = {'<', '0', 'x', kHex[b >> 4], kHex[b & 15], '>'};
+  const int32_t id = FindToken(absl::string_view(name, 6));
+  if (id >= 0) return id;
+  const char raw = static_cast<char>(b);
+  return FindToken(absl::string_view(&raw, 1));
+}
+
+void Tokenizer::EncodeSpm(absl::string_view text, std::vector<int32_t>* out) const {
+  // Symbols start as single characters; the pair whose concatenation is the
+  // highest-scoring token merges first (ties: leftmost), as in llama.cpp.
+  struct Symbol {
+    size_t begin, len;  // bytes of text; len 0: merged away
+    int32_t prev, next;
+  };
+  struct Pair {
+    float score;
+    int32_t left, right;
+    size_t len;                            // bytes of the merged text when queued
+    bool operator<(const Pair& o) const {  // priority_queue pops the largest
+      return score != o.score ? score < o.score : left > o.left;
+    }
+  };
+  std::vector<Symbol> symbols;
+  for (size_t off = 0; off < text.size();) {
+    const size_t len = std::min(CharLength(static_cast<uint8_t>(text[off])), text.size() - off);
+    const int32_t idx = static_cast<int32_t>(symbols.size());
+    symbols.push_back({off, len, idx - 1, off + len == text.size() ? -1 : idx + 1});
+    off += len;
+  }
+  if (symbols.empty()) return;
+  std::priority_queue<Pair> queue;
+  auto try_pair = [&](int32_t left, int32_t right) {
+    if (left < 0 || right < 0) return;
+    const size_t len = symbols[left].len + symbols[right].len;
+    const int32_t id = FindToken(text.substr(symbols[left].begin, len));
+    if (id < 0) return;
+    queue.push({scores_[id], left, right, len});
+  };
+  for (int32_t i = 1; i < static_cast<int32_t>(symbols.size()); ++i) try_pair(i - 1, i);
+  while (!queue.empty()) {
+    const Pair p = queue.top();
+    queue.pop();
+    Symbol& l = symbols[p.left];
+    Symbol& r = symbols[p.right];
+    // Stale entry: one side was merged away or grew since it was queued.
+    if (l.len == 0 || r.len == 0 || l.len + r.len != p.len) continue;
+    l.len += r.len;
+    r.len = 0;
+    l.next = r.next;
+    if (r.next >= 0) symbols[r.next].prev = p.left;
+    try_pair(l.prev, p.left);
+    try_pair(p.left, l.next);
+  }
+  for (int32_t i = 0; i >= 0; i = symbols[i].next) {
+    const absl::string_view piece = text.substr(symbols[i].begin, symbols[i].len);
+    const int32_t id = FindToken(piece);
+    if (id >= 0) {
+      out->push_back(id);
+      continue;
+    }
+    // Byte fallback: merged symbols are always tokens, so this is one
+    // character that is not a token; it is spelled as its bytes.
+    for (char c : piece) {
+      const int32_t b = SpmByteToken(static_cast<uint8_t>(c));
+      if (b >= 0) {
+        out->push_back(b);
+      } else if (spec_.unk_id >= 0) {
+        out->push_back(spec_.unk_id);
+      }
+    }
+  }
+}
+
 absl::StatusOr<std::string> Tokenizer::TokenToPiece(int32_t id, bool special) const {
   if (!IsValid(id)) {
     return absl::OutOfRangeError(absl::StrCat("token id ", id, " is outside the vocabulary of ", n_vocab()));
@@ -388,7 +658,16 @@ absl::StatusOr<std::string> Tokenizer::TokenToPiece(int32_t id, bool special) co
   const std::string& text = tokens_[id];
   if (t == TokenType::kControl || t == TokenType::kUnknown) return special ? text : "";
   if (t == TokenType::kUserDefined) return text;
+  if (t == TokenType::kByte) {
+    // "<0xNN>"
+    int value = 0;
+    if (text.size() == 6 && absl::SimpleHexAtoi(absl::string_view(text).substr(3, 2), &value)) {
+      return std::string(1, static_cast<char>(value));
+    }
+    return std::string();
+  }
   if (t != TokenType::kNormal) return std::string();
+  if (spm_) return absl::StrReplaceAll(text, {{"\xe2\x96\x81", " "}});
   std::string out;
   out.reserve(text.size());
   size_t pos = 0;

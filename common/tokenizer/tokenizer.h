@@ -1,8 +1,14 @@
-// Byte-level BPE tokenizer built from a GGUF vocabulary, matching llama.cpp's
-// `llama_tokenize` / `llama_token_to_piece` for `tokenizer.ggml.model = gpt2`
-// with the "smollm" family pre-tokenizer (SmolLM2, StarCoder, ...) and plain
-// "gpt2". SentencePiece vocabularies (`llama`) and other pre-tokenizers are a
-// clear UNIMPLEMENTED error at load time.
+// Tokenizer built from a GGUF vocabulary, matching llama.cpp's `llama_tokenize`
+// / `llama_token_to_piece` for
+//   - byte-level BPE (`tokenizer.ggml.model = gpt2`) with the pre-tokenizers
+//     "smollm" (SmolLM2, StarCoder, ...), "gpt-2", "llama-bpe" (Llama 3) and
+//     "qwen2" (Qwen 2.5 / Qwen3), and
+//   - SentencePiece (`tokenizer.ggml.model = llama`: Llama 2, Mistral), with
+//     score-driven merges, `<0xNN>` byte fallback and the leading-space prefix.
+// Other models and pre-tokenizers are a clear UNIMPLEMENTED error at load time.
+// FromGguf applies llama.cpp's per-model defaults (add_bos for SentencePiece
+// and llama-bpe, add_space_prefix for SentencePiece) and then the GGUF keys
+// that override them.
 //
 //   KVCACHE_ASSIGN_OR_RETURN(auto tok, Tokenizer::FromGguf(*file));
 //   std::vector<int32_t> ids = tok->Encode(prompt, {.add_special = true,
@@ -44,7 +50,8 @@ struct VocabSpec {
   std::string pre = "smollm";          // tokenizer.ggml.pre
   std::vector<std::string> tokens;     // id -> text (byte-level encoded)
   std::vector<TokenType> token_types;  // empty: all kNormal
-  std::vector<std::string> merges;     // "left right", rank = index
+  std::vector<std::string> merges;     // "left right", rank = index (BPE)
+  std::vector<float> scores;           // SentencePiece merge priority; empty: all 0
   int32_t bos_id = -1;
   int32_t eos_id = -1;
   int32_t eot_id = -1;  // end of turn; -1: none
@@ -52,6 +59,9 @@ struct VocabSpec {
   int32_t pad_id = -1;
   bool add_bos = false;  // tokenizer.ggml.add_bos_token
   bool add_eos = false;  // tokenizer.ggml.add_eos_token
+  // SentencePiece: a space is prepended to text at the start and after every
+  // special token (tokenizer.ggml.add_space_prefix).
+  bool add_space_prefix = false;
 };
 
 struct EncodeOptions {
@@ -83,8 +93,9 @@ class Tokenizer {
   bool IsValid(int32_t id) const { return id >= 0 && id < n_vocab(); }
   int32_t bos_id() const { return spec_.bos_id; }
   int32_t eos_id() const { return spec_.eos_id; }
-  // End of generation: EOS, EOT, or any control token named like an end
-  // marker ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>").
+  // End of generation, llama.cpp's set: EOS, EOT, the tokens named like an
+  // end marker ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
+  // "<|end_of_text|>", "</s>", ...) and Qwen's FIM pad/repo/file-separator.
   bool IsEndOfGeneration(int32_t id) const;
   absl::string_view TokenText(int32_t id) const { return tokens_[id]; }  // REQUIRES: IsValid
   TokenType token_type(int32_t id) const { return types_[id]; }          // REQUIRES: IsValid
@@ -97,18 +108,27 @@ class Tokenizer {
     int32_t rank;
     int32_t result;  // symbol id of the merged string
   };
-  enum class PreKind { kGpt2, kSmollm };
+  enum class PreKind { kGpt2, kSmollm, kLlama3, kQwen2 };
 
   Tokenizer() = default;
   absl::Status Init(VocabSpec spec);
   int32_t InternSymbol(const std::string& text);
-  // Appends the tokens of a fragment without special tokens.
+  // Appends the BPE tokens of a fragment without special tokens.
   void EncodeFragment(absl::string_view text, std::vector<int32_t>* out) const;
   // Appends the BPE tokens of one pre-tokenized word (raw bytes).
   void EncodeWord(absl::string_view word, std::vector<int32_t>* out) const;
+  // Appends the SentencePiece tokens of `text` (spaces already escaped).
+  void EncodeSpm(absl::string_view text, std::vector<int32_t>* out) const;
+  // The token of one raw byte: "<0xNN>", else the one-byte token; -1 if none.
+  int32_t SpmByteToken(uint8_t b) const;
 
   VocabSpec spec_;
+  bool spm_ = false;  // SentencePiece, else byte-level BPE
   PreKind pre_ = PreKind::kSmollm;
+  // llama-bpe: a pre-tokenized word that is itself a token is emitted whole,
+  // without running the merges (llama.cpp's ignore_merges).
+  bool ignore_merges_ = false;
+  std::vector<float> scores_;
   std::vector<std::string> tokens_;
   std::vector<TokenType> types_;
   // Symbols are token ids, plus ids >= n_vocab for merge strings that are not

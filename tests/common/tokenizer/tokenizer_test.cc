@@ -219,15 +219,22 @@ TEST(TokenizerSpecTest, BosEosFlags) {
 
 TEST(TokenizerSpecTest, UnsupportedVocabulariesAreClearErrors) {
   VocabSpec s = TinySpec();
-  s.model = "llama";
+  s.model = "bert";
   auto t = Tokenizer::Create(s);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(t.status().message().find("SentencePiece"), std::string::npos);
+  EXPECT_NE(t.status().message().find("'bert'"), std::string::npos);
   s = TinySpec();
-  s.pre = "llama-bpe";
+  s.pre = "deepseek-llm";
   t = Tokenizer::Create(s);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(t.status().message().find("llama-bpe"), std::string::npos);
+  EXPECT_NE(t.status().message().find("deepseek-llm"), std::string::npos);
+  // A SentencePiece vocabulary with BPE merges is inconsistent.
+  s = TinySpec();
+  s.model = "llama";
+  EXPECT_EQ(Tokenizer::Create(s).status().code(), absl::StatusCode::kInvalidArgument);
+  s = TinySpec();
+  s.scores = {1.0f};
+  EXPECT_EQ(Tokenizer::Create(s).status().code(), absl::StatusCode::kInvalidArgument);
   s = TinySpec();
   s.merges.push_back("nospace");
   EXPECT_EQ(Tokenizer::Create(s).status().code(), absl::StatusCode::kInvalidArgument);
