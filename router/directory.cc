@@ -1,5 +1,9 @@
 #include "router/directory.h"
 
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -9,8 +13,25 @@ namespace {
 
 constexpr uint8_t kDeviceBit = 1;
 constexpr uint8_t kHostBit = 2;
+constexpr uint32_t kTierMask = 3;
 
 uint8_t TierBit(v1::Tier tier) { return tier == v1::TIER_HOST ? kHostBit : kDeviceBit; }
+
+uint32_t Pack(uint32_t w, uint8_t bits) { return w << 2 | bits; }
+uint32_t WorkerOf(uint32_t packed) { return packed >> 2; }
+uint8_t BitsOf(uint32_t packed) { return static_cast<uint8_t>(packed & kTierMask); }
+
+// Bytes a swiss table of this capacity holds: one slot and one control byte
+// per entry of capacity (plus the cloned control group, ignored).
+template <typename Table>
+size_t TableBytes(const Table& t) {
+  return t.capacity() * (sizeof(typename Table::value_type) + 1);
+}
+
+size_t HeapStringBytes(const std::string& s) {
+  // Libstdc++ keeps up to 15 characters inside the string object.
+  return s.capacity() > 15 ? s.capacity() + 1 : 0;
+}
 
 }  // namespace
 
@@ -20,74 +41,269 @@ bool BlockHashFromBytes(const std::string& bytes, BlockHash* out) {
   return true;
 }
 
-void Directory::AddPageLocked(const BlockHash& h, const WorkerId& w, uint8_t tier_bit) {
-  pages_[h].workers[w] |= tier_bit;
+Directory::PageKey Directory::KeyOf(const BlockHash& h) {
+  PageKey k;
+  std::memcpy(&k, h.bytes.data(), sizeof(k));
+  return k;
 }
 
-void Directory::RemovePageLocked(const BlockHash& h, const WorkerId& w, uint8_t tier_bit) {
-  auto it = pages_.find(h);
-  if (it == pages_.end()) return;
-  auto wit = it->second.workers.find(w);
-  if (wit == it->second.workers.end()) return;
-  wit->second &= static_cast<uint8_t>(~tier_bit);
-  if (wit->second == 0) it->second.workers.erase(wit);
-  if (it->second.workers.empty()) pages_.erase(it);
+// ---- Holders ----
+
+Directory::Holders::Holders(Holders&& o) noexcept : heap_(o.heap_), size_(o.size_), one_(o.one_) {
+  o.heap_ = nullptr;
+  o.size_ = 0;
 }
 
-void Directory::PutSessionLocked(const SessionLocation& loc) {
-  auto [it, inserted] = sessions_.try_emplace(loc.key(), loc);
-  if (!inserted) {
-    --workers_[it->second.worker].sessions;
-    it->second = loc;
+Directory::Holders& Directory::Holders::operator=(Holders&& o) noexcept {
+  if (this != &o) {
+    std::free(heap_);
+    heap_ = o.heap_;
+    size_ = o.size_;
+    one_ = o.one_;
+    o.heap_ = nullptr;
+    o.size_ = 0;
   }
-  ++workers_[loc.worker].sessions;
+  return *this;
 }
 
-void Directory::EraseSessionLocked(absl::flat_hash_map<SessionKey, SessionLocation>::iterator it) {
+Directory::Holders::~Holders() { std::free(heap_); }
+
+uint32_t Directory::Holders::Capacity(uint32_t n) {
+  uint32_t c = 2;
+  while (c < n) c *= 2;
+  return c;
+}
+
+int64_t Directory::Holders::Position(WorkerIndex w) const {
+  const uint32_t* d = data();
+  int64_t lo = 0;
+  int64_t hi = size_;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (WorkerOf(d[mid]) < w) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo < size_ && WorkerOf(d[lo]) == w) return lo;
+  return -lo - 1;
+}
+
+uint8_t Directory::Holders::Find(WorkerIndex w) const {
+  const int64_t pos = Position(w);
+  return pos >= 0 ? BitsOf(data()[pos]) : 0;
+}
+
+void Directory::Holders::Add(WorkerIndex w, uint8_t bits) {
+  const int64_t pos = Position(w);
+  if (pos >= 0) {
+    uint32_t* d = size_ <= 1 ? &one_ : heap_;
+    d[pos] |= bits;
+    return;
+  }
+  const int64_t at = -pos - 1;
+  if (size_ == 0) {
+    one_ = Pack(w, bits);
+    size_ = 1;
+    return;
+  }
+  if (size_ == 1) {
+    heap_ = static_cast<uint32_t*>(std::malloc(Capacity(2) * sizeof(uint32_t)));
+    heap_[0] = one_;
+  } else if (size_ + 1 > Capacity(size_)) {
+    heap_ = static_cast<uint32_t*>(std::realloc(heap_, Capacity(size_ + 1) * sizeof(uint32_t)));
+  }
+  std::memmove(heap_ + at + 1, heap_ + at, (size_ - at) * sizeof(uint32_t));
+  heap_[at] = Pack(w, bits);
+  ++size_;
+}
+
+bool Directory::Holders::Clear(WorkerIndex w, uint8_t bits) {
+  const int64_t pos = Position(w);
+  if (pos < 0) return true;
+  uint32_t* d = size_ <= 1 ? &one_ : heap_;
+  d[pos] &= ~static_cast<uint32_t>(bits);
+  if (BitsOf(d[pos]) != 0) return false;
+  if (size_ == 1) {
+    size_ = 0;
+    return true;
+  }
+  std::memmove(heap_ + pos, heap_ + pos + 1, (size_ - pos - 1) * sizeof(uint32_t));
+  --size_;
+  if (size_ == 1) {
+    one_ = heap_[0];
+    std::free(heap_);
+    heap_ = nullptr;
+  }
+  return true;
+}
+
+// ---- Directory ----
+
+Directory::WorkerIndex Directory::InternLocked(const WorkerId& w) {
+  auto [it, inserted] = index_.try_emplace(w, 0);
+  if (!inserted) return it->second;
+  WorkerIndex i;
+  if (!free_.empty()) {
+    i = free_.back();
+    free_.pop_back();
+  } else {
+    i = static_cast<WorkerIndex>(workers_.size());
+    workers_.emplace_back();
+  }
+  it->second = i;
+  WorkerState& s = workers_[i];
+  s.name = w;
+  s.live = true;
+  return i;
+}
+
+std::optional<Directory::WorkerIndex> Directory::IndexLocked(const WorkerId& w) const {
+  auto it = index_.find(w);
+  if (it == index_.end()) return std::nullopt;
+  return it->second;
+}
+
+void Directory::AddPageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) {
+  Holders& h = pages_[key];
+  if (h.Find(w) == 0) {
+    ++prefix_entries_;
+    workers_[w].pages.insert(key);
+  }
+  h.Add(w, tier_bit);
+}
+
+void Directory::RemovePageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) {
+  auto it = pages_.find(key);
+  if (it == pages_.end() || it->second.Find(w) == 0) return;
+  if (it->second.Clear(w, tier_bit)) {
+    --prefix_entries_;
+    workers_[w].pages.erase(key);
+  }
+  if (it->second.empty()) pages_.erase(it);
+}
+
+void Directory::ClaimLocked(const SessionKey& key, const SessionEntry& entry) {
+  auto [it, inserted] = sessions_.try_emplace(key, entry);
+  if (inserted) {
+    ++workers_[entry.worker].sessions;
+    return;
+  }
+  if (it->second.worker == entry.worker) {
+    it->second = entry;
+    return;
+  }
+  // Another worker claimed it earlier and has not said it let go (its stream
+  // may trail this one): keep that claim behind the new one.
+  std::vector<SessionEntry>& older = older_claims_[key];
+  older.erase(std::remove_if(older.begin(), older.end(),
+                             [&](const SessionEntry& c) { return c.worker == entry.worker; }),
+              older.end());
+  older.push_back(it->second);
   --workers_[it->second.worker].sessions;
-  sessions_.erase(it);
+  ++workers_[entry.worker].sessions;
+  it->second = entry;
+}
+
+bool Directory::WithdrawLocked(const SessionKey& key, WorkerIndex w) {
+  auto oc = older_claims_.find(key);
+  if (oc != older_claims_.end()) {
+    auto& older = oc->second;
+    older.erase(
+        std::remove_if(older.begin(), older.end(), [&](const SessionEntry& c) { return c.worker == w; }),
+        older.end());
+  }
+  bool gone = false;
+  auto it = sessions_.find(key);
+  if (it != sessions_.end() && it->second.worker == w) {
+    --workers_[w].sessions;
+    if (oc != older_claims_.end() && !oc->second.empty()) {
+      it->second = oc->second.back();  // the latest claim still standing
+      oc->second.pop_back();
+      ++workers_[it->second.worker].sessions;
+    } else {
+      sessions_.erase(it);
+      gone = true;
+    }
+  }
+  if (oc != older_claims_.end() && oc->second.empty()) older_claims_.erase(oc);
+  return gone;
+}
+
+Directory::SessionEntry* Directory::ClaimOfLocked(const SessionKey& key, WorkerIndex w) {
+  auto it = sessions_.find(key);
+  if (it != sessions_.end() && it->second.worker == w) return &it->second;
+  auto oc = older_claims_.find(key);
+  if (oc == older_claims_.end()) return nullptr;
+  for (SessionEntry& c : oc->second) {
+    if (c.worker == w) return &c;
+  }
+  return nullptr;
+}
+
+SessionLocation Directory::LocationLocked(const SessionKey& key, const SessionEntry& e) const {
+  SessionLocation loc;
+  loc.session_id = key.session_id;
+  loc.tenant = key.tenant;
+  loc.worker = workers_[e.worker].name;
+  loc.tier = e.tier;
+  loc.tokens = e.tokens;
+  return loc;
 }
 
 void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost) {
-  for (auto it = sessions_.begin(); it != sessions_.end();) {
-    if (it->second.worker == w) {
-      if (lost != nullptr) lost->push_back(it->first);
-      sessions_.erase(it++);
-    } else {
-      ++it;
+  const std::optional<WorkerIndex> wi = IndexLocked(w);
+  if (!wi.has_value()) return;
+  WorkerState& state = workers_[*wi];
+  if (state.sessions > 0 || !older_claims_.empty()) {
+    // A scan of the session table: sessions are few next to pages, and a
+    // worker is forgotten or resynced rarely.
+    std::vector<SessionKey> held;
+    for (const auto& [key, e] : sessions_) {
+      if (e.worker == *wi) held.push_back(key);
+    }
+    for (const auto& [key, older] : older_claims_) {
+      for (const SessionEntry& c : older) {
+        if (c.worker == *wi) held.push_back(key);
+      }
+    }
+    for (const SessionKey& key : held) {
+      if (WithdrawLocked(key, *wi) && lost != nullptr) lost->push_back(key);
     }
   }
-  for (auto it = pages_.begin(); it != pages_.end();) {
-    it->second.workers.erase(w);
-    if (it->second.workers.empty()) {
-      pages_.erase(it++);
-    } else {
-      ++it;
-    }
+  for (PageKey key : state.pages) {
+    auto it = pages_.find(key);
+    if (it == pages_.end()) continue;
+    it->second.Clear(*wi, kDeviceBit | kHostBit);
+    --prefix_entries_;
+    if (it->second.empty()) pages_.erase(it);
   }
-  workers_.erase(w);
+  state = WorkerState{};
+  index_.erase(w);
+  free_.push_back(*wi);
 }
 
 void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& snapshot) {
   absl::MutexLock lock(&mu_);
   ForgetWorkerLocked(worker, nullptr);
+  const WorkerIndex wi = InternLocked(worker);
   for (const auto& s : snapshot.sessions()) {
-    SessionLocation loc;
-    loc.session_id = s.session_id();
-    loc.worker = worker;
-    loc.tier = s.state() == v1::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
-    loc.tokens = s.tokens_cached();
-    loc.tenant = s.tenant();
-    PutSessionLocked(loc);
+    SessionEntry e;
+    e.worker = wi;
+    e.tier = s.state() == v1::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
+    e.tokens = s.tokens_cached();
+    ClaimLocked(SessionKey{s.tenant(), s.session_id()}, e);
   }
+  WorkerState& state = workers_[wi];
+  state.pages.reserve(snapshot.device_block_hashes_size() + snapshot.host_block_hashes_size());
   BlockHash h;
   for (const auto& b : snapshot.device_block_hashes()) {
-    if (BlockHashFromBytes(b, &h)) AddPageLocked(h, worker, kDeviceBit);
+    if (BlockHashFromBytes(b, &h)) AddPageLocked(KeyOf(h), wi, kDeviceBit);
   }
   for (const auto& b : snapshot.host_block_hashes()) {
-    if (BlockHashFromBytes(b, &h)) AddPageLocked(h, worker, kHostBit);
+    if (BlockHashFromBytes(b, &h)) AddPageLocked(KeyOf(h), wi, kHostBit);
   }
-  WorkerState& state = workers_[worker];
   state.info.set_worker_id(snapshot.worker_id());
   state.info.set_model_id(snapshot.model_id());
   *state.info.mutable_kv_shape() = snapshot.kv_shape();
@@ -95,46 +311,55 @@ void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& 
 }
 
 void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
-  // Workers name every session event's tenant; an event without one is keyed
-  // under the empty tenant, which no caller has.
-  const SessionKey key{e.tenant(), e.session_id()};
   absl::MutexLock lock(&mu_);
+  const WorkerIndex wi = InternLocked(worker);
   switch (e.kind()) {
     case v1::CacheEvent::SESSION_PLACED:
     case v1::CacheEvent::SESSION_OFFLOADED:
     case v1::CacheEvent::SESSION_RESTORED: {
-      auto it = sessions_.find(key);
-      SessionLocation loc = it != sessions_.end() ? it->second : SessionLocation{};
-      loc.session_id = e.session_id();
-      loc.tenant = e.tenant();
-      loc.worker = worker;
-      loc.tier = e.kind() == v1::CacheEvent::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
-      if (e.tokens() > 0 || e.kind() == v1::CacheEvent::SESSION_PLACED) loc.tokens = e.tokens();
-      PutSessionLocked(loc);
+      // Workers name every session event's tenant; an event without one is
+      // keyed under the empty tenant, which no caller has.
+      SessionKey key{e.tenant(), e.session_id()};
+      const v1::Tier tier = e.kind() == v1::CacheEvent::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
+      SessionEntry* claim = ClaimOfLocked(key, wi);
+      if (claim != nullptr && e.kind() != v1::CacheEvent::SESSION_PLACED) {
+        // A holder moved it between its tiers: the claim stays where it ranks.
+        claim->tier = tier;
+        if (e.tokens() > 0) claim->tokens = e.tokens();
+        break;
+      }
+      SessionEntry entry;
+      entry.worker = wi;
+      entry.tier = tier;
+      entry.tokens = e.tokens();
+      if (entry.tokens == 0 && e.kind() != v1::CacheEvent::SESSION_PLACED) {
+        auto it = sessions_.find(key);
+        if (it != sessions_.end()) entry.tokens = it->second.tokens;  // length unknown: keep what was known
+      }
+      ClaimLocked(key, entry);
       break;
     }
     case v1::CacheEvent::SESSION_TRUNCATED: {
-      auto it = sessions_.find(key);
-      if (it != sessions_.end() && it->second.worker == worker) it->second.tokens = e.tokens();
+      SessionEntry* claim = ClaimOfLocked(SessionKey{e.tenant(), e.session_id()}, wi);
+      if (claim != nullptr) claim->tokens = e.tokens();
       break;
     }
     case v1::CacheEvent::SESSION_DROPPED:
-    case v1::CacheEvent::SESSION_EXPORTED: {
-      // Only the holder may drop it: a late event from a former holder must not
-      // erase the session's new home.
-      auto it = sessions_.find(key);
-      if (it != sessions_.end() && it->second.worker == worker) EraseSessionLocked(it);
+    case v1::CacheEvent::SESSION_EXPORTED:
+      // Withdraws this worker's claim only: a late event from a former holder
+      // must not erase the session's new home, and a claim that another
+      // stream has not yet withdrawn comes back when the newer one leaves.
+      WithdrawLocked(SessionKey{e.tenant(), e.session_id()}, wi);
       break;
-    }
     case v1::CacheEvent::PREFIX_STORED:
     case v1::CacheEvent::PREFIX_REMOVED: {
       BlockHash h;
       for (const auto& b : e.block_hashes()) {
         if (!BlockHashFromBytes(b, &h)) continue;
         if (e.kind() == v1::CacheEvent::PREFIX_STORED) {
-          AddPageLocked(h, worker, TierBit(e.tier()));
+          AddPageLocked(KeyOf(h), wi, TierBit(e.tier()));
         } else {
-          RemovePageLocked(h, worker, TierBit(e.tier()));
+          RemovePageLocked(KeyOf(h), wi, TierBit(e.tier()));
         }
       }
       break;
@@ -146,7 +371,7 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
 
 void Directory::ApplyLoad(const WorkerId& worker, const v1::WorkerLoad& load) {
   absl::MutexLock lock(&mu_);
-  workers_[worker].load = load;
+  workers_[InternLocked(worker)].load = load;
 }
 
 std::vector<SessionKey> Directory::RemoveWorker(const WorkerId& worker) {
@@ -160,20 +385,21 @@ std::optional<SessionLocation> Directory::FindSession(const SessionKey& key) con
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key);
   if (it == sessions_.end()) return std::nullopt;
-  return it->second;
+  return LocationLocked(it->first, it->second);
 }
 
 std::optional<SessionLocation> Directory::AwaitSession(const SessionKey& key, absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
   auto known = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(key); };
   if (!mu_.AwaitWithTimeout(absl::Condition(&known), timeout)) return std::nullopt;
-  return sessions_.at(key);
+  auto it = sessions_.find(key);
+  return LocationLocked(it->first, it->second);
 }
 
 void Directory::NoteSessionTokens(const SessionKey& key, const WorkerId& worker, int32_t tokens) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key);
-  if (it != sessions_.end() && it->second.worker == worker) it->second.tokens = tokens;
+  if (it != sessions_.end() && workers_[it->second.worker].name == worker) it->second.tokens = tokens;
 }
 
 std::optional<SessionLocation> Directory::AwaitSessionOff(const SessionKey& key, const WorkerId& worker,
@@ -183,12 +409,12 @@ std::optional<SessionLocation> Directory::AwaitSessionOff(const SessionKey& key,
     // Absent counts as not yet moved: the source's removal and the target's
     // placement arrive on two streams, in either order.
     auto it = sessions_.find(key);
-    return it != sessions_.end() && it->second.worker != worker;
+    return it != sessions_.end() && workers_[it->second.worker].name != worker;
   };
   mu_.AwaitWithTimeout(absl::Condition(&off), timeout);
   auto it = sessions_.find(key);
   if (it == sessions_.end()) return std::nullopt;
-  return it->second;
+  return LocationLocked(it->first, it->second);
 }
 
 absl::StatusOr<SessionLocation> Directory::Lookup(const SessionKey& key, absl::Duration timeout) const {
@@ -201,8 +427,8 @@ absl::StatusOr<SessionLocation> Directory::Lookup(const SessionKey& key, absl::D
 std::vector<SessionLocation> Directory::SessionsNamed(const std::string& session_id) const {
   absl::MutexLock lock(&mu_);
   std::vector<SessionLocation> out;
-  for (const auto& [key, loc] : sessions_) {
-    if (key.session_id == session_id) out.push_back(loc);
+  for (const auto& [key, e] : sessions_) {
+    if (key.session_id == session_id) out.push_back(LocationLocked(key, e));
   }
   return out;
 }
@@ -210,75 +436,144 @@ std::vector<SessionLocation> Directory::SessionsNamed(const std::string& session
 absl::flat_hash_map<WorkerId, PrefixMatch> Directory::MatchPrefix(absl::Span<const BlockHash> chain) const {
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<WorkerId, PrefixMatch> out;
-  absl::flat_hash_map<WorkerId, bool> alive;  // still matching at this depth
-  for (size_t i = 0; i < chain.size(); ++i) {
-    auto it = pages_.find(chain[i]);
-    if (it == pages_.end()) break;
-    bool any = false;
-    if (i == 0) {
-      for (const auto& [w, bits] : it->second.workers) alive[w] = true;
-    }
-    for (auto& [w, still] : alive) {
-      if (!still) continue;
-      auto wit = it->second.workers.find(w);
-      if (wit == it->second.workers.end()) {
-        still = false;
+  if (chain.empty()) return out;
+  auto first = pages_.find(KeyOf(chain[0]));
+  if (first == pages_.end()) return out;
+  // Workers still matching at this depth, sorted by index (as holders are), with
+  // their matches so far.
+  struct Alive {
+    WorkerIndex worker;
+    PrefixMatch match;
+  };
+  std::vector<Alive> alive;
+  alive.reserve(first->second.size());
+  for (uint32_t i = 0; i < first->second.size(); ++i)
+    alive.push_back({WorkerOf(first->second.data()[i]), {}});
+  auto finish = [&](const Alive& a) { out.emplace(workers_[a.worker].name, a.match); };
+  const Holders* holders = &first->second;
+  for (size_t depth = 0;;) {
+    // Intersect `alive` with this page's holders: a merge when both are
+    // comparable in size, a binary search per alive worker when the page is
+    // held much more widely (a shared system prompt).
+    size_t kept = 0;
+    const uint32_t* d = holders->data();
+    const uint32_t n = holders->size();
+    uint32_t j = 0;
+    const bool search = alive.size() * 8 < n;
+    for (Alive& a : alive) {
+      uint8_t bits = 0;
+      if (search) {
+        bits = holders->Find(a.worker);
+      } else {
+        while (j < n && WorkerOf(d[j]) < a.worker) ++j;
+        if (j < n && WorkerOf(d[j]) == a.worker) bits = BitsOf(d[j]);
+      }
+      if (bits == 0) {
+        finish(a);
         continue;
       }
-      PrefixMatch& m = out[w];
       // Once a page is only in host memory, every later page needs a restore too.
-      if ((wit->second & kDeviceBit) && m.host_pages == 0) {
-        ++m.device_pages;
+      if ((bits & kDeviceBit) && a.match.host_pages == 0) {
+        ++a.match.device_pages;
       } else {
-        ++m.host_pages;
+        ++a.match.host_pages;
       }
-      any = true;
+      alive[kept++] = a;
     }
-    if (!any) break;
+    alive.resize(kept);
+    if (alive.empty() || ++depth == chain.size()) break;
+    auto it = pages_.find(KeyOf(chain[depth]));
+    if (it == pages_.end()) break;
+    holders = &it->second;
   }
+  for (const Alive& a : alive) finish(a);
   return out;
 }
 
 std::optional<v1::WorkerLoad> Directory::Load(const WorkerId& worker) const {
   absl::MutexLock lock(&mu_);
-  auto it = workers_.find(worker);
-  if (it == workers_.end()) return std::nullopt;
-  return it->second.load;
+  const std::optional<WorkerIndex> wi = IndexLocked(worker);
+  if (!wi.has_value()) return std::nullopt;
+  return workers_[*wi].load;
 }
 
 std::optional<v1::WorkerSnapshot> Directory::Describe(const WorkerId& worker) const {
   absl::MutexLock lock(&mu_);
-  auto it = workers_.find(worker);
-  if (it == workers_.end()) return std::nullopt;
-  return it->second.info;
+  const std::optional<WorkerIndex> wi = IndexLocked(worker);
+  if (!wi.has_value()) return std::nullopt;
+  return workers_[*wi].info;
 }
 
 std::vector<SessionLocation> Directory::SessionsOn(const WorkerId& worker) const {
   absl::MutexLock lock(&mu_);
   std::vector<SessionLocation> out;
-  for (const auto& [id, loc] : sessions_) {
-    if (loc.worker == worker) out.push_back(loc);
+  const std::optional<WorkerIndex> wi = IndexLocked(worker);
+  if (!wi.has_value() || workers_[*wi].sessions == 0) return out;
+  for (const auto& [key, e] : sessions_) {
+    if (e.worker == *wi) out.push_back(LocationLocked(key, e));
   }
   return out;
 }
 
 size_t Directory::prefix_entries() const {
   absl::MutexLock lock(&mu_);
-  size_t n = 0;
-  for (const auto& [h, holders] : pages_) n += holders.workers.size();
-  return n;
+  return prefix_entries_;
+}
+
+size_t Directory::distinct_pages() const {
+  absl::MutexLock lock(&mu_);
+  return pages_.size();
 }
 
 absl::flat_hash_map<WorkerId, int64_t> Directory::SessionCounts() const {
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<WorkerId, int64_t> counts;
-  for (const auto& [worker, state] : workers_) counts[worker] = state.sessions;
+  counts.reserve(index_.size());
+  for (const auto& [name, wi] : index_) counts[name] = workers_[wi].sessions;
   return counts;
 }
 
 size_t Directory::session_count() const {
   absl::MutexLock lock(&mu_);
   return sessions_.size();
+}
+
+uint64_t Directory::Digest() const {
+  absl::MutexLock lock(&mu_);
+  // A sum of per-entry hashes: the same set gives the same sum in any order.
+  std::vector<uint64_t> name_hash(workers_.size(), 0);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (workers_[i].live) name_hash[i] = XXH3_64bits(workers_[i].name.data(), workers_[i].name.size());
+  }
+  uint64_t sum = 0;
+  for (const auto& [key, e] : sessions_) {
+    const uint64_t fields[2] = {name_hash[e.worker], static_cast<uint64_t>(e.tier)};
+    uint64_t h = XXH3_64bits_withSeed(fields, sizeof(fields), 0x5e55);
+    h = XXH3_64bits_withSeed(key.tenant.data(), key.tenant.size(), h);
+    h = XXH3_64bits_withSeed(key.session_id.data(), key.session_id.size(), h + 1);
+    sum += h;
+  }
+  for (const auto& [key, holders] : pages_) {
+    for (uint32_t i = 0; i < holders.size(); ++i) {
+      const uint32_t p = holders.data()[i];
+      const uint64_t fields[3] = {key, name_hash[WorkerOf(p)], BitsOf(p)};
+      sum += XXH3_64bits_withSeed(fields, sizeof(fields), 0xb10c);
+    }
+  }
+  return sum;
+}
+
+Directory::MemoryUsage Directory::Memory() const {
+  absl::MutexLock lock(&mu_);
+  MemoryUsage m;
+  m.page_bytes = TableBytes(pages_);
+  for (const auto& [key, holders] : pages_) m.page_bytes += holders.heap_bytes();
+  for (const WorkerState& w : workers_) m.page_bytes += TableBytes(w.pages);
+  m.session_bytes = TableBytes(sessions_) + TableBytes(older_claims_);
+  for (const auto& [key, e] : sessions_) {
+    m.session_bytes += HeapStringBytes(key.tenant) + HeapStringBytes(key.session_id);
+  }
+  return m;
 }
 
 }  // namespace kvcache::router

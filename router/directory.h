@@ -10,7 +10,18 @@
 // Every router replica fed the same streams builds the same directory: the
 // worker is the authority on what it holds, and the directory never guesses.
 // A snapshot replaces everything previously known about that worker, so a
-// router that missed events (a sequence gap) resyncs by asking for a new one.
+// router that missed events (a sequence gap) resyncs by asking for a new one
+// (WatchIngest, watch_ingest.h, detects the gap).
+//
+// Memory, sized for fleets (tests/bench/router_scale_bench.cc measures it):
+// workers are interned to dense indices; a page is keyed by the first 64 bits
+// of its SHA-256 chain hash (uniformly distributed; two distinct pages among
+// 10^8 cached ones share a key with probability ~3e-4, and a shared key costs
+// only a wrong reuse estimate in placement, never correctness: the worker
+// checks the full hash); its holders are packed 32-bit (worker, tier bits)
+// values, one inline, more on the heap; each worker keeps the set of its page
+// keys so that a snapshot or a removal costs that worker's pages, not the
+// fleet's.
 //
 // Thread-safety: all methods take an internal lock; safe from any thread.
 #ifndef KVCACHE_ROUTER_DIRECTORY_H_
@@ -23,6 +34,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -108,33 +120,114 @@ class Directory {
   // Number of (hash, worker) entries: for tests and metrics.
   size_t prefix_entries() const;
   size_t session_count() const;
+  // Number of distinct page keys (a page cached on three workers counts once).
+  size_t distinct_pages() const;
+
+  // A digest of what the directory holds: every session (tenant, id, worker,
+  // tier) and every (page, worker, tiers) entry, independent of the order they
+  // were learnt in and of the router's internal worker indices. Two replicas
+  // agree when their digests are equal. Left out: load reports (they change
+  // every report interval) and session lengths (they grow without cache
+  // events, and each router learns them from its own requests' replies).
+  uint64_t Digest() const;
+
+  // Bytes the directory's tables hold, from their capacities (slots, control
+  // bytes, heap holder arrays, out-of-line strings): what it costs to know
+  // about pages, and about sessions. Excludes allocator overhead.
+  struct MemoryUsage {
+    size_t page_bytes = 0;     // page -> holders table, heap holders, per-worker page-key sets
+    size_t session_bytes = 0;  // session table (keys and their strings)
+  };
+  MemoryUsage Memory() const;
 
  private:
-  struct PageHolders {
-    // worker -> tier bitmask (1 = device, 2 = host)
-    absl::flat_hash_map<WorkerId, uint8_t> workers;
+  using WorkerIndex = uint32_t;
+  // A page's key: the first 64 bits of its chain hash (see the header comment).
+  using PageKey = uint64_t;
+  static PageKey KeyOf(const BlockHash& h);
+
+  // The workers holding one page: packed (worker index << 2 | tier bits),
+  // sorted by worker index; one inline (the common case), more on the heap.
+  class Holders {
+   public:
+    Holders() = default;
+    Holders(Holders&& o) noexcept;
+    Holders& operator=(Holders&& o) noexcept;
+    Holders(const Holders&) = delete;
+    Holders& operator=(const Holders&) = delete;
+    ~Holders();
+
+    uint32_t size() const { return size_; }
+    bool empty() const { return size_ == 0; }
+    const uint32_t* data() const { return size_ <= 1 ? &one_ : heap_; }
+    // Tier bits of `w`, 0 when it does not hold the page.
+    uint8_t Find(WorkerIndex w) const;
+    // ORs `bits` into w's entry, adding it when absent.
+    void Add(WorkerIndex w, uint8_t bits);
+    // Clears `bits` from w's entry; drops the entry when none is left.
+    // Returns true when w no longer holds the page.
+    bool Clear(WorkerIndex w, uint8_t bits);
+    size_t heap_bytes() const { return size_ > 1 ? Capacity(size_) * sizeof(uint32_t) : 0; }
+
+   private:
+    static uint32_t Capacity(uint32_t n);   // heap slots for n > 1 entries: next power of two
+    int64_t Position(WorkerIndex w) const;  // index of w's entry, or -(insertion point) - 1
+    uint32_t* heap_ = nullptr;
+    uint32_t size_ = 0;
+    uint32_t one_ = 0;
   };
+
+  // What a session's entry holds: its location with the worker interned.
+  struct SessionEntry {
+    WorkerIndex worker = 0;
+    int32_t tokens = 0;
+    v1::Tier tier = v1::TIER_DEVICE;
+  };
+
   struct WorkerState {
+    WorkerId name;
+    bool live = false;        // false: a free index
     v1::WorkerSnapshot info;  // sessions/hashes cleared: kept for model id and shape
     v1::WorkerLoad load;
-    int64_t sessions = 0;  // entries of sessions_ on this worker
+    int64_t sessions = 0;                // entries of sessions_ on this worker
+    absl::flat_hash_set<PageKey> pages;  // keys of pages_ this worker holds
   };
 
-  void AddPageLocked(const BlockHash& h, const WorkerId& w, uint8_t tier_bit)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemovePageLocked(const BlockHash& h, const WorkerId& w, uint8_t tier_bit)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The index of `w`, interning it when new.
+  WorkerIndex InternLocked(const WorkerId& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The index of `w` if known.
+  std::optional<WorkerIndex> IndexLocked(const WorkerId& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void AddPageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemovePageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops every session and page of `w` and frees its index.
   void ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost_sessions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // sessions_[loc.key()] = loc, keeping the per-worker counts.
-  void PutSessionLocked(const SessionLocation& loc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EraseSessionLocked(absl::flat_hash_map<SessionKey, SessionLocation>::iterator it)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `entry.worker` holds the session now: its claim becomes the current one
+  // (sessions_), an earlier claim by another worker waits in older_claims_.
+  void ClaimLocked(const SessionKey& key, const SessionEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Worker `w` no longer holds the session. Returns true when no claim is left.
+  bool WithdrawLocked(const SessionKey& key, WorkerIndex w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // w's claim on the session (current or older), or null.
+  SessionEntry* ClaimOfLocked(const SessionKey& key, WorkerIndex w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionLocation LocationLocked(const SessionKey& key, const SessionEntry& e) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<SessionKey, SessionLocation> sessions_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<BlockHash, PageHolders> pages_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<WorkerId, WorkerState> workers_ ABSL_GUARDED_BY(mu_);
+  // Each session's current holder: the latest worker to claim it (a placed,
+  // offloaded or restored event, or a snapshot listing it) that has not let go.
+  absl::flat_hash_map<SessionKey, SessionEntry> sessions_ ABSL_GUARDED_BY(mu_);
+  // Earlier claims not yet withdrawn, oldest first: during a migration the
+  // target's stream may say "placed" before the source's says "exported", and
+  // a session that moves twice may be seen in any interleaving of the two
+  // streams. Each stream is in order, so each worker's claim is exact, and once
+  // every stream is delivered the current holder is the one worker that holds
+  // it, whatever the interleaving: replicas converge. Usually empty.
+  absl::flat_hash_map<SessionKey, std::vector<SessionEntry>> older_claims_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<PageKey, Holders> pages_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<WorkerId, WorkerIndex> index_ ABSL_GUARDED_BY(mu_);
+  std::vector<WorkerState> workers_ ABSL_GUARDED_BY(mu_);  // by WorkerIndex
+  std::vector<WorkerIndex> free_ ABSL_GUARDED_BY(mu_);     // indices of forgotten workers, for reuse
+  size_t prefix_entries_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Parses a 32-byte wire hash. Returns false for any other length.

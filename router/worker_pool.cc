@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "router/watch_ingest.h"
 
 namespace kvcache::router {
 
@@ -249,40 +250,14 @@ void WorkerPool::Watch(Worker* w) {
     req.set_subscriber("kvcache-router");
     auto reader = stub->Watch(&ctx, req);
     v1::WatchEvent ev;
-    uint64_t expected = 1;
-    v1::WorkerSnapshot parts;  // a snapshot in parts, gathered until the last one
-    bool gathering = false;
+    WatchIngest ingest(directory_, w->address);  // a new stream: sequence 1, a snapshot first
     while (reader->Read(&ev)) {
-      if (ev.sequence() != expected) {
-        KV_LOG_WARN("worker {}: watch sequence {} after {}; resyncing", w->address, ev.sequence(),
-                    expected - 1);
+      absl::StatusOr<WatchIngest::Applied> applied = ingest.Ingest(&ev);
+      if (!applied.ok()) {
+        KV_LOG_WARN("worker {}: {}", w->address, std::string(applied.status().message()));
         break;
       }
-      ++expected;
-      if (ev.has_snapshot()) {
-        if (!gathering) {
-          parts = std::move(*ev.mutable_snapshot());
-          gathering = true;
-        } else {
-          v1::WorkerSnapshot& part = *ev.mutable_snapshot();
-          for (auto& s : *part.mutable_sessions()) *parts.add_sessions() = std::move(s);
-          for (auto& h : *part.mutable_device_block_hashes()) parts.add_device_block_hashes(std::move(h));
-          for (auto& h : *part.mutable_host_block_hashes()) parts.add_host_block_hashes(std::move(h));
-          parts.set_more(part.more());
-        }
-        if (parts.more()) continue;  // applied whole, once the last part is in
-        gathering = false;
-        *ev.mutable_snapshot() = std::move(parts);
-        parts.Clear();
-        directory_->ApplySnapshot(w->address, ev.snapshot());
-      } else if (gathering) {
-        KV_LOG_WARN("worker {}: watch message inside a snapshot; resyncing", w->address);
-        break;
-      } else if (ev.has_event()) {
-        directory_->ApplyEvent(w->address, ev.event());
-      } else if (ev.has_load()) {
-        directory_->ApplyLoad(w->address, ev.load());
-      }
+      if (*applied == WatchIngest::Applied::kSnapshotPart) continue;
       absl::MutexLock lock(&mu_);
       if (!w->connected) KV_LOG_INFO("worker {} connected", w->address);
       w->connected = true;

@@ -1,7 +1,9 @@
 #include "router/directory.h"
 
+#include <cstring>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace kvcache::router {
@@ -115,6 +117,8 @@ TEST(DirectoryTest, SnapshotReplacesAndRemoveWorkerForgets) {
   EXPECT_EQ(d.Load("a")->running_requests(), 3);
   EXPECT_EQ(d.Describe("a")->model_id(), "m");
 
+  // b's claim on "new" stands behind a's until b's stream lets go of it.
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_EXPORTED, "new"));
   auto lost = d.RemoveWorker("a");
   EXPECT_EQ(lost, std::vector<SessionKey>{K("new")});
   EXPECT_EQ(d.prefix_entries(), 0u);
@@ -170,6 +174,10 @@ TEST(DirectoryTest, TwoTenantsWithTheSameIdAreIndependentEntries) {
   EXPECT_EQ(Count(d, "a"), 2);
   EXPECT_EQ(Count(d, "b"), 0);
   d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "chat", 0, "bob"));
+  // b never said it let go of bob's "chat": its claim is the one left.
+  ASSERT_TRUE(d.FindSession(K("chat", "bob")).has_value());
+  EXPECT_EQ(d.FindSession(K("chat", "bob"))->worker, "b");
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "chat", 0, "bob"));
   EXPECT_FALSE(d.FindSession(K("chat", "bob")).has_value());
   ASSERT_TRUE(d.FindSession(K("chat", "alice")).has_value());
   EXPECT_EQ(d.FindSession(K("chat", "alice"))->worker, "a");
@@ -224,6 +232,111 @@ TEST(DirectoryTest, ATenantLearnsNothingAboutAnothersSessions) {
   alice.join();
   ASSERT_TRUE(waited.ok()) << waited.status();
   EXPECT_EQ(waited->worker, "b");
+}
+
+TEST(DirectoryTest, PagesHeldByManyWorkersMatchAndLeaveOneByOne) {
+  // A shared system prompt: page 1 on every worker, page 2 on some.
+  Directory d;
+  for (int w = 0; w < 40; ++w) {
+    d.ApplyEvent(absl::StrCat("w", w), Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {1}));
+    if (w % 3 == 0) {
+      d.ApplyEvent(absl::StrCat("w", w),
+                   Prefix(v1::CacheEvent::PREFIX_STORED, w % 2 ? v1::TIER_HOST : v1::TIER_DEVICE, {2}));
+    }
+  }
+  EXPECT_EQ(d.distinct_pages(), 2u);
+  EXPECT_EQ(d.prefix_entries(), 40u + 14u);
+  auto m = d.MatchPrefix(std::vector<BlockHash>{H(1), H(2)});
+  EXPECT_EQ(m.size(), 40u);
+  EXPECT_EQ(m["w0"].device_pages, 2);
+  EXPECT_EQ(m["w3"].device_pages, 1);
+  EXPECT_EQ(m["w3"].host_pages, 1);
+  EXPECT_EQ(m["w1"].device_pages, 1);
+  EXPECT_EQ(m["w1"].host_pages, 0);
+  // Removing from the middle of a widely held page keeps the others.
+  for (int w = 0; w < 40; w += 2) {
+    d.ApplyEvent(absl::StrCat("w", w), Prefix(v1::CacheEvent::PREFIX_REMOVED, v1::TIER_DEVICE, {1}));
+  }
+  m = d.MatchPrefix(std::vector<BlockHash>{H(1), H(2)});
+  EXPECT_EQ(m.size(), 20u);
+  EXPECT_EQ(m.count("w0"), 0u);
+  EXPECT_EQ(m["w3"].total_pages(), 2);
+  // A removed worker frees its index; a new one reusing it starts empty.
+  d.RemoveWorker("w3");
+  EXPECT_EQ(d.MatchPrefix(std::vector<BlockHash>{H(1)}).count("w3"), 0u);
+  d.ApplyEvent("new", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {7}));
+  m = d.MatchPrefix(std::vector<BlockHash>{H(1)});
+  EXPECT_EQ(m.count("new"), 0u);
+  EXPECT_EQ(d.MatchPrefix(std::vector<BlockHash>{H(7)}).size(), 1u);
+  for (int w = 0; w < 40; ++w) d.RemoveWorker(absl::StrCat("w", w));
+  d.RemoveWorker("new");
+  EXPECT_EQ(d.prefix_entries(), 0u);
+  EXPECT_EQ(d.distinct_pages(), 0u);
+}
+
+TEST(DirectoryTest, DigestDependsOnContentNotOrder) {
+  Directory a, b;
+  a.ApplyEvent("x", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 10));
+  a.ApplyEvent("y", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {1, 2}));
+  a.ApplyEvent("x", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_HOST, {1}));
+  // The same content learnt in another order (and other worker indices).
+  b.ApplyEvent("x", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_HOST, {1}));
+  b.ApplyEvent("y", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {2, 1}));
+  b.ApplyEvent("x", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 99));  // lengths are left out
+  EXPECT_EQ(a.Digest(), b.Digest());
+  b.ApplyEvent("x", SessionEvent(v1::CacheEvent::SESSION_OFFLOADED, "s1"));
+  EXPECT_NE(a.Digest(), b.Digest());
+  a.ApplyEvent("x", SessionEvent(v1::CacheEvent::SESSION_OFFLOADED, "s1"));
+  EXPECT_EQ(a.Digest(), b.Digest());
+  a.ApplyEvent("y", Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_HOST, {2}));
+  EXPECT_NE(a.Digest(), b.Digest());
+  EXPECT_NE(Directory().Digest(), a.Digest());
+}
+
+TEST(DirectoryTest, MemoryGrowsWithPagesAndShrinksWhenTheyLeave) {
+  Directory d;
+  const Directory::MemoryUsage empty = d.Memory();
+  v1::CacheEvent e;
+  e.set_kind(v1::CacheEvent::PREFIX_STORED);
+  for (int i = 0; i < 10000; ++i) {
+    BlockHash h;
+    std::memcpy(h.bytes.data(), &i, sizeof(i));
+    h.bytes[31] = 1;
+    e.add_block_hashes(Bytes(h));
+  }
+  d.ApplyEvent("a", e);
+  const Directory::MemoryUsage full = d.Memory();
+  EXPECT_GT(full.page_bytes, empty.page_bytes + 10000 * 16);
+  EXPECT_LT(full.page_bytes / 10000, 100u);  // the per-page budget
+  d.RemoveWorker("a");
+  EXPECT_EQ(d.prefix_entries(), 0u);
+}
+
+TEST(DirectoryTest, ASessionThatMovesTwiceEndsWhereItIsInAnyInterleavingOfTheStreams) {
+  // s moves a -> b -> a. Stream a says: exported, placed. Stream b says:
+  // placed, exported. Every interleaving of the two ends with s on a.
+  const std::vector<std::pair<WorkerId, v1::CacheEvent::Kind>> a = {{"a", v1::CacheEvent::SESSION_EXPORTED},
+                                                                    {"a", v1::CacheEvent::SESSION_PLACED}};
+  const std::vector<std::pair<WorkerId, v1::CacheEvent::Kind>> b = {{"b", v1::CacheEvent::SESSION_PLACED},
+                                                                    {"b", v1::CacheEvent::SESSION_EXPORTED}};
+  // Interleavings as masks: bit i set = the i-th event comes from b.
+  int checked = 0;
+  for (int mask = 0; mask < 16; ++mask) {
+    if (__builtin_popcount(mask) != 2) continue;
+    Directory d;
+    d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s", 10));
+    size_t ia = 0, ib = 0;
+    for (int i = 0; i < 4; ++i) {
+      const auto& [w, kind] = (mask >> i & 1) ? b[ib++] : a[ia++];
+      d.ApplyEvent(w, SessionEvent(kind, "s", 10));
+    }
+    ASSERT_TRUE(d.FindSession(K("s")).has_value()) << "mask " << mask;
+    EXPECT_EQ(d.FindSession(K("s"))->worker, "a") << "mask " << mask;
+    EXPECT_EQ(Count(d, "a"), 1);
+    EXPECT_EQ(Count(d, "b"), 0);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 6);
 }
 
 TEST(DirectoryTest, MalformedHashesAreIgnored) {
