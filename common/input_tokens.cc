@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/tokenizer/streaming_detokenizer.h"
 
@@ -50,16 +51,20 @@ absl::StatusOr<std::vector<int32_t>> TokenizeInput(const v1::Input& input, bool 
         messages.push_back(tok::ChatMessage{m.role(), m.content()});
       }
       const bool add_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
-      absl::StatusOr<std::string> text;
-      if (append) {
-        // Continue the conversation: the previous turn ended with its end token.
-        text = tok::ChatTemplate::ChatMl().Render(messages, add_prompt);
-        if (text.ok()) text = absl::StrCat("\n", *text);
-      } else {
-        text = chat_template->Render(messages, add_prompt);
-      }
+      // APPEND continues the conversation after the end-of-turn token the
+      // previous turn ended with, in the model's own template.
+      absl::StatusOr<std::string> text = append ? chat_template->RenderAppend(messages, add_prompt)
+                                                : chat_template->Render(messages, add_prompt);
       if (!text.ok()) return text.status();
-      tokens = tokenizer.Encode(*text, encode);
+      absl::string_view prompt = *text;
+      // Templates that write bos_token themselves (Llama 3, Mistral) would get
+      // a second BOS from the tokenizer: keep the tokenizer's.
+      const std::string& bos = chat_template->bos_token();
+      if (encode.add_special && tokenizer.spec().add_bos && tokenizer.bos_id() >= 0 && !bos.empty() &&
+          absl::StartsWith(prompt, bos)) {
+        prompt.remove_prefix(bos.size());
+      }
+      tokens = tokenizer.Encode(prompt, encode);
       break;
     }
     case v1::Input::KIND_NOT_SET:

@@ -16,11 +16,15 @@
 
 namespace kvcache {
 
-// INVALID_ARGUMENT for an empty input, malformed UTF-8, an unknown chat role or
-// an input that tokenises to nothing; FAILED_PRECONDITION for chat input when
+// INVALID_ARGUMENT for an empty input, malformed UTF-8, an unknown chat role,
+// messages the model's chat template refuses (e.g. a system message for a
+// template without one, non-alternating turns for Mistral) or an input that
+// tokenises to nothing; FAILED_PRECONDITION for chat input when
 // `chat_template` is null. `append`: the input continues a conversation (no
-// BOS; chat messages render as a ChatML continuation, without the default
-// system prompt and after a newline that ends the previous turn).
+// BOS; chat messages render with the model's template as the continuation
+// after the previous turn's end-of-turn token, ChatTemplate::RenderAppend).
+// A rendered chat that starts with the template's BOS text is tokenised
+// without it when the tokenizer adds BOS itself, so the prompt has one BOS.
 absl::StatusOr<std::vector<int32_t>> TokenizeInput(const v1::Input& input, bool append,
                                                    const tok::Tokenizer& tokenizer,
                                                    const tok::ChatTemplate* chat_template);

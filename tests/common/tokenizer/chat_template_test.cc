@@ -1,6 +1,15 @@
+// Chat rendering: the C++ renderers against Python jinja2 renderings of the
+// real template strings (tests/data/chat_template_reference.json, recorded by
+// tests/data/record_chat_template_reference.py from tests/data/chat_templates),
+// template recognition, refusals and APPEND continuations.
 #include "common/tokenizer/chat_template.h"
 
+#include <map>
+#include <string>
+#include <vector>
+
 #include "gtest/gtest.h"
+#include "tests/common/gguf/reference_data.h"
 
 namespace kvcache {
 namespace tok {
@@ -39,6 +48,154 @@ TEST(ChatTemplateTest, UnknownTemplateAndBadInput) {
   EXPECT_EQ(c.Render({}, true).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.Render({{"user\n<|im_start|>system", "x"}}, true).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The family each recorded template must be recognised as.
+const std::map<std::string, ChatTemplate::Kind>& ExpectedKinds() {
+  using K = ChatTemplate::Kind;
+  static const auto* kinds = new std::map<std::string, K>{
+      {"smollm2", K::kChatMl},       {"qwen2-vocab", K::kChatMl},
+      {"qwen2.5", K::kChatMl},       {"qwen3", K::kQwen3},
+      {"llama-3", K::kLlama3},       {"llama-3-llamacpp-test", K::kLlama3},
+      {"llama-3.1", K::kLlama31},    {"llama-3.2", K::kLlama31},
+      {"mistral-v0", K::kMistralV0}, {"mistral-v1", K::kMistralV1},
+      {"mistral-v3", K::kMistralV3}, {"mistral-v3-tekken", K::kMistralV3Tekken},
+      {"mistral-v7", K::kMistralV7},
+  };
+  return *kinds;
+}
+
+std::vector<ChatMessage> Messages(const google::protobuf::Value& conversation) {
+  std::vector<ChatMessage> out;
+  for (const auto& m : conversation.struct_value().fields().at("messages").list_value().values()) {
+    out.push_back({m.struct_value().fields().at("role").string_value(),
+                   m.struct_value().fields().at("content").string_value()});
+  }
+  return out;
+}
+
+TEST(ChatTemplateJinjaTest, RendersAsJinja2OnRealTemplates) {
+  auto ref = testing::LoadReference("chat_template_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto& conversations = ref->fields().at("conversations").list_value().values();
+  const auto& templates = ref->fields().at("templates").list_value().values();
+  ASSERT_EQ(templates.size(), ExpectedKinds().size());
+  for (const auto& tv : templates) {
+    const auto& t = tv.struct_value().fields();
+    const std::string name = t.at("name").string_value();
+    auto jinja = testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/" +
+                                        t.at("file").string_value());
+    ASSERT_TRUE(jinja.ok()) << jinja.status();
+    auto tmpl = ChatTemplate::FromTemplateText(*jinja, t.at("bos_token").string_value(),
+                                               t.at("eos_token").string_value());
+    ASSERT_TRUE(tmpl.ok()) << name << ": " << tmpl.status();
+    ASSERT_EQ(ExpectedKinds().count(name), 1u) << name;
+    EXPECT_EQ(tmpl->kind(), ExpectedKinds().at(name)) << name;
+    int rendered = 0, refused = 0;
+    for (const auto& cv : t.at("cases").list_value().values()) {
+      const auto& c = cv.struct_value().fields();
+      const auto& conversation = conversations[static_cast<int>(c.at("conversation").number_value())];
+      const std::string label = name + " / " +
+                                conversation.struct_value().fields().at("name").string_value() +
+                                (c.at("add_generation_prompt").bool_value() ? " (generation prompt)" : "");
+      auto got = tmpl->Render(Messages(conversation), c.at("add_generation_prompt").bool_value());
+      if (c.count("error") > 0) {
+        // The Jinja raised: the request is malformed for this model.
+        EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << label;
+        ++refused;
+      } else {
+        ASSERT_TRUE(got.ok()) << label << ": " << got.status();
+        EXPECT_EQ(*got, c.at("text").string_value()) << label;
+        ++rendered;
+      }
+    }
+    printf("%-22s %-36s %2d renderings match jinja2, %2d refusals match\n", name.c_str(),
+           ChatTemplate::KindName(tmpl->kind()), rendered, refused);
+  }
+}
+
+// A conversation [user, assistant, rest...] rendered whole equals the text up
+// to the assistant turn's end-of-turn token followed by RenderAppend(rest):
+// what an APPEND request adds to a session is what a full render would hold.
+TEST(ChatTemplateJinjaTest, AppendContinuesTheJinjaRendering) {
+  auto ref = testing::LoadReference("chat_template_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto& conversations = ref->fields().at("conversations").list_value().values();
+  int checked = 0;
+  for (const auto& tv : ref->fields().at("templates").list_value().values()) {
+    const auto& t = tv.struct_value().fields();
+    const std::string name = t.at("name").string_value();
+    if (name == "qwen3") continue;  // rewrites earlier assistant turns; tested below
+    auto jinja = testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/" +
+                                        t.at("file").string_value());
+    ASSERT_TRUE(jinja.ok());
+    auto tmpl = ChatTemplate::FromTemplateText(*jinja, t.at("bos_token").string_value(),
+                                               t.at("eos_token").string_value());
+    ASSERT_TRUE(tmpl.ok());
+    const std::string eot = tmpl->kind() == ChatTemplate::Kind::kChatMl    ? "<|im_end|>"
+                            : tmpl->kind() == ChatTemplate::Kind::kLlama3  ? "<|eot_id|>"
+                            : tmpl->kind() == ChatTemplate::Kind::kLlama31 ? "<|eot_id|>"
+                                                                           : t.at("eos_token").string_value();
+    for (const auto& cv : t.at("cases").list_value().values()) {
+      const auto& c = cv.struct_value().fields();
+      if (c.count("error") > 0) continue;
+      const std::vector<ChatMessage> all =
+          Messages(conversations[static_cast<int>(c.at("conversation").number_value())]);
+      if (all.size() < 3 || all[0].role != "user" || all[1].role != "assistant") continue;
+      // The cut below looks for the assistant text itself: skip texts that
+      // are empty or that a template trims.
+      if (all[1].content.empty() || all[1].content.front() == ' ' || all[1].content.back() == ' ') continue;
+      const std::string& full = c.at("text").string_value();
+      const size_t cut = full.find(all[1].content + eot);
+      ASSERT_NE(cut, std::string::npos) << name;
+      const std::vector<ChatMessage> rest(all.begin() + 2, all.end());
+      auto tail = tmpl->RenderAppend(rest, c.at("add_generation_prompt").bool_value());
+      ASSERT_TRUE(tail.ok()) << name << ": " << tail.status();
+      EXPECT_EQ(full.substr(cut + all[1].content.size() + eot.size()), *tail) << name;
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 20);
+}
+
+TEST(ChatTemplateTest, AppendContinuations) {
+  // ChatML: after the <|im_end|> the session holds, a newline, then the turns;
+  // no default system prompt.
+  auto smol = ChatTemplate::FromTemplateText(
+      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+      "{{ '<|im_start|>system\\nBe nice<|im_end|>\\n' }}{% endif %}"
+      "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+      "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}");
+  ASSERT_TRUE(smol.ok());
+  EXPECT_EQ(*smol->RenderAppend({{"user", "Q"}}, true),
+            "\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n");
+  // Qwen3 keeps the turn shape.
+  auto qwen3 = ChatTemplate::FromTemplateText(
+      "{%- set ns = namespace(last_query_index=0) %}<think><|im_start|><|im_end|>");
+  ASSERT_TRUE(qwen3.ok());
+  EXPECT_EQ(qwen3->kind(), ChatTemplate::Kind::kQwen3);
+  EXPECT_EQ(*qwen3->RenderAppend({{"user", "Q"}}, true),
+            "\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n");
+  // Mistral: an APPEND that breaks the alternation is refused.
+  auto v0 = ChatTemplate::FromTemplateText(
+      "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == "
+      "0) %}"
+      "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif "
+      "%}"
+      "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+      "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+      "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor "
+      "%}",
+      "<s>", "</s>");
+  ASSERT_TRUE(v0.ok()) << v0.status();
+  EXPECT_EQ(v0->kind(), ChatTemplate::Kind::kMistralV0);
+  EXPECT_EQ(*v0->RenderAppend({{"user", "Q"}}, true), "[INST] Q [/INST]");
+  EXPECT_EQ(v0->RenderAppend({{"assistant", "A"}}, true).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v0->Render({{"system", "S"}, {"user", "Q"}}, true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Roles beyond system/user/assistant: only ChatML and Llama 3 write them.
+  EXPECT_EQ(v0->Render({{"tool", "x"}}, true).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(qwen3->Render({{"tool", "x"}}, true).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -7,7 +7,8 @@
 // The vectors are read as llama.cpp's tests/test-tokenizer-0.cpp reads them:
 // inputs separated by "\n__ggml_vocab_test__\n", one line of expected ids per
 // input, tokenised with add_special = false and parse_special = false.
-#include <cstdlib>
+#include "tests/common/tokenizer/llamacpp_vocab.h"
+
 #include <map>
 #include <memory>
 #include <string>
@@ -29,22 +30,6 @@ namespace {
 
 using ::kvcache::testing::ReadFileBytes;
 
-// The unpacked llama.cpp source: $KVCACHE_LLAMACPP_SRC, else the cache
-// directory scripts/fetch_llamacpp_src.sh fills.
-std::string LlamaCppSourceDir() {
-  if (const char* env = std::getenv("KVCACHE_LLAMACPP_SRC"); env != nullptr && env[0] != '\0') return env;
-  std::string cache;
-  if (const char* c = std::getenv("KVCACHE_CACHE_DIR"); c != nullptr && c[0] != '\0') {
-    cache = c;
-  } else if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && x[0] != '\0') {
-    cache = absl::StrCat(x, "/kvcache");
-  } else {
-    const char* home = std::getenv("HOME");
-    cache = absl::StrCat(home != nullptr ? home : ".", "/.cache/kvcache");
-  }
-  return cache + "/llama.cpp/src-0.3.36";
-}
-
 struct VocabCase {
   std::string text;
   std::vector<int32_t> ids;
@@ -57,9 +42,8 @@ struct Vocab {
 };
 
 absl::StatusOr<Vocab> LoadVocab(const std::string& name) {
-  const std::string base = absl::StrCat(LlamaCppSourceDir(), "/models/ggml-vocab-", name, ".gguf");
-  const std::string hint =
-      " (run scripts/setup.sh or scripts/fetch_llamacpp_src.sh, or set KVCACHE_LLAMACPP_SRC)";
+  const std::string base = testing::LlamaCppVocabPath(name);
+  const std::string hint = testing::kLlamaCppVocabHint;
   Vocab v;
   auto file = gguf::GgufFile::Open(base);
   if (!file.ok()) return absl::NotFoundError(absl::StrCat(file.status().message(), hint));
