@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
 """Generates unicode_tables.inc: code point ranges of the Letter (L*) and
-Number (N*) general categories, which the GPT-2 style pre-tokenizer needs.
+Number (N*) general categories, which the GPT-2 style pre-tokenizers need.
 
 Usage: python3 common/tokenizer/gen_unicode_tables.py > common/tokenizer/unicode_tables.inc
-The Unicode version is that of the Python running it (unicodedata.unidata_version).
+The tables must use the Unicode version of llama.cpp's src/unicode-data.cpp
+(15.1.0 for the llama.cpp that llama-cpp-python 0.3.36 vendors), or text in
+scripts added since tokenises differently. The `unicodedata2` backport of that
+version is used when installed (pip install unicodedata2==15.1.0), else the
+running Python's unicodedata; the version used is written into the file.
 """
 import sys
-import unicodedata
+
+try:
+    import unicodedata2 as unicodedata
+except ImportError:
+    import unicodedata
 
 LETTER, NUMBER = 1, 2
 

@@ -9,6 +9,8 @@
 // input, tokenised with add_special = false and parse_special = false.
 #include "tests/common/tokenizer/llamacpp_vocab.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "common/gguf/gguf_reader.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/tokenizer/unicode.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
 
@@ -123,6 +126,51 @@ INSTANTIATE_TEST_SUITE_P(Vocabs, LlamaCppVocabTest,
                            }
                            return n;
                          });
+
+// The letter / number / whitespace classes the pre-tokenizers use equal
+// llama.cpp's (src/unicode-data.cpp) for every code point: a table from
+// another Unicode version splits text in newer scripts differently.
+TEST(LlamaCppUnicode, ClassesMatchEveryCodePoint) {
+  const std::string path = testing::LlamaCppSourceDir() + "/src/unicode-data.cpp";
+  auto src = ReadFileBytes(path);
+  ASSERT_TRUE(src.ok()) << src.status() << testing::kLlamaCppVocabHint;
+  // {start, flags} pairs; a range lasts until the next start. Flags: 0x2
+  // number, 0x4 letter.
+  const size_t table = src->find("unicode_ranges_flags");
+  ASSERT_NE(table, std::string::npos);
+  const size_t end = src->find("};", table);
+  std::vector<std::pair<uint32_t, uint32_t>> ranges;
+  for (size_t pos = src->find("{0x", table); pos < end; pos = src->find("{0x", pos + 1)) {
+    uint32_t start = 0, flags = 0;
+    ASSERT_EQ(sscanf(src->c_str() + pos, "{0x%x, 0x%x}", &start, &flags), 2);
+    ranges.push_back({start, flags});
+  }
+  ASSERT_GT(ranges.size(), 1000u);
+  std::vector<uint32_t> whitespace;
+  const size_t ws = src->find("unicode_set_whitespace");
+  ASSERT_NE(ws, std::string::npos);
+  const size_t ws_end = src->find("};", ws);
+  for (size_t pos = src->find("0x", ws); pos < ws_end; pos = src->find("0x", pos + 1)) {
+    uint32_t cp = 0;
+    ASSERT_EQ(sscanf(src->c_str() + pos, "0x%x", &cp), 1);
+    whitespace.push_back(cp);
+  }
+  ASSERT_GE(whitespace.size(), 20u);
+  int mismatches = 0;
+  size_t r = 0;
+  for (uint32_t cp = 0; cp < 0x110000; ++cp) {
+    while (r + 1 < ranges.size() && ranges[r + 1].first <= cp) ++r;
+    const uint32_t f = ranges[r].second;
+    const uint8_t want =
+        ((f & 0x4) ? kLetter : 0) | ((f & 0x2) ? kNumber : 0) |
+        (std::find(whitespace.begin(), whitespace.end(), cp) != whitespace.end() ? kWhitespace : 0);
+    if (CodepointFlags(cp) != want && ++mismatches <= 5) {
+      ADD_FAILURE() << "U+" << std::hex << cp << ": flags " << int(CodepointFlags(cp)) << ", llama.cpp "
+                    << int(want);
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
 
 TEST(LlamaCppVocabFacts, Llama3) {
   auto v = LoadVocab("llama-bpe");
