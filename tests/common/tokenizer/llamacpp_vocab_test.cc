@@ -127,6 +127,55 @@ INSTANTIATE_TEST_SUITE_P(Vocabs, LlamaCppVocabTest,
                            return n;
                          });
 
+// A wider corpus (edge cases, seeded random mixes, invalid UTF-8) tokenised
+// by llama.cpp's llama_tokenize itself, with and without special handling,
+// and llama_token_to_piece on sampled ids (tests/data/record_tokenizer_corpus.py).
+TEST(LlamaCppCorpus, MatchesLlamaTokenize) {
+  auto ref = testing::LoadReference("tokenizer_llamacpp_corpus.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto& f = ref->fields();
+  std::vector<std::string> texts;
+  for (const auto& t : f.at("texts_hex").list_value().values()) texts.push_back(testing::Hex(t));
+  const auto& modes = f.at("modes").list_value().values();
+  ASSERT_GE(texts.size(), 80u);
+  for (const auto& vv : f.at("vocabs").list_value().values()) {
+    const auto& v = vv.struct_value().fields();
+    const std::string name = v.at("name").string_value();
+    auto vocab = LoadVocab(name);
+    ASSERT_TRUE(vocab.ok()) << vocab.status();
+    const auto& ids = v.at("ids").list_value().values();
+    ASSERT_EQ(ids.size(), texts.size() * modes.size()) << name;
+    int matched = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const auto& mode = modes[i % modes.size()].list_value().values();
+      EncodeOptions opts;
+      opts.add_special = mode[0].number_value() != 0;
+      opts.parse_special = mode[1].number_value() != 0;
+      const std::string& text = texts[i / modes.size()];
+      const std::vector<int32_t> want = testing::Ints(ids[i]);
+      const std::vector<int32_t> got = vocab->tok->Encode(text, opts);
+      if (got == want) {
+        ++matched;
+      } else {
+        ADD_FAILURE() << name << " add_special=" << opts.add_special
+                      << " parse_special=" << opts.parse_special << " '" << text
+                      << "'\n got: " << absl::StrJoin(got, " ") << "\nwant: " << absl::StrJoin(want, " ");
+      }
+    }
+    int pieces = 0;
+    for (const auto& pv : v.at("pieces").list_value().values()) {
+      const auto& p = pv.list_value().values();
+      const int32_t id = static_cast<int32_t>(p[0].number_value());
+      EXPECT_EQ(*vocab->tok->TokenToPiece(id, true), testing::Hex(p[1])) << name << " " << id;
+      EXPECT_EQ(*vocab->tok->TokenToPiece(id, false), testing::Hex(p[2])) << name << " " << id;
+      ++pieces;
+    }
+    printf("%s: %d of %zu llama_tokenize results match; %d pieces checked\n", name.c_str(), matched,
+           ids.size(), pieces);
+    EXPECT_EQ(matched, static_cast<int>(ids.size())) << name;
+  }
+}
+
 // The letter / number / whitespace classes the pre-tokenizers use equal
 // llama.cpp's (src/unicode-data.cpp) for every code point: a table from
 // another Unicode version splits text in newer scripts differently.
