@@ -109,7 +109,8 @@ int main(int argc, char** argv) {
            (*tok)->eos_id(), (*tok)->spec().add_bos ? "yes" : "no");
   }
   auto chat = kvcache::tok::ChatTemplate::FromGguf(f);
-  printf("chat template:     %s\n", chat.ok() ? "ChatML" : std::string(chat.status().message()).c_str());
+  printf("chat template:     %s\n", chat.ok() ? kvcache::tok::ChatTemplate::KindName(chat->kind())
+                                              : std::string(chat.status().message()).c_str());
 
   const std::string text = absl::GetFlag(FLAGS_tokenize);
   if (!text.empty()) {
