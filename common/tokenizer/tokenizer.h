@@ -5,7 +5,8 @@
 //     "qwen2" (Qwen 2.5 / Qwen3), and
 //   - SentencePiece (`tokenizer.ggml.model = llama`: Llama 2, Mistral), with
 //     score-driven merges, `<0xNN>` byte fallback and the leading-space prefix.
-// Other models and pre-tokenizers are a clear UNIMPLEMENTED error at load time.
+// Other models and pre-tokenizers (e.g. Mistral Nemo's "tekken") are a clear
+// UNIMPLEMENTED error at load time.
 // FromGguf applies llama.cpp's per-model defaults (add_bos for SentencePiece
 // and llama-bpe, add_space_prefix for SentencePiece) and then the GGUF keys
 // that override them.
@@ -93,9 +94,12 @@ class Tokenizer {
   bool IsValid(int32_t id) const { return id >= 0 && id < n_vocab(); }
   int32_t bos_id() const { return spec_.bos_id; }
   int32_t eos_id() const { return spec_.eos_id; }
-  // End of generation, llama.cpp's set: EOS, EOT, the tokens named like an
-  // end marker ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
-  // "<|end_of_text|>", "</s>", ...) and Qwen's FIM pad/repo/file-separator.
+  // End of generation as llama.cpp decides it for the supported families:
+  // EOS, EOT, the tokens named like an end marker ("<|im_end|>",
+  // "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>",
+  // ...) and Qwen's FIM pad/repo/file-separator tokens. (llama.cpp also knows
+  // markers of other families, e.g. gpt-oss's "<|return|>"; those are not
+  // listed.)
   bool IsEndOfGeneration(int32_t id) const;
   absl::string_view TokenText(int32_t id) const { return tokens_[id]; }  // REQUIRES: IsValid
   TokenType token_type(int32_t id) const { return types_[id]; }          // REQUIRES: IsValid
