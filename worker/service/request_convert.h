@@ -28,8 +28,10 @@ absl::Status ValidateSessionId(const std::string& id);
 // The engine request for `request`: tokenised input (text with special tokens
 // recognised; chat rendered with `chat_template`, which may be null when the
 // model has none), sampling and limits. APPEND input is tokenised without BOS,
-// and APPEND chat messages are rendered as a continuation of an existing ChatML
-// conversation (no default system prompt, a newline after the previous turn).
+// and APPEND chat messages are rendered in the model's template as the
+// continuation after the previous turn's end-of-turn token
+// (ChatTemplate::RenderAppend; for ChatML: no default system prompt, a newline
+// after the previous turn).
 absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest& request,
                                                        const tok::Tokenizer& tokenizer,
                                                        const tok::ChatTemplate* chat_template);
