@@ -144,14 +144,15 @@ TEST(LlamaCppCorpus, MatchesLlamaTokenize) {
     auto vocab = LoadVocab(name);
     ASSERT_TRUE(vocab.ok()) << vocab.status();
     const auto& ids = v.at("ids").list_value().values();
-    ASSERT_EQ(ids.size(), texts.size() * modes.size()) << name;
+    const int n_modes = modes.size();
+    ASSERT_EQ(ids.size(), static_cast<int>(texts.size()) * n_modes) << name;
     int matched = 0;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const auto& mode = modes[i % modes.size()].list_value().values();
+    for (int i = 0; i < ids.size(); ++i) {
+      const auto& mode = modes[i % n_modes].list_value().values();
       EncodeOptions opts;
       opts.add_special = mode[0].number_value() != 0;
       opts.parse_special = mode[1].number_value() != 0;
-      const std::string& text = texts[i / modes.size()];
+      const std::string& text = texts[i / n_modes];
       const std::vector<int32_t> want = testing::Ints(ids[i]);
       const std::vector<int32_t> got = vocab->tok->Encode(text, opts);
       if (got == want) {
@@ -170,9 +171,9 @@ TEST(LlamaCppCorpus, MatchesLlamaTokenize) {
       EXPECT_EQ(*vocab->tok->TokenToPiece(id, false), testing::Hex(p[2])) << name << " " << id;
       ++pieces;
     }
-    printf("%s: %d of %zu llama_tokenize results match; %d pieces checked\n", name.c_str(), matched,
+    printf("%s: %d of %d llama_tokenize results match; %d pieces checked\n", name.c_str(), matched,
            ids.size(), pieces);
-    EXPECT_EQ(matched, static_cast<int>(ids.size())) << name;
+    EXPECT_EQ(matched, ids.size()) << name;
   }
 }
 
