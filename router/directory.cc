@@ -165,23 +165,64 @@ std::optional<Directory::WorkerIndex> Directory::IndexLocked(const WorkerId& w) 
   return it->second;
 }
 
-void Directory::AddPageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) {
-  Holders& h = pages_[key];
-  if (h.Find(w) == 0) {
-    ++prefix_entries_;
-    workers_[w].pages.insert(key);
+namespace {
+
+// Page keys of wire hashes (32 bytes each; others are skipped).
+template <typename Hashes>
+void KeysOf(const Hashes& hashes, std::vector<uint64_t>* keys) {
+  keys->clear();
+  keys->reserve(hashes.size());
+  for (const std::string& b : hashes) {
+    if (b.size() != sizeof(BlockHash::bytes)) continue;
+    uint64_t k;
+    std::memcpy(&k, b.data(), sizeof(k));  // KeyOf: the first 64 bits
+    keys->push_back(k);
   }
-  h.Add(w, tier_bit);
 }
 
-void Directory::RemovePageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) {
-  auto it = pages_.find(key);
-  if (it == pages_.end() || it->second.Find(w) == 0) return;
-  if (it->second.Clear(w, tier_bit)) {
-    --prefix_entries_;
-    workers_[w].pages.erase(key);
+constexpr size_t kPrefetchAhead = 8;
+
+}  // namespace
+
+void Directory::AddPagesLocked(absl::Span<const PageKey> keys, WorkerIndex w, uint8_t tier_bit) {
+  WorkerState& state = workers_[w];
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i + kPrefetchAhead < keys.size()) pages_.prefetch(keys[i + kPrefetchAhead]);
+    Holders& h = pages_[keys[i]];
+    if (h.Find(w) == 0) {
+      ++prefix_entries_;
+      ++state.page_count;
+      state.page_log.push_back(keys[i]);
+    }
+    h.Add(w, tier_bit);
   }
-  if (it->second.empty()) pages_.erase(it);
+  if (state.page_log.size() > 2 * static_cast<size_t>(state.page_count) + 1024) CompactLogLocked(w);
+}
+
+void Directory::RemovePagesLocked(absl::Span<const PageKey> keys, WorkerIndex w, uint8_t tier_bit) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i + kPrefetchAhead < keys.size()) pages_.prefetch(keys[i + kPrefetchAhead]);
+    auto it = pages_.find(keys[i]);
+    if (it == pages_.end() || it->second.Find(w) == 0) continue;
+    if (it->second.Clear(w, tier_bit)) {
+      --prefix_entries_;
+      --workers_[w].page_count;
+    }
+    if (it->second.empty()) pages_.erase(it);
+  }
+}
+
+void Directory::CompactLogLocked(WorkerIndex w) {
+  std::vector<PageKey>& log = workers_[w].page_log;
+  std::sort(log.begin(), log.end());
+  log.erase(std::unique(log.begin(), log.end()), log.end());
+  size_t kept = 0;
+  for (PageKey k : log) {
+    auto it = pages_.find(k);
+    if (it != pages_.end() && it->second.Find(w) != 0) log[kept++] = k;
+  }
+  log.resize(kept);
+  log.shrink_to_fit();
 }
 
 void Directory::ClaimLocked(const SessionKey& key, const SessionEntry& entry) {
@@ -272,9 +313,9 @@ void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* l
       if (WithdrawLocked(key, *wi) && lost != nullptr) lost->push_back(key);
     }
   }
-  for (PageKey key : state.pages) {
+  for (PageKey key : state.page_log) {
     auto it = pages_.find(key);
-    if (it == pages_.end()) continue;
+    if (it == pages_.end() || it->second.Find(*wi) == 0) continue;  // since removed, or a repeat
     it->second.Clear(*wi, kDeviceBit | kHostBit);
     --prefix_entries_;
     if (it->second.empty()) pages_.erase(it);
@@ -296,14 +337,12 @@ void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& 
     ClaimLocked(SessionKey{s.tenant(), s.session_id()}, e);
   }
   WorkerState& state = workers_[wi];
-  state.pages.reserve(snapshot.device_block_hashes_size() + snapshot.host_block_hashes_size());
-  BlockHash h;
-  for (const auto& b : snapshot.device_block_hashes()) {
-    if (BlockHashFromBytes(b, &h)) AddPageLocked(KeyOf(h), wi, kDeviceBit);
-  }
-  for (const auto& b : snapshot.host_block_hashes()) {
-    if (BlockHashFromBytes(b, &h)) AddPageLocked(KeyOf(h), wi, kHostBit);
-  }
+  state.page_log.reserve(snapshot.device_block_hashes_size() + snapshot.host_block_hashes_size());
+  std::vector<PageKey> keys;
+  KeysOf(snapshot.device_block_hashes(), &keys);
+  AddPagesLocked(keys, wi, kDeviceBit);
+  KeysOf(snapshot.host_block_hashes(), &keys);
+  AddPagesLocked(keys, wi, kHostBit);
   state.info.set_worker_id(snapshot.worker_id());
   state.info.set_model_id(snapshot.model_id());
   *state.info.mutable_kv_shape() = snapshot.kv_shape();
@@ -353,14 +392,12 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
       break;
     case v1::CacheEvent::PREFIX_STORED:
     case v1::CacheEvent::PREFIX_REMOVED: {
-      BlockHash h;
-      for (const auto& b : e.block_hashes()) {
-        if (!BlockHashFromBytes(b, &h)) continue;
-        if (e.kind() == v1::CacheEvent::PREFIX_STORED) {
-          AddPageLocked(KeyOf(h), wi, TierBit(e.tier()));
-        } else {
-          RemovePageLocked(KeyOf(h), wi, TierBit(e.tier()));
-        }
+      std::vector<PageKey> keys;
+      KeysOf(e.block_hashes(), &keys);
+      if (e.kind() == v1::CacheEvent::PREFIX_STORED) {
+        AddPagesLocked(keys, wi, TierBit(e.tier()));
+      } else {
+        RemovePagesLocked(keys, wi, TierBit(e.tier()));
       }
       break;
     }
@@ -436,57 +473,80 @@ std::vector<SessionLocation> Directory::SessionsNamed(const std::string& session
 absl::flat_hash_map<WorkerId, PrefixMatch> Directory::MatchPrefix(absl::Span<const BlockHash> chain) const {
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<WorkerId, PrefixMatch> out;
-  if (chain.empty()) return out;
-  auto first = pages_.find(KeyOf(chain[0]));
-  if (first == pages_.end()) return out;
-  // Workers still matching at this depth, sorted by index (as holders are), with
-  // their matches so far.
+  // Workers still matching at this depth, sorted by index (as holders are),
+  // with their matches so far and their tier bits for the last page counted.
   struct Alive {
     WorkerIndex worker;
+    uint8_t bits;
     PrefixMatch match;
   };
   std::vector<Alive> alive;
-  alive.reserve(first->second.size());
-  for (uint32_t i = 0; i < first->second.size(); ++i)
-    alive.push_back({WorkerOf(first->second.data()[i]), {}});
-  auto finish = [&](const Alive& a) { out.emplace(workers_[a.worker].name, a.match); };
-  const Holders* holders = &first->second;
-  for (size_t depth = 0;;) {
+  auto count = [](Alive& a, int64_t pages) {
+    // Once a page is only in host memory, every later page needs a restore too.
+    if ((a.bits & kDeviceBit) && a.match.host_pages == 0) {
+      a.match.device_pages += static_cast<int>(pages);
+    } else {
+      a.match.host_pages += static_cast<int>(pages);
+    }
+  };
+  // Pages after the last one merged whose holders (workers and tiers) are
+  // identical to its: a shared system prompt is a run of such pages, held by
+  // many workers, and costs one comparison per page instead of one per worker.
+  int64_t run = 0;
+  auto flush = [&] {
+    if (run == 0) return;
+    for (Alive& a : alive) count(a, run);
+    run = 0;
+  };
+  const Holders* prev = nullptr;
+  for (size_t depth = 0; depth < chain.size(); ++depth) {
+    auto it = pages_.find(KeyOf(chain[depth]));
+    if (it == pages_.end()) break;
+    const Holders& holders = it->second;
+    const uint32_t* d = holders.data();
+    const uint32_t n = holders.size();
+    if (prev == nullptr) {
+      alive.reserve(n);
+      for (uint32_t i = 0; i < n; ++i) {
+        alive.push_back({WorkerOf(d[i]), BitsOf(d[i]), {}});
+        count(alive.back(), 1);
+      }
+      prev = &holders;
+      continue;
+    }
+    if (n == prev->size() && std::memcmp(d, prev->data(), n * sizeof(uint32_t)) == 0) {
+      ++run;
+      continue;
+    }
+    flush();
     // Intersect `alive` with this page's holders: a merge when both are
     // comparable in size, a binary search per alive worker when the page is
-    // held much more widely (a shared system prompt).
+    // held much more widely.
     size_t kept = 0;
-    const uint32_t* d = holders->data();
-    const uint32_t n = holders->size();
     uint32_t j = 0;
     const bool search = alive.size() * 8 < n;
     for (Alive& a : alive) {
       uint8_t bits = 0;
       if (search) {
-        bits = holders->Find(a.worker);
+        bits = holders.Find(a.worker);
       } else {
         while (j < n && WorkerOf(d[j]) < a.worker) ++j;
         if (j < n && WorkerOf(d[j]) == a.worker) bits = BitsOf(d[j]);
       }
       if (bits == 0) {
-        finish(a);
+        out.emplace(workers_[a.worker].name, a.match);
         continue;
       }
-      // Once a page is only in host memory, every later page needs a restore too.
-      if ((bits & kDeviceBit) && a.match.host_pages == 0) {
-        ++a.match.device_pages;
-      } else {
-        ++a.match.host_pages;
-      }
+      a.bits = bits;
+      count(a, 1);
       alive[kept++] = a;
     }
     alive.resize(kept);
-    if (alive.empty() || ++depth == chain.size()) break;
-    auto it = pages_.find(KeyOf(chain[depth]));
-    if (it == pages_.end()) break;
-    holders = &it->second;
+    if (alive.empty()) break;
+    prev = &holders;
   }
-  for (const Alive& a : alive) finish(a);
+  flush();
+  for (const Alive& a : alive) out.emplace(workers_[a.worker].name, a.match);
   return out;
 }
 
@@ -568,7 +628,7 @@ Directory::MemoryUsage Directory::Memory() const {
   MemoryUsage m;
   m.page_bytes = TableBytes(pages_);
   for (const auto& [key, holders] : pages_) m.page_bytes += holders.heap_bytes();
-  for (const WorkerState& w : workers_) m.page_bytes += TableBytes(w.pages);
+  for (const WorkerState& w : workers_) m.page_bytes += w.page_log.capacity() * sizeof(PageKey);
   m.session_bytes = TableBytes(sessions_) + TableBytes(older_claims_);
   for (const auto& [key, e] : sessions_) {
     m.session_bytes += HeapStringBytes(key.tenant) + HeapStringBytes(key.session_id);

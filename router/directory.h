@@ -34,7 +34,6 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -189,16 +188,27 @@ class Directory {
     bool live = false;        // false: a free index
     v1::WorkerSnapshot info;  // sessions/hashes cleared: kept for model id and shape
     v1::WorkerLoad load;
-    int64_t sessions = 0;                // entries of sessions_ on this worker
-    absl::flat_hash_set<PageKey> pages;  // keys of pages_ this worker holds
+    int64_t sessions = 0;  // entries of sessions_ on this worker
+    // Every page key this worker was added to, in order: a superset of what it
+    // holds (with keys since removed, and repeats), so that forgetting the
+    // worker visits its pages only. Appending is sequential (no lookup per
+    // page); CompactLogLocked drops the keys it no longer holds once the log
+    // is more than twice what it holds.
+    std::vector<PageKey> page_log;
+    int64_t page_count = 0;  // (page, this worker) entries in pages_
   };
 
   // The index of `w`, interning it when new.
   WorkerIndex InternLocked(const WorkerId& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The index of `w` if known.
   std::optional<WorkerIndex> IndexLocked(const WorkerId& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void AddPageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemovePageLocked(PageKey key, WorkerIndex w, uint8_t tier_bit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds (removes) `tier_bit` of each key for worker `w`, prefetching table
+  // slots a few keys ahead: a large directory is bound by cache misses.
+  void AddPagesLocked(absl::Span<const PageKey> keys, WorkerIndex w, uint8_t tier_bit)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemovePagesLocked(absl::Span<const PageKey> keys, WorkerIndex w, uint8_t tier_bit)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompactLogLocked(WorkerIndex w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops every session and page of `w` and frees its index.
   void ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost_sessions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

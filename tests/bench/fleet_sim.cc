@@ -353,6 +353,16 @@ StepStats Fleet::Step() {
   return st;
 }
 
+StepStats Fleet::DecodeStep() {
+  StepStats st;
+  const int w = static_cast<int>(rng_() % workers());
+  const int64_t id = PickSession(w);
+  if (id < 0) return st;
+  Decode(id, &st);
+  MaybeReportLoad(w, &st);
+  return st;
+}
+
 std::vector<v1::WatchEvent> Fleet::TakeOutbox(int worker) {
   std::vector<v1::WatchEvent> out;
   out.swap(workers_[worker].outbox);

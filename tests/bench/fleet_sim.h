@@ -84,6 +84,9 @@ class Fleet {
   void Populate();
   // One random operation; its messages go to the workers' outboxes.
   StepStats Step();
+  // One decode step that fills a page, on a random worker: one page stored,
+  // and the evictions it causes (each of those a one-page event too).
+  StepStats DecodeStep();
   // Messages emitted by `worker` since the last call.
   std::vector<v1::WatchEvent> TakeOutbox(int worker);
   // Drops every outbox (a benchmark that fed nothing from them).

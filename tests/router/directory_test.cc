@@ -1,6 +1,7 @@
 #include "router/directory.h"
 
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -337,6 +338,59 @@ TEST(DirectoryTest, ASessionThatMovesTwiceEndsWhereItIsInAnyInterleavingOfTheStr
     ++checked;
   }
   EXPECT_EQ(checked, 6);
+}
+
+TEST(DirectoryTest, PrefixMatchEqualsAPageByPageReferenceOnRandomFleets) {
+  // Long runs of identically held pages (a shared prompt) are counted in bulk;
+  // the result must equal the page-by-page definition.
+  std::mt19937 rng(5);
+  for (int round = 0; round < 200; ++round) {
+    Directory d;
+    const int workers = 1 + static_cast<int>(rng() % 12);
+    const int pages = 1 + static_cast<int>(rng() % 20);
+    // tiers[w][p]: 0 absent, 1 device, 2 host, 3 both.
+    std::vector<std::vector<uint8_t>> tiers(workers, std::vector<uint8_t>(pages));
+    const int cut = static_cast<int>(rng() % (pages + 1));  // pages before it are shared by all alike
+    std::vector<uint8_t> shared(pages);
+    for (int p = 0; p < pages; ++p) shared[p] = static_cast<uint8_t>(rng() % 4);
+    for (int w = 0; w < workers; ++w) {
+      for (int p = 0; p < pages; ++p) {
+        tiers[w][p] = p < cut && rng() % 4 != 0 ? shared[p] : static_cast<uint8_t>(rng() % 4);
+        if (rng() % 3 == 0 && p > 0) tiers[w][p] = tiers[w][p - 1];
+        const WorkerId name = absl::StrCat("w", w);
+        if (tiers[w][p] & 1) {
+          d.ApplyEvent(name,
+                       Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_DEVICE, {static_cast<uint8_t>(p + 1)}));
+        }
+        if (tiers[w][p] & 2) {
+          d.ApplyEvent(name,
+                       Prefix(v1::CacheEvent::PREFIX_STORED, v1::TIER_HOST, {static_cast<uint8_t>(p + 1)}));
+        }
+      }
+    }
+    std::vector<BlockHash> chain;
+    for (int p = 0; p < pages; ++p) chain.push_back(H(static_cast<uint8_t>(p + 1)));
+    auto got = d.MatchPrefix(chain);
+    absl::flat_hash_map<WorkerId, PrefixMatch> want;
+    for (int w = 0; w < workers; ++w) {
+      if (tiers[w][0] == 0) continue;
+      PrefixMatch m;
+      for (int p = 0; p < pages && tiers[w][p] != 0; ++p) {
+        if ((tiers[w][p] & 1) && m.host_pages == 0) {
+          ++m.device_pages;
+        } else {
+          ++m.host_pages;
+        }
+      }
+      want[absl::StrCat("w", w)] = m;
+    }
+    ASSERT_EQ(got.size(), want.size()) << "round " << round;
+    for (const auto& [w, m] : want) {
+      ASSERT_TRUE(got.contains(w)) << "round " << round << " " << w;
+      EXPECT_EQ(got[w].device_pages, m.device_pages) << "round " << round << " " << w;
+      EXPECT_EQ(got[w].host_pages, m.host_pages) << "round " << round << " " << w;
+    }
+  }
 }
 
 TEST(DirectoryTest, MalformedHashesAreIgnored) {
