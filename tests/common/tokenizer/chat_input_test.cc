@@ -103,6 +103,7 @@ TEST(ChatInputTest, Qwen25FromTheVocabularyFile) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->kind(), tok::ChatTemplate::Kind::kChatMl);
   EXPECT_EQ(c->default_system_prompt(), "You are a helpful assistant");
+  EXPECT_EQ(c->bos_token(), "<|endoftext|>");  // tokenizer.ggml.bos_token_id 151643
   auto ids = TokenizeInput(Chat({{"user", "Hi"}}), false, **t, &*c);
   ASSERT_TRUE(ids.ok()) << ids.status();
   EXPECT_EQ(*(*t)->Decode(*ids, true),
