@@ -8,6 +8,8 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -20,12 +22,29 @@ namespace {
 
 using gguf::GgmlType;
 
+// Weight types with integer dot kernels (every level): their rows are dotted with
+// activations quantised to Q8 blocks of 32. The rest are dequantised to f32.
+bool IsIntegerDotType(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // A quantised-weight x Q8-activation product, as every level's kernels see it.
 struct QuantJob {
-  GgmlType type;     // kQ4_1 or kQ8_0
+  GgmlType type;     // IsIntegerDotType(type)
   const uint8_t* w;  // [rows][w_stride bytes]
   int64_t w_stride;  // RowBytes(type, cols)
-  int64_t nb;        // blocks per row = cols / 32
+  int64_t nb;        // 32-blocks per row = cols / 32 (a multiple of 8 for k-quants)
   int n_tokens;
   const int8_t* aq;  // [n_tokens][cols]
   const float* ad;   // [n_tokens][nb]
@@ -33,6 +52,10 @@ struct QuantJob {
   float* y;          // [n_tokens][y_stride]
   int64_t y_stride;
 };
+
+// Floats of per-thread kernel scratch per 32-block of a row (decoded scales of
+// the rows in a register tile; see RunQuantRows in matmul_x86.inc).
+constexpr int64_t kQuantScratchPerBlock = 12;
 
 // ---- Scalar reference kernels (level kScalar) ----
 
@@ -53,29 +76,125 @@ void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, floa
   }
 }
 
+// 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block's 12 scale
+// bytes: j < 4 in the low 6 bits of bytes j and j + 4; j >= 4 in the nibbles of
+// byte j + 4 with the top 2 bits of bytes j - 4 and j.
+void ScaleMinK4Scalar(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Block b (32 values) of a row of an integer-dot type, written as
+//   w[i] = dw[i / 16] * q[i] + mw
+// (the plain reference: symmetric offsets are folded into q here; the SIMD
+// kernels move them into mw instead, see matmul_x86.inc).
+void WeightBlockScalar(GgmlType type, const uint8_t* row, int64_t b, int q[32], float dw[2], float* mw) {
+  *mw = 0.0f;
+  dw[0] = 0.0f;
+  switch (type) {
+    case GgmlType::kQ4_0: {  // x = (nibble - 8) d; low nibbles are values 0..15
+      const auto& blk = reinterpret_cast<const gguf::BlockQ4_0*>(row)[b];
+      for (int i = 0; i < 16; ++i) {
+        q[i] = (blk.qs[i] & 0xF) - 8;
+        q[i + 16] = (blk.qs[i] >> 4) - 8;
+      }
+      dw[0] = gguf::Fp16ToFp32(blk.d);
+      break;
+    }
+    case GgmlType::kQ4_1: {  // x = nibble d + m
+      const auto& blk = reinterpret_cast<const gguf::BlockQ4_1*>(row)[b];
+      for (int i = 0; i < 16; ++i) {
+        q[i] = blk.qs[i] & 0xF;
+        q[i + 16] = blk.qs[i] >> 4;
+      }
+      dw[0] = gguf::Fp16ToFp32(blk.d);
+      *mw = gguf::Fp16ToFp32(blk.m);
+      break;
+    }
+    case GgmlType::kQ5_0: {  // x = ((nibble | bit i of qh << 4) - 16) d
+      const auto& blk = reinterpret_cast<const gguf::BlockQ5_0*>(row)[b];
+      uint32_t qh;
+      std::memcpy(&qh, blk.qh, sizeof(qh));
+      for (int i = 0; i < 16; ++i) {
+        q[i] = ((blk.qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - 16;
+        q[i + 16] = ((blk.qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
+      }
+      dw[0] = gguf::Fp16ToFp32(blk.d);
+      break;
+    }
+    case GgmlType::kQ8_0: {
+      const auto& blk = reinterpret_cast<const gguf::BlockQ8_0*>(row)[b];
+      for (int i = 0; i < 32; ++i) q[i] = blk.qs[i];
+      dw[0] = gguf::Fp16ToFp32(blk.d);
+      break;
+    }
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K: {
+      // Sub-block j of a 256 super-block: value l is the low (j even) or high (j odd)
+      // nibble of qs[32 (j / 2) + l], plus 16 x bit j of qh[l] for Q5_K;
+      // x = d scale_j q - dmin min_j.
+      const int j = static_cast<int>(b % 8);
+      const bool five = type == GgmlType::kQ5_K;
+      const uint8_t* blk = row + (b / 8) * (five ? sizeof(gguf::BlockQ5_K) : sizeof(gguf::BlockQ4_K));
+      uint16_t d, dmin;
+      std::memcpy(&d, blk, 2);
+      std::memcpy(&dmin, blk + 2, 2);
+      const uint8_t* scales = blk + 4;
+      const uint8_t* qs = blk + (five ? offsetof(gguf::BlockQ5_K, qs) : offsetof(gguf::BlockQ4_K, qs));
+      const uint8_t* qh = blk + offsetof(gguf::BlockQ5_K, qh);
+      for (int l = 0; l < 32; ++l) {
+        q[l] = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0xF;
+        if (five) q[l] |= ((qh[l] >> j) & 1) << 4;
+      }
+      int scale, min;
+      ScaleMinK4Scalar(j, scales, &scale, &min);
+      dw[0] = gguf::Fp16ToFp32(d) * static_cast<float>(scale);
+      *mw = -gguf::Fp16ToFp32(dmin) * static_cast<float>(min);
+      break;
+    }
+    case GgmlType::kQ6_K: {
+      // Block j = 4n + g of the super-block (half n, group g): value l has low 4 bits
+      // in ql[64n + 32 (g & 1) + l] (high nibble when g >= 2) and high 2 bits at
+      // qh[32n + l] >> 2g; x = d scales[2j + l / 16] (q - 32).
+      const int j = static_cast<int>(b % 8), n = j / 4, g = j % 4;
+      const auto& blk = reinterpret_cast<const gguf::BlockQ6_K*>(row)[b / 8];
+      for (int l = 0; l < 32; ++l) {
+        const int lo = (blk.ql[64 * n + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 0xF;
+        const int hi = (blk.qh[32 * n + l] >> (2 * g)) & 3;
+        q[l] = (lo | (hi << 4)) - 32;
+      }
+      const float d = gguf::Fp16ToFp32(blk.d);
+      dw[0] = d * static_cast<float>(blk.scales[2 * j]);
+      dw[1] = d * static_cast<float>(blk.scales[2 * j + 1]);
+      return;
+    }
+    default:
+      break;
+  }
+  dw[1] = dw[0];
+}
+
 void RunQuantRowsScalar(const QuantJob& job, int64_t r_begin, int64_t r_end) {
   const int64_t cols = job.nb * 32;
+  int q[32];
   for (int64_t r = r_begin; r < r_end; ++r) {
     const uint8_t* row = job.w + r * job.w_stride;
     for (int t = 0; t < job.n_tokens; ++t) {
       const int8_t* aq = job.aq + t * cols;
       float sum = 0.0f;
       for (int64_t b = 0; b < job.nb; ++b) {
-        int32_t dot = 0;
-        float dw, mw = 0.0f;
-        if (job.type == GgmlType::kQ4_1) {
-          const auto& blk = reinterpret_cast<const gguf::BlockQ4_1*>(row)[b];
-          for (int i = 0; i < 16; ++i) {
-            dot += (blk.qs[i] & 0x0F) * aq[b * 32 + i] + (blk.qs[i] >> 4) * aq[b * 32 + 16 + i];
-          }
-          dw = gguf::Fp16ToFp32(blk.d);
-          mw = gguf::Fp16ToFp32(blk.m);
-        } else {
-          const auto& blk = reinterpret_cast<const gguf::BlockQ8_0*>(row)[b];
-          for (int i = 0; i < 32; ++i) dot += blk.qs[i] * aq[b * 32 + i];
-          dw = gguf::Fp16ToFp32(blk.d);
-        }
-        sum += dw * job.ad[t * job.nb + b] * static_cast<float>(dot) + mw * job.as[t * job.nb + b];
+        float dw[2], mw;
+        WeightBlockScalar(job.type, row, b, q, dw, &mw);
+        int32_t dot[2] = {0, 0};
+        for (int i = 0; i < 32; ++i) dot[i / 16] += q[i] * aq[b * 32 + i];
+        sum += job.ad[t * job.nb + b] *
+                   (dw[0] * static_cast<float>(dot[0]) + dw[1] * static_cast<float>(dot[1])) +
+               mw * job.as[t * job.nb + b];
       }
       job.y[t * job.y_stride + r] = sum;
     }
@@ -126,7 +245,7 @@ namespace {
 
 struct Kernels {
   void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s);
-  // Rows [r_begin, r_end); scratch: 2 * 4 * nb floats.
+  // Rows [r_begin, r_end); scratch: kQuantScratchPerBlock * nb floats.
   void (*quant_rows)(const QuantJob& job, int64_t r_begin, int64_t r_end, float* scratch);
   void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
                    int64_t x_stride, int n_tokens, float* y, int64_t y_stride, int64_t r0);
@@ -248,7 +367,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
   const int64_t rows = w.rows, cols = w.cols;
   const bool sgemm =
       path == MatMulPath::kSgemm || (path == MatMulPath::kAuto && n_tokens >= SgemmMinTokens());
-  const bool quant = w.type == GgmlType::kQ4_1 || w.type == GgmlType::kQ8_0;
+  const bool quant = IsIntegerDotType(w.type);
 
   std::atomic<bool> failed{false};
   absl::Status first_error;
@@ -307,7 +426,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
         k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
       }
       thread_local std::vector<float> scratch;
-      scratch.resize(static_cast<size_t>(2 * 4 * nb));
+      scratch.resize(static_cast<size_t>(kQuantScratchPerBlock * nb));
 #pragma omp for schedule(static)
       for (int64_t c = 0; c < n_chunks; ++c) {
         const int64_t r0 = c * kDotRowChunk;

@@ -3,12 +3,15 @@
 //   y[t][r] = sum_c w[r][c] * x[t][c]     w: [rows][cols] (GGUF: cols = ne0 contiguous)
 //                                         x: [n_tokens][cols] f32, y: [n_tokens][rows] f32
 //
-// Q4_1 and Q8_0 weights take llama.cpp's route: each activation row is quantised
-// once per call to Q8 blocks of 32 (int8 + f32 scale + scaled block sum, the
-// latter for Q4_1's `m` term) and dotted with integer SIMD (AVX2 maddubs/madd or
-// AVX-512 VNNI vpdpbusd). Each weight row is dotted against all tokens while it
-// is in L1, so a decode step of 16 sessions reads the weights once. F32 weights
-// use an FMA kernel; every other type DequantizeRow()s tiles of rows to f32.
+// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights take llama.cpp's route:
+// each activation row is quantised once per call to Q8 blocks of 32 (int8 + f32
+// scale + scaled block sum, the latter for the offsets and mins of Q4_0/Q4_1/Q5_0/
+// Q4_K/Q5_K) and dotted with integer SIMD (AVX2 maddubs/madd or AVX-512 VNNI
+// vpdpbusd). K-quant super-blocks of 256 are read as 8 blocks of 32, each with its
+// sub-block scale(s) and min, against the same Q8 activations. Each weight row is
+// dotted against all tokens while it is in L1, so a decode step of 16 sessions
+// reads the weights once. F32 weights use an FMA kernel; every other type
+// DequantizeRow()s tiles of rows to f32.
 // From `SgemmMinTokens()` tokens on (prefill), tiles of dequantised rows go to
 // OpenBLAS sgemm instead when that is faster (see MatMulPath).
 //
@@ -39,7 +42,7 @@ struct WeightView {
 
 enum class MatMulPath {
   kAuto,   // kDot below SgemmMinTokens() tokens, kSgemm from there on
-  kDot,    // integer (Q4_1/Q8_0) or f32 SIMD dot kernel, weights read once per call
+  kDot,    // integer (types above) or f32 SIMD dot kernel, weights read once per call
   kSgemm,  // dequantise row tiles to f32, then cblas_sgemm per tile
 };
 

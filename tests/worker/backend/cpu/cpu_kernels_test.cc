@@ -1,7 +1,9 @@
 // Every CPU kernel against a plain scalar reference (double accumulation), at
 // every kernel level this machine supports (scalar, avx2, avx512).
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -50,6 +52,53 @@ TestWeights MakeWeights(std::mt19937& rng, GgmlType type, int64_t rows, int64_t 
   }
   w.view = {type, w.bytes.data(), rows, cols};
   return w;
+}
+
+// Random but valid blocks: every quant byte random (all codes, every scale and min
+// of the k-quants, negative Q6_K scales), f16 scales of sane magnitude. Reaches
+// corners the reference quantiser does not produce.
+TestWeights MakeRandomBlockWeights(std::mt19937& rng, GgmlType type, int64_t rows, int64_t cols) {
+  TestWeights w;
+  const int64_t row_bytes = *gguf::RowBytes(type, cols);
+  const int64_t block_bytes = gguf::TypeTraits(type).type_size;
+  w.bytes.resize(static_cast<size_t>(rows * row_bytes));
+  for (uint8_t& b : w.bytes) b = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> scale(0.001f, 0.05f);
+  for (int64_t off = 0; off < static_cast<int64_t>(w.bytes.size()); off += block_bytes) {
+    const uint16_t d = gguf::Fp32ToFp16(scale(rng) * (rng() % 2 ? 1.0f : -1.0f));
+    const uint16_t dmin = gguf::Fp32ToFp16(scale(rng));
+    uint8_t* blk = w.bytes.data() + off;
+    if (type == GgmlType::kQ6_K) {
+      std::memcpy(blk + offsetof(gguf::BlockQ6_K, d), &d, 2);
+    } else {
+      std::memcpy(blk, &d, 2);  // d is the first field of every other block
+      if (type == GgmlType::kQ4_K || type == GgmlType::kQ5_K || type == GgmlType::kQ4_1) {
+        std::memcpy(blk + 2, &dmin, 2);  // dmin / m second
+      }
+    }
+  }
+  w.deq.resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_TRUE(
+        gguf::DequantizeRow(type, w.bytes.data() + r * row_bytes, w.deq.data() + r * cols, cols).ok());
+  }
+  w.view = {type, w.bytes.data(), rows, cols};
+  return w;
+}
+
+bool IsIntegerDotType(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K:
+      return true;
+    default:
+      return false;
+  }
 }
 
 class CpuKernelsTest : public ::testing::TestWithParam<CpuKernelLevel> {
@@ -122,11 +171,12 @@ void CheckMatMul(const TestWeights& w, const std::vector<float>& x, int n_tokens
 TEST_P(CpuKernelsTest, MatMulMatchesReference) {
   std::mt19937 rng(42);
   const MatMulCase cases[] = {
-      {GgmlType::kQ4_1, 7, 32},    {GgmlType::kQ4_1, 33, 96},  {GgmlType::kQ4_1, 64, 288},
-      {GgmlType::kQ4_1, 130, 576}, {GgmlType::kQ8_0, 9, 64},   {GgmlType::kQ8_0, 67, 608},
-      {GgmlType::kF32, 13, 37},    {GgmlType::kF32, 40, 264},  {GgmlType::kF16, 21, 100},
-      {GgmlType::kBF16, 5, 72},    {GgmlType::kQ4_0, 18, 160}, {GgmlType::kQ4_K, 11, 512},
-      {GgmlType::kQ6_K, 6, 256},
+      {GgmlType::kQ4_1, 7, 32},    {GgmlType::kQ4_1, 33, 96},   {GgmlType::kQ4_1, 64, 288},
+      {GgmlType::kQ4_1, 130, 576}, {GgmlType::kQ8_0, 9, 64},    {GgmlType::kQ8_0, 67, 608},
+      {GgmlType::kF32, 13, 37},    {GgmlType::kF32, 40, 264},   {GgmlType::kF16, 21, 100},
+      {GgmlType::kBF16, 5, 72},    {GgmlType::kQ4_0, 18, 160},  {GgmlType::kQ4_K, 11, 512},
+      {GgmlType::kQ6_K, 6, 256},   {GgmlType::kQ5_0, 10, 96},   {GgmlType::kQ5_K, 9, 768},
+      {GgmlType::kQ4_K, 70, 256},  {GgmlType::kQ6_K, 21, 1280},
   };
   for (const MatMulCase& mc : cases) {
     const TestWeights w = MakeWeights(rng, mc.type, mc.rows, mc.cols);
@@ -140,12 +190,79 @@ TEST_P(CpuKernelsTest, MatMulMatchesReference) {
         std::vector<float> y(static_cast<size_t>(n_tokens * y_stride), 1234.5f);
         ASSERT_TRUE(MatMul(w.view, x.data(), mc.cols, n_tokens, y.data(), y_stride, path).ok());
         const bool q8 =
-            (mc.type == GgmlType::kQ4_1 || mc.type == GgmlType::kQ8_0) &&
+            IsIntegerDotType(mc.type) &&
             (path == MatMulPath::kDot || (path == MatMulPath::kAuto && n_tokens < SgemmMinTokens()));
         CheckMatMul(w, x, n_tokens, y, y_stride, q8);
         for (int t = 0; t < n_tokens; ++t) {
           for (int64_t r = mc.rows; r < y_stride; ++r) ASSERT_EQ(y[t * y_stride + r], 1234.5f);
         }
+      }
+    }
+  }
+}
+
+// The integer kernels of every GGUF type users deploy, on random shapes: several
+// row counts (tails of the row tile), 1..17 tokens (tails of the token tile),
+// block counts odd and even (the 512-bit VNNI tile takes two blocks at a time),
+// weights from the reference quantiser and from random bytes.
+TEST_P(CpuKernelsTest, IntegerDotMatMulMatchesReferenceForEveryType) {
+  std::mt19937 rng(1234);
+  struct TypeCase {
+    GgmlType type;
+    int64_t block;  // values per block of the format
+  };
+  const TypeCase types[] = {{GgmlType::kQ4_0, 32}, {GgmlType::kQ5_0, 32},  {GgmlType::kQ8_0, 32},
+                            {GgmlType::kQ4_1, 32}, {GgmlType::kQ4_K, 256}, {GgmlType::kQ5_K, 256},
+                            {GgmlType::kQ6_K, 256}};
+  std::uniform_int_distribution<int> rows_dist(1, 23);
+  for (const TypeCase& tc : types) {
+    for (int shape = 0; shape < 4; ++shape) {
+      const int64_t rows = shape == 0 ? 1 : rows_dist(rng);
+      // 32-blocks: 1, 3 (odd), 18, 24 blocks; 256-blocks: 1, 2, 3, 6 super-blocks.
+      const int64_t n_blocks = tc.block == 32 ? int64_t{std::array<int, 4>{1, 3, 18, 24}[shape]}
+                                              : int64_t{std::array<int, 4>{1, 2, 3, 6}[shape]};
+      const int64_t cols = n_blocks * tc.block;
+      for (bool random_bytes : {false, true}) {
+        const TestWeights w = random_bytes ? MakeRandomBlockWeights(rng, tc.type, rows, cols)
+                                           : MakeWeights(rng, tc.type, rows, cols);
+        for (int n_tokens = 1; n_tokens <= 17; n_tokens += (n_tokens < 6 ? 1 : 5)) {
+          SCOPED_TRACE(::testing::Message() << gguf::TypeName(tc.type) << " " << rows << "x" << cols
+                                            << " n_tokens=" << n_tokens << " random_bytes=" << random_bytes);
+          const std::vector<float> x = RandomVec(rng, n_tokens * cols, -2.0f, 2.0f);
+          const int64_t y_stride = rows + 1;
+          std::vector<float> y(static_cast<size_t>(n_tokens * y_stride), 1234.5f);
+          ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y.data(), y_stride, MatMulPath::kDot).ok());
+          CheckMatMul(w, x, n_tokens, y, y_stride, /*q8_path=*/true);
+          for (int t = 0; t < n_tokens; ++t) ASSERT_EQ(y[t * y_stride + rows], 1234.5f);
+        }
+      }
+    }
+  }
+}
+
+// Every level's integer kernel against the scalar one on the same inputs (both use
+// the same Q8 activations, so they differ only by f32 summation order).
+TEST_P(CpuKernelsTest, IntegerDotLevelsAgreeWithScalar) {
+  std::mt19937 rng(99);
+  for (GgmlType type :
+       {GgmlType::kQ4_0, GgmlType::kQ5_0, GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    const int64_t rows = 37, cols = 512;
+    const TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
+    for (int n_tokens : {1, 5, 16}) {
+      SCOPED_TRACE(::testing::Message() << gguf::TypeName(type) << " n_tokens=" << n_tokens);
+      const std::vector<float> x = RandomVec(rng, n_tokens * cols, -2.0f, 2.0f);
+      std::vector<float> y(static_cast<size_t>(n_tokens * rows)), y_ref(y.size());
+      ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y.data(), rows, MatMulPath::kDot).ok());
+      ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
+      ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y_ref.data(), rows, MatMulPath::kDot).ok());
+      ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok());
+      for (int64_t i = 0; i < n_tokens * rows; ++i) {
+        double abs_sum = 0;  // sum |w x| of this output, the scale of f32 rounding
+        const int t = static_cast<int>(i / rows);
+        const int64_t r = i % rows;
+        for (int64_t c = 0; c < cols; ++c)
+          abs_sum += std::fabs(double{w.deq[r * cols + c]} * x[t * cols + c]);
+        ASSERT_NEAR(y[i], y_ref[i], 1e-5 * abs_sum + 1e-6) << "t=" << t << " r=" << r;
       }
     }
   }
@@ -161,6 +278,14 @@ TEST_P(CpuKernelsTest, MatMulSingleThreadEqualsMultiThread) {
   SetNumThreads(2);
   ASSERT_TRUE(MatMul(w.view, x.data(), 5, y2.data()).ok());
   EXPECT_EQ(y1, y2);  // rows are independent: the split must not change any bit
+  const TestWeights wk = MakeRandomBlockWeights(rng, GgmlType::kQ4_K, 200, 1024);
+  const std::vector<float> xk = RandomVec(rng, 3 * 1024);
+  std::vector<float> yk1(3 * 200), yk2(3 * 200);
+  SetNumThreads(1);
+  ASSERT_TRUE(MatMul(wk.view, xk.data(), 3, yk1.data()).ok());
+  SetNumThreads(2);
+  ASSERT_TRUE(MatMul(wk.view, xk.data(), 3, yk2.data()).ok());
+  EXPECT_EQ(yk1, yk2);
 }
 
 TEST_P(CpuKernelsTest, QuantizeActivationsQ8Bounds) {
