@@ -176,7 +176,8 @@ TEST_P(CpuKernelsTest, MatMulMatchesReference) {
       {GgmlType::kF32, 13, 37},    {GgmlType::kF32, 40, 264},   {GgmlType::kF16, 21, 100},
       {GgmlType::kBF16, 5, 72},    {GgmlType::kQ4_0, 18, 160},  {GgmlType::kQ4_K, 11, 512},
       {GgmlType::kQ6_K, 6, 256},   {GgmlType::kQ5_0, 10, 96},   {GgmlType::kQ5_K, 9, 768},
-      {GgmlType::kQ4_K, 70, 256},  {GgmlType::kQ6_K, 21, 1280},
+      {GgmlType::kQ4_K, 70, 256},  {GgmlType::kQ6_K, 21, 1280}, {GgmlType::kQ5_0, 12, 544},
+      {GgmlType::kQ4_0, 9, 352},
   };
   for (const MatMulCase& mc : cases) {
     const TestWeights w = MakeWeights(rng, mc.type, mc.rows, mc.cols);
