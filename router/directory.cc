@@ -1,10 +1,12 @@
 #include "router/directory.h"
 
+#include <sys/mman.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 
@@ -45,6 +47,33 @@ Directory::PageKey Directory::KeyOf(const BlockHash& h) {
   PageKey k;
   std::memcpy(&k, h.bytes.data(), sizeof(k));
   return k;
+}
+
+// ---- HugePageAllocator ----
+
+namespace {
+constexpr size_t kHugePage = size_t{2} << 20;
+}  // namespace
+
+template <typename T>
+T* Directory::HugePageAllocator<T>::allocate(size_t n) {
+  const size_t bytes = n * sizeof(T);
+  if (bytes < kHugePage) return std::allocator<T>().allocate(n);
+  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, rounded);
+  // Out of memory: end the process, as an uncaught std::bad_alloc would.
+  if (p == nullptr) std::abort();
+  madvise(p, rounded, MADV_HUGEPAGE);  // advice only: without huge pages it still works
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+void Directory::HugePageAllocator<T>::deallocate(T* p, size_t n) {
+  if (n * sizeof(T) < kHugePage) {
+    std::allocator<T>().deallocate(p, n);
+  } else {
+    std::free(p);
+  }
 }
 
 // ---- Holders ----
@@ -140,6 +169,9 @@ bool Directory::Holders::Clear(WorkerIndex w, uint8_t bits) {
 }
 
 // ---- Directory ----
+
+Directory::Directory() = default;
+Directory::~Directory() = default;
 
 Directory::WorkerIndex Directory::InternLocked(const WorkerId& w) {
   auto [it, inserted] = index_.try_emplace(w, 0);
@@ -392,12 +424,11 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
       break;
     case v1::CacheEvent::PREFIX_STORED:
     case v1::CacheEvent::PREFIX_REMOVED: {
-      std::vector<PageKey> keys;
-      KeysOf(e.block_hashes(), &keys);
+      KeysOf(e.block_hashes(), &scratch_keys_);
       if (e.kind() == v1::CacheEvent::PREFIX_STORED) {
-        AddPagesLocked(keys, wi, TierBit(e.tier()));
+        AddPagesLocked(scratch_keys_, wi, TierBit(e.tier()));
       } else {
-        RemovePagesLocked(keys, wi, TierBit(e.tier()));
+        RemovePagesLocked(scratch_keys_, wi, TierBit(e.tier()));
       }
       break;
     }

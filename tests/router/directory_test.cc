@@ -393,6 +393,36 @@ TEST(DirectoryTest, PrefixMatchEqualsAPageByPageReferenceOnRandomFleets) {
   }
 }
 
+TEST(DirectoryTest, AWorkersPageLogStaysBoundedUnderChurn) {
+  // Pages stored and removed over and over: what the directory keeps per
+  // worker to forget it stays proportional to what the worker holds.
+  Directory d;
+  auto batch = [](v1::CacheEvent::Kind kind, int from, int n) {
+    v1::CacheEvent e;
+    e.set_kind(kind);
+    e.set_tier(v1::TIER_DEVICE);
+    for (int i = from; i < from + n; ++i) {
+      BlockHash h;
+      std::memcpy(h.bytes.data(), &i, sizeof(i));
+      h.bytes[31] = 2;
+      e.add_block_hashes(Bytes(h));
+    }
+    return e;
+  };
+  d.ApplyEvent("a", batch(v1::CacheEvent::PREFIX_STORED, 0, 2000));
+  const size_t held_bytes = d.Memory().page_bytes;
+  for (int round = 1; round <= 50; ++round) {
+    d.ApplyEvent("a", batch(v1::CacheEvent::PREFIX_REMOVED, (round - 1) * 2000, 2000));
+    d.ApplyEvent("a", batch(v1::CacheEvent::PREFIX_STORED, round * 2000, 2000));
+  }
+  EXPECT_EQ(d.prefix_entries(), 2000u);
+  // 100,000 pages went through; the log holds at most 2 x 2,000 + 1,024 keys.
+  EXPECT_LT(d.Memory().page_bytes, held_bytes + (2 * 2000 + 1024) * sizeof(uint64_t) * 2);
+  d.RemoveWorker("a");
+  EXPECT_EQ(d.prefix_entries(), 0u);
+  EXPECT_EQ(d.distinct_pages(), 0u);
+}
+
 TEST(DirectoryTest, MalformedHashesAreIgnored) {
   Directory d;
   v1::CacheEvent e;
