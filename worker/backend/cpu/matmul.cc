@@ -22,23 +22,6 @@ namespace {
 
 using gguf::GgmlType;
 
-// Weight types with integer dot kernels (every level): their rows are dotted with
-// activations quantised to Q8 blocks of 32. The rest are dequantised to f32.
-bool IsIntegerDotType(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ4_0:
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_0:
-    case GgmlType::kQ8_0:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-    case GgmlType::kQ6_K:
-      return true;
-    default:
-      return false;
-  }
-}
-
 // A quantised-weight x Q8-activation product, as every level's kernels see it.
 struct QuantJob {
   GgmlType type;     // IsIntegerDotType(type)
@@ -301,6 +284,21 @@ void SetOpenBlasSingleThreaded() {
 }
 
 }  // namespace
+
+bool IsIntegerDotType(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
 
 int SgemmMinTokens() {
   const int set = g_sgemm_min_tokens.load(std::memory_order_relaxed);

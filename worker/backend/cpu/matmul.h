@@ -60,6 +60,10 @@ inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, fl
   return MatMul(w, x, w.cols, n_tokens, y, w.rows);
 }
 
+// True for the weight types with integer-dot kernels (see above): Q4_0, Q4_1,
+// Q5_0, Q8_0, Q4_K, Q5_K, Q6_K. Other decodable types take the f32 route.
+bool IsIntegerDotType(gguf::GgmlType type);
+
 // Token count from which kAuto uses the sgemm path. Default (measured crossover,
 // cpu_kernels_bench): never at kAvx512 (VNNI integer kernel was faster up to 256
 // tokens), 64 at kAvx2, 1 at kScalar. SetSgemmMinTokens(n > 0) overrides it

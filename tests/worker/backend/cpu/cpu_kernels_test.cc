@@ -86,21 +86,6 @@ TestWeights MakeRandomBlockWeights(std::mt19937& rng, GgmlType type, int64_t row
   return w;
 }
 
-bool IsIntegerDotType(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ4_0:
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ5_0:
-    case GgmlType::kQ8_0:
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-    case GgmlType::kQ6_K:
-      return true;
-    default:
-      return false;
-  }
-}
-
 class CpuKernelsTest : public ::testing::TestWithParam<CpuKernelLevel> {
  protected:
   void SetUp() override { ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok()); }
@@ -266,6 +251,16 @@ TEST_P(CpuKernelsTest, IntegerDotLevelsAgreeWithScalar) {
         ASSERT_NEAR(y[i], y_ref[i], 1e-5 * abs_sum + 1e-6) << "t=" << t << " r=" << r;
       }
     }
+  }
+}
+
+TEST(MatMulTypesTest, IntegerDotTypesAreTheDeployedQuants) {
+  for (GgmlType t : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
+                     GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    EXPECT_TRUE(IsIntegerDotType(t)) << gguf::TypeName(t);
+  }
+  for (GgmlType t : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ5_1, GgmlType::kQ2_K}) {
+    EXPECT_FALSE(IsIntegerDotType(t)) << gguf::TypeName(t);
   }
 }
 
