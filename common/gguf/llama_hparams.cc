@@ -1,6 +1,10 @@
 #include "common/gguf/llama_hparams.h"
 
+#include <algorithm>
+#include <iterator>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 
 namespace kvcache {
@@ -45,17 +49,24 @@ std::string LlamaHparams::DebugString() const {
                       " heads=", n_head, " kv_heads=", n_head_kv, " head_dim=", head_dim, " rot=", n_rot,
                       " ctx=", n_ctx_train, " vocab=", n_vocab, " rope_base=", rope_freq_base,
                       " rope_scaling=", rope_scaling.type, "x", rope_scaling.factor, " eps=", norm_rms_eps,
-                      " swa=", sliding_window, " tied=", tied_embeddings ? "yes" : "no");
+                      " swa=", sliding_window, " tied=", tied_embeddings ? "yes" : "no",
+                      rope_neox ? " rope=neox" : "", qkv_bias ? " qkv_bias" : "", qk_norm ? " qk_norm" : "",
+                      has_rope_freqs ? " rope_freqs" : "");
 }
 
 absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& f) {
   LlamaHparams h;
   KVCACHE_ASSIGN_OR_RETURN(absl::string_view arch, f.GetString("general.architecture"));
-  if (arch != "llama") {
+  if (std::find(std::begin(kSupportedArchitectures), std::end(kSupportedArchitectures), arch) ==
+      std::end(kSupportedArchitectures)) {
     return absl::UnimplementedError(
-        absl::StrCat("model architecture '", arch, "' is not supported (only 'llama')"));
+        absl::StrCat("model architecture '", arch,
+                     "' is not supported; supported: ", absl::StrJoin(kSupportedArchitectures, ", ")));
   }
   h.architecture = std::string(arch);
+  h.rope_neox = arch == "qwen2" || arch == "qwen3";
+  h.qkv_bias = arch == "qwen2";
+  h.qk_norm = arch == "qwen3";
   if (auto n = f.GetString("general.name"); n.ok()) h.name = std::string(*n);
   const std::string p = h.architecture + ".";
 

@@ -21,8 +21,17 @@ struct RopeScaling {
   int64_t original_context_length = 0;  // 0 when not given
 };
 
+// The GGUF architectures this decoder runs, and how each differs from Llama:
+//   llama  Llama 2/3.x, SmolLM, Mistral (SentencePiece vocabulary, optional
+//          sliding window), Llama 3.1's rope_freqs; RoPE on adjacent pairs
+//   qwen2  Qwen 2/2.5: Q/K/V projections with biases; RoPE on half-rotated pairs
+//          (NeoX style)
+//   qwen3  Qwen 3 (dense): per-head RMSNorm of Q and K before RoPE, NeoX RoPE,
+//          head size from attention.key_length
+inline constexpr const char* kSupportedArchitectures[] = {"llama", "qwen2", "qwen3"};
+
 struct LlamaHparams {
-  std::string architecture;  // "llama"
+  std::string architecture;  // one of kSupportedArchitectures
   std::string name;          // general.name, may be empty
   int64_t n_layer = 0;       // block_count
   int64_t n_embd = 0;        // embedding_length
@@ -40,6 +49,9 @@ struct LlamaHparams {
   int64_t sliding_window = 0;    // 0: full attention
   bool tied_embeddings = false;  // no output.weight: logits use token_embd
   bool has_rope_freqs = false;   // rope_freqs.weight present (Llama 3.1 style)
+  bool rope_neox = false;        // rotate (x[i], x[i + n_rot/2]) instead of (x[2i], x[2i+1])
+  bool qkv_bias = false;         // attn_{q,k,v}.bias tensors (qwen2)
+  bool qk_norm = false;          // attn_{q,k}_norm.weight per-head RMSNorm (qwen3)
 
   // n_head / n_head_kv query heads share one KV head.
   int64_t gqa_ratio() const { return n_head / n_head_kv; }
@@ -52,7 +64,8 @@ struct LlamaHparams {
 };
 
 // INVALID_ARGUMENT naming the key when a value is missing, mistyped or
-// inconsistent; UNIMPLEMENTED for an architecture other than "llama".
+// inconsistent; UNIMPLEMENTED naming the architecture and the supported ones for
+// an architecture outside kSupportedArchitectures.
 absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& file);
 
 }  // namespace gguf

@@ -84,6 +84,11 @@ int main(int argc, char** argv) {
   printf("rms norm eps:      %g\n", hp->norm_rms_eps);
   printf("sliding window:    %lld\n", static_cast<long long>(hp->sliding_window));
   printf("tied embeddings:   %s\n", hp->tied_embeddings ? "yes" : "no");
+  printf("rope style:        %s%s\n",
+         hp->rope_neox ? "neox (pairs half a head apart)" : "norm (adjacent pairs)",
+         hp->has_rope_freqs ? ", rope_freqs factors (Llama 3.1)" : "");
+  printf("q/k/v biases:      %s\n", hp->qkv_bias ? "yes" : "no");
+  printf("q/k head norms:    %s\n", hp->qk_norm ? "yes" : "no");
 
   std::map<std::string, std::pair<int, int64_t>> types;
   for (const auto& t : f.tensors()) {

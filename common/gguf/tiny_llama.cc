@@ -59,16 +59,21 @@ const char* const kMerges[][2] = {
 }  // namespace
 
 absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
+  const int64_t head_dim = o.head_dim > 0 ? o.head_dim : (o.n_head > 0 ? o.n_embd / o.n_head : 0);
   if (o.n_layer <= 0 || o.n_embd <= 0 || o.n_head <= 0 || o.n_head_kv <= 0 || o.n_ff <= 0 || o.n_ctx <= 0 ||
-      o.n_embd % o.n_head != 0 || o.n_head % o.n_head_kv != 0 || (o.n_embd / o.n_head) % 2 != 0) {
+      (o.head_dim <= 0 && o.n_embd % o.n_head != 0) || o.n_head % o.n_head_kv != 0 || head_dim % 2 != 0 ||
+      head_dim <= 0) {
     return absl::InvalidArgumentError("tiny llama: inconsistent dimensions");
+  }
+  const std::string& arch = o.architecture;
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
+    return absl::InvalidArgumentError(absl::StrCat("tiny llama: unknown architecture ", arch));
   }
   const int64_t block = TypeTraits(o.weight_type).block_size;
   if (o.n_embd % block != 0 || o.n_ff % block != 0) {
     return absl::InvalidArgumentError(absl::StrCat("tiny llama: n_embd and n_ff must be multiples of ", block,
                                                    " for ", TypeName(o.weight_type)));
   }
-  const int64_t head_dim = o.n_embd / o.n_head;
 
   // Vocabulary.
   std::vector<std::string> tokens = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
@@ -91,20 +96,25 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
   const int64_t n_vocab = static_cast<int64_t>(tokens.size());
 
   GgufWriter w;
-  w.AddString("general.architecture", "llama");
-  w.AddString("general.name", "tiny-llama-test");
-  w.AddUint32("llama.block_count", static_cast<uint32_t>(o.n_layer));
-  w.AddUint32("llama.context_length", static_cast<uint32_t>(o.n_ctx));
-  w.AddUint32("llama.embedding_length", static_cast<uint32_t>(o.n_embd));
-  w.AddUint32("llama.feed_forward_length", static_cast<uint32_t>(o.n_ff));
-  w.AddUint32("llama.attention.head_count", static_cast<uint32_t>(o.n_head));
-  w.AddUint32("llama.attention.head_count_kv", static_cast<uint32_t>(o.n_head_kv));
-  w.AddFloat32("llama.rope.freq_base", static_cast<float>(o.rope_freq_base));
-  w.AddFloat32("llama.attention.layer_norm_rms_epsilon", static_cast<float>(o.norm_eps));
-  w.AddUint32("llama.rope.dimension_count", static_cast<uint32_t>(head_dim));
-  w.AddUint32("llama.vocab_size", static_cast<uint32_t>(n_vocab));
+  w.AddString("general.architecture", arch);
+  w.AddString("general.name", absl::StrCat("tiny-", arch, "-test"));
+  const std::string key = arch + ".";
+  w.AddUint32(key + "block_count", static_cast<uint32_t>(o.n_layer));
+  w.AddUint32(key + "context_length", static_cast<uint32_t>(o.n_ctx));
+  w.AddUint32(key + "embedding_length", static_cast<uint32_t>(o.n_embd));
+  w.AddUint32(key + "feed_forward_length", static_cast<uint32_t>(o.n_ff));
+  w.AddUint32(key + "attention.head_count", static_cast<uint32_t>(o.n_head));
+  w.AddUint32(key + "attention.head_count_kv", static_cast<uint32_t>(o.n_head_kv));
+  if (o.head_dim > 0) {
+    w.AddUint32(key + "attention.key_length", static_cast<uint32_t>(head_dim));
+    w.AddUint32(key + "attention.value_length", static_cast<uint32_t>(head_dim));
+  }
+  w.AddFloat32(key + "rope.freq_base", static_cast<float>(o.rope_freq_base));
+  w.AddFloat32(key + "attention.layer_norm_rms_epsilon", static_cast<float>(o.norm_eps));
+  w.AddUint32(key + "rope.dimension_count", static_cast<uint32_t>(head_dim));
+  w.AddUint32(key + "vocab_size", static_cast<uint32_t>(n_vocab));
   if (o.sliding_window > 0) {
-    w.AddUint32("llama.attention.sliding_window", static_cast<uint32_t>(o.sliding_window));
+    w.AddUint32(key + "attention.sliding_window", static_cast<uint32_t>(o.sliding_window));
   }
   w.AddUint32("general.file_type", 0);
   w.AddString("tokenizer.ggml.model", "gpt2");
@@ -137,6 +147,14 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
   };
   // Shapes in ggml order [ne0 = input features, ne1 = output features].
   KVCACHE_RETURN_IF_ERROR(matrix("token_embd.weight", o.n_embd, n_vocab));
+  if (o.rope_freqs) {  // Llama 3.1's shape: 1 for high frequencies rising to 8 for low ones
+    std::vector<float> factors(static_cast<size_t>(head_dim / 2));
+    for (size_t i = 0; i < factors.size(); ++i) {
+      factors[i] = 1.0f + 7.0f * static_cast<float>(i) / static_cast<float>(factors.size());
+    }
+    KVCACHE_RETURN_IF_ERROR(
+        w.AddTensorFromFloats("rope_freqs.weight", GgmlType::kF32, {head_dim / 2}, factors));
+  }
   for (int64_t l = 0; l < o.n_layer; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     KVCACHE_RETURN_IF_ERROR(
@@ -145,6 +163,20 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
     KVCACHE_RETURN_IF_ERROR(matrix(p + "attn_k.weight", o.n_embd, o.n_head_kv * head_dim));
     KVCACHE_RETURN_IF_ERROR(matrix(p + "attn_v.weight", o.n_embd, o.n_head_kv * head_dim));
     KVCACHE_RETURN_IF_ERROR(matrix(p + "attn_output.weight", o.n_head * head_dim, o.n_embd));
+    if (arch == "qwen2") {
+      KVCACHE_RETURN_IF_ERROR(w.AddTensorFromFloats(p + "attn_q.bias", GgmlType::kF32, {o.n_head * head_dim},
+                                                    random(o.n_head * head_dim)));
+      KVCACHE_RETURN_IF_ERROR(w.AddTensorFromFloats(
+          p + "attn_k.bias", GgmlType::kF32, {o.n_head_kv * head_dim}, random(o.n_head_kv * head_dim)));
+      KVCACHE_RETURN_IF_ERROR(w.AddTensorFromFloats(
+          p + "attn_v.bias", GgmlType::kF32, {o.n_head_kv * head_dim}, random(o.n_head_kv * head_dim)));
+    }
+    if (arch == "qwen3") {
+      KVCACHE_RETURN_IF_ERROR(
+          w.AddTensorFromFloats(p + "attn_q_norm.weight", GgmlType::kF32, {head_dim}, norm(head_dim)));
+      KVCACHE_RETURN_IF_ERROR(
+          w.AddTensorFromFloats(p + "attn_k_norm.weight", GgmlType::kF32, {head_dim}, norm(head_dim)));
+    }
     KVCACHE_RETURN_IF_ERROR(
         w.AddTensorFromFloats(p + "ffn_norm.weight", GgmlType::kF32, {o.n_embd}, norm(o.n_embd)));
     KVCACHE_RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", o.n_embd, o.n_ff));
@@ -155,6 +187,54 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
       w.AddTensorFromFloats("output_norm.weight", GgmlType::kF32, {o.n_embd}, norm(o.n_embd)));
   if (!o.tied_embeddings) KVCACHE_RETURN_IF_ERROR(matrix("output.weight", o.n_embd, n_vocab));
   return w.Serialize();
+}
+
+std::vector<NamedTinyModel> ArchitectureReferenceModels() {
+  // Weights large enough that attention is far from uniform, so that position
+  // handling (RoPE style, frequency factors) moves the logits well above the
+  // two engines' rounding differences.
+  constexpr float kScale = 0.2f;
+  std::vector<NamedTinyModel> out;
+  {  // Llama 3.1 style: GQA, untied output, rope_freqs.
+    TinyLlamaOptions o;
+    o.n_layer = 2;
+    o.tied_embeddings = false;
+    o.rope_freqs = true;
+    o.rope_freq_base = 500000.0;
+    o.seed = 11;
+    o.weight_scale = kScale;
+    out.push_back({"llama31", o});
+  }
+  {  // Qwen 2.5 style: Q/K/V biases, NeoX RoPE, tied output.
+    TinyLlamaOptions o;
+    o.architecture = "qwen2";
+    o.rope_freq_base = 1000000.0;
+    o.norm_eps = 1e-6;
+    o.seed = 12;
+    o.weight_scale = kScale;
+    out.push_back({"qwen2", o});
+  }
+  {  // Qwen 3 style: per-head Q/K RMSNorm, head size 32 from key_length with a
+     // 64-wide model (q_dim 128 != n_embd), untied output.
+    TinyLlamaOptions o;
+    o.architecture = "qwen3";
+    o.head_dim = 32;
+    o.tied_embeddings = false;
+    o.rope_freq_base = 1000000.0;
+    o.norm_eps = 1e-6;
+    o.seed = 13;
+    o.weight_scale = kScale;
+    out.push_back({"qwen3", o});
+  }
+  {  // Qwen 2.5 with Q8_0 weights: the quantised matmuls with biases.
+    TinyLlamaOptions o;
+    o.architecture = "qwen2";
+    o.weight_type = GgmlType::kQ8_0;
+    o.seed = 14;
+    o.weight_scale = kScale;
+    out.push_back({"qwen2_q8_0", o});
+  }
+  return out;
 }
 
 absl::Status WriteTinyLlama(const TinyLlamaOptions& options, const std::string& path) {

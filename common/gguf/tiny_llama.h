@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -18,16 +19,21 @@ namespace kvcache {
 namespace gguf {
 
 struct TinyLlamaOptions {
+  // "llama", "qwen2" (adds attn_{q,k,v}.bias) or "qwen3" (adds
+  // attn_{q,k}_norm.weight and writes attention.key_length/value_length).
+  std::string architecture = "llama";
   int64_t n_layer = 2;
   int64_t n_embd = 64;  // multiple of the weight type's block size
   int64_t n_head = 4;
   int64_t n_head_kv = 2;
-  int64_t n_ff = 128;  // multiple of the weight type's block size
+  int64_t n_ff = 128;    // multiple of the weight type's block size
+  int64_t head_dim = 0;  // 0: n_embd / n_head
   int64_t n_ctx = 256;
   int64_t sliding_window = 0;  // written when > 0
   double rope_freq_base = 10000.0;
   double norm_eps = 1e-5;
   bool tied_embeddings = true;  // false: also write output.weight
+  bool rope_freqs = false;      // write rope_freqs.weight (Llama 3.1 style, factors 1..8)
   // Type of the 2-D weight matrices (token_embd, attention, FFN, output);
   // norms are always F32.
   GgmlType weight_type = GgmlType::kF32;
@@ -57,6 +63,17 @@ inline TinyLlamaOptions SmolLM2ShapedOptions() {
 constexpr int32_t kTinyEndOfText = 0;
 constexpr int32_t kTinyImStart = 1;
 constexpr int32_t kTinyImEnd = 2;
+
+// One tiny model per supported architecture feature, f32 or Q8_0 weights, that
+// tests/worker/model/arch_reference_test.cc checks against llama.cpp's logits
+// (tests/data/arch_reference.json, recorded by tests/data/record_arch_reference.py
+// from the files `kvcache-tiny-model --out_dir` writes). Changing one changes its
+// bytes: the test then fails on the recorded digest until it is re-recorded.
+struct NamedTinyModel {
+  std::string name;
+  TinyLlamaOptions options;
+};
+std::vector<NamedTinyModel> ArchitectureReferenceModels();
 
 // The GGUF bytes. INVALID_ARGUMENT for inconsistent options.
 absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& options);

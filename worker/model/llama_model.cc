@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/gguf/model_path.h"
@@ -52,7 +54,12 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromFile(std::unique_ptr
     return absl::UnimplementedError("partial rotary embeddings (rope.dimension_count < head_dim)");
   }
   if (hp.has_rope_freqs) {
-    return absl::UnimplementedError("rope_freqs.weight (Llama 3.1 rope scaling) is not supported");
+    KVCACHE_ASSIGN_OR_RETURN(m->rope_freqs_, Vector(*file, "rope_freqs.weight", hp.n_rot / 2));
+    for (float v : m->rope_freqs_) {
+      if (!(v > 0.0f) || !std::isfinite(v)) {
+        return absl::InvalidArgumentError("rope_freqs.weight holds a value that is not a positive number");
+      }
+    }
   }
   const int64_t d = hp.n_embd, q_dim = hp.n_head * hp.head_dim, kv_dim = hp.n_head_kv * hp.head_dim;
   const gguf::GgufFile& f = *file;
@@ -71,6 +78,15 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromFile(std::unique_ptr
     KVCACHE_ASSIGN_OR_RETURN(layer.wk, Matrix(f, p + "attn_k.weight", kv_dim, d));
     KVCACHE_ASSIGN_OR_RETURN(layer.wv, Matrix(f, p + "attn_v.weight", kv_dim, d));
     KVCACHE_ASSIGN_OR_RETURN(layer.wo, Matrix(f, p + "attn_output.weight", d, q_dim));
+    if (hp.qkv_bias) {
+      KVCACHE_ASSIGN_OR_RETURN(layer.bq, Vector(f, p + "attn_q.bias", q_dim));
+      KVCACHE_ASSIGN_OR_RETURN(layer.bk, Vector(f, p + "attn_k.bias", kv_dim));
+      KVCACHE_ASSIGN_OR_RETURN(layer.bv, Vector(f, p + "attn_v.bias", kv_dim));
+    }
+    if (hp.qk_norm) {
+      KVCACHE_ASSIGN_OR_RETURN(layer.q_norm, Vector(f, p + "attn_q_norm.weight", hp.head_dim));
+      KVCACHE_ASSIGN_OR_RETURN(layer.k_norm, Vector(f, p + "attn_k_norm.weight", hp.head_dim));
+    }
     KVCACHE_ASSIGN_OR_RETURN(layer.ffn_norm, Vector(f, p + "ffn_norm.weight", d));
     KVCACHE_ASSIGN_OR_RETURN(layer.w_gate, Matrix(f, p + "ffn_gate.weight", hp.n_ff, d));
     KVCACHE_ASSIGN_OR_RETURN(layer.w_up, Matrix(f, p + "ffn_up.weight", hp.n_ff, d));
@@ -97,7 +113,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromFile(std::unique_ptr
   for (const auto& [key, value] : f.metadata()) XXH3_64bits_update(st, key.data(), key.size());
   const uint64_t digest = XXH3_64bits_digest(st);
   XXH3_freeState(st);
-  m->model_id_ = absl::StrFormat("%s@%016x", hp.name.empty() ? "llama" : hp.name, digest);
+  m->model_id_ = absl::StrFormat("%s@%016x", hp.name.empty() ? hp.architecture : hp.name, digest);
   m->file_ = std::move(file);
   return m;
 }

@@ -8,6 +8,10 @@
 //               wo [n_embd][n_head*hd], ffn_norm [n_embd], w_gate/w_up [n_ff][n_embd],
 //               w_down [n_embd][n_ff]
 //   output_norm [n_embd], output [n_vocab][n_embd]
+// and by architecture (gguf::LlamaHparams): qwen2's bq/bk/bv [q_dim]/[kv_dim]
+// added after the projections, qwen3's q_norm/k_norm [head_dim] applied to each
+// head before RoPE, and Llama 3.1's rope_freqs [n_rot/2] dividing each pair's
+// rotation frequency.
 //
 // Thread-safety: immutable after Load; safe to share between threads.
 #ifndef KVCACHE_WORKER_MODEL_LLAMA_MODEL_H_
@@ -29,7 +33,9 @@ using cpu::WeightView;
 struct LlamaLayer {
   std::vector<float> attn_norm;  // [n_embd]
   WeightView wq, wk, wv, wo;
-  std::vector<float> ffn_norm;  // [n_embd]
+  std::vector<float> bq, bk, bv;      // empty unless hparams().qkv_bias
+  std::vector<float> q_norm, k_norm;  // [head_dim]; empty unless hparams().qk_norm
+  std::vector<float> ffn_norm;        // [n_embd]
   WeightView w_gate, w_up, w_down;
 };
 
@@ -47,6 +53,8 @@ class LlamaModel {
   const WeightView& token_embd() const { return token_embd_; }
   const WeightView& output() const { return output_; }
   const std::vector<float>& output_norm() const { return output_norm_; }
+  // [n_rot / 2] frequency divisors; empty unless hparams().has_rope_freqs.
+  const std::vector<float>& rope_freqs() const { return rope_freqs_; }
   // Identifies the model in prefix hashes and migrations: general.name plus a
   // digest of the tensor table and metadata, so two different files never share
   // cache pages.
@@ -63,6 +71,7 @@ class LlamaModel {
   WeightView token_embd_;
   WeightView output_;
   std::vector<float> output_norm_;
+  std::vector<float> rope_freqs_;
   std::string model_id_;
   int64_t weight_bytes_ = 0;
 };

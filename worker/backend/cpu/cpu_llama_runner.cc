@@ -35,6 +35,8 @@ absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const mod
   RopeParams rp;
   rp.head_dim = static_cast<int>(hp.head_dim);
   rp.freq_base = static_cast<float>(hp.rope_freq_base);
+  rp.neox = hp.rope_neox;
+  rp.freq_factors = model->rope_freqs();
   if (hp.rope_scaling.type == "linear" && hp.rope_scaling.factor > 0) {
     rp.freq_scale = static_cast<float>(1.0 / hp.rope_scaling.factor);
   } else if (hp.rope_scaling.type != "none" && hp.rope_scaling.factor != 1.0) {
@@ -65,7 +67,7 @@ CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManage
 absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch,
                                      std::vector<float>* logits) {
   const gguf::LlamaHparams& hp = model_->hparams();
-  const int64_t d = hp.n_embd, kv_dim = hp.n_head_kv * hp.head_dim;
+  const int64_t d = hp.n_embd, q_dim = hp.n_head * hp.head_dim, kv_dim = hp.n_head_kv * hp.head_dim;
   const float eps = static_cast<float>(hp.norm_rms_eps);
 
   // Flatten the batch and check it against the page tables.
@@ -116,6 +118,17 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     KVCACHE_RETURN_IF_ERROR(MatMul(L.wq, xn_.data(), t, q_.data()));  // q: [t][n_head][hd]
     KVCACHE_RETURN_IF_ERROR(MatMul(L.wk, xn_.data(), t, k_.data()));  // k: [t][n_kv][hd]
     KVCACHE_RETURN_IF_ERROR(MatMul(L.wv, xn_.data(), t, v_.data()));  // v: [t][n_kv][hd]
+    if (hp.qkv_bias) {
+      for (int i = 0; i < t; ++i) {
+        Add(q_.data() + int64_t{i} * q_dim, L.bq.data(), q_dim, q_.data() + int64_t{i} * q_dim);
+        Add(k_.data() + i * kv_dim, L.bk.data(), kv_dim, k_.data() + i * kv_dim);
+        Add(v_.data() + i * kv_dim, L.bv.data(), kv_dim, v_.data() + i * kv_dim);
+      }
+    }
+    if (hp.qk_norm) {  // each head's row normalised on its own
+      RmsNorm(q_.data(), L.q_norm.data(), t * static_cast<int>(hp.n_head), hp.head_dim, eps, q_.data());
+      RmsNorm(k_.data(), L.k_norm.data(), t * static_cast<int>(hp.n_head_kv), hp.head_dim, eps, k_.data());
+    }
     KVCACHE_RETURN_IF_ERROR(rope_.Apply(q_.data(), t, static_cast<int>(hp.n_head), positions_));
     KVCACHE_RETURN_IF_ERROR(rope_.Apply(k_.data(), t, static_cast<int>(hp.n_head_kv), positions_));
     int64_t row = 0;

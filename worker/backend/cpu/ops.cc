@@ -103,6 +103,17 @@ void RopeHeadScalar(float* x, const float* cs, const float* sn, int head_dim) {
   }
 }
 
+// NeoX pairs (x[i], x[i + d/2]): a loop the compiler vectorises; RoPE is a
+// small part of a step next to the matmuls.
+void RopeHeadNeox(float* x, const float* cs, const float* sn, int head_dim) {
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const float x0 = x[i], x1 = x[i + half];
+    x[i] = x0 * cs[i] + x1 * sn[i];
+    x[i + half] = x1 * cs[i + half] + x0 * sn[i + half];
+  }
+}
+
 }  // namespace
 
 void RmsNorm(const float* x, const float* weight, int n_tokens, int64_t n, float eps, float* y) {
@@ -179,10 +190,14 @@ RopeTable::RopeTable(const RopeParams& params, int max_positions)
     : params_(params), max_positions_(max_positions) {}
 
 absl::StatusOr<RopeTable> RopeTable::Create(const RopeParams& params, int max_positions) {
+  bool factors_ok =
+      params.freq_factors.empty() || static_cast<int>(params.freq_factors.size()) == params.head_dim / 2;
+  for (float f : params.freq_factors) factors_ok = factors_ok && f > 0.0f && std::isfinite(f);
   if (params.head_dim <= 0 || params.head_dim % 2 != 0 || !(params.freq_base > 0.0f) ||
-      !(params.freq_scale > 0.0f) || max_positions <= 0) {
+      !(params.freq_scale > 0.0f) || max_positions <= 0 || !factors_ok) {
     return absl::InvalidArgumentError(absl::StrCat("RopeTable: bad params head_dim=", params.head_dim,
                                                    " base=", params.freq_base, " scale=", params.freq_scale,
+                                                   " freq_factors=", params.freq_factors.size(),
                                                    " max_positions=", max_positions));
   }
   RopeTable table(params, max_positions);
@@ -191,14 +206,20 @@ absl::StatusOr<RopeTable> RopeTable::Create(const RopeParams& params, int max_po
   table.sin_.resize(static_cast<size_t>(max_positions) * d);
   for (int p = 0; p < max_positions; ++p) {
     for (int i = 0; i < d / 2; ++i) {
-      const double theta = static_cast<double>(p) * params.freq_scale *
-                           std::pow(static_cast<double>(params.freq_base), -2.0 * i / d);
+      double theta = static_cast<double>(p) * params.freq_scale *
+                     std::pow(static_cast<double>(params.freq_base), -2.0 * i / d);
+      // The same operations as the CUDA backend's RopeTheta (bit-exact tables).
+      if (!params.freq_factors.empty() && params.freq_factors[i] != 1.0f) {
+        theta /= static_cast<double>(params.freq_factors[i]);
+      }
       const float c = static_cast<float>(std::cos(theta));
       const float s = static_cast<float>(std::sin(theta));
-      table.cos_[static_cast<size_t>(p) * d + 2 * i] = c;
-      table.cos_[static_cast<size_t>(p) * d + 2 * i + 1] = c;
-      table.sin_[static_cast<size_t>(p) * d + 2 * i] = -s;
-      table.sin_[static_cast<size_t>(p) * d + 2 * i + 1] = s;
+      const size_t a = static_cast<size_t>(p) * d + (params.neox ? i : 2 * i);
+      const size_t b = a + (params.neox ? d / 2 : 1);
+      table.cos_[a] = c;
+      table.cos_[b] = c;
+      table.sin_[a] = -s;
+      table.sin_[b] = s;
     }
   }
   return table;
@@ -223,7 +244,9 @@ absl::Status RopeTable::Apply(float* x, int n_tokens, int n_heads,
     const float* sn = sin_row(positions[t]);
     for (int h = 0; h < n_heads; ++h) {
       float* xh = x + (static_cast<int64_t>(t) * n_heads + h) * d;  // [head_dim]
-      if (avx2) {
+      if (params_.neox) {
+        RopeHeadNeox(xh, cs, sn, d);
+      } else if (avx2) {
         RopeHeadAvx2(xh, cs, sn, d);
       } else {
         RopeHeadScalar(xh, cs, sn, d);

@@ -44,24 +44,30 @@ int64_t Argmax(const float* x, int64_t n);
 // INVALID_ARGUMENT when an id is outside [0, table.rows).
 absl::Status GetRows(const WeightView& table, absl::Span<const int32_t> ids, float* out);
 
-// Rotary position embedding, llama "NORM" style: each adjacent pair
-// (x[2i], x[2i+1]) of a head is rotated by theta_i(p) = p * freq_scale *
-// freq_base^(-2i/head_dim).  freq_scale = 1 / (linear scaling factor).
+// Rotary position embedding. Pair i of a head is rotated by theta_i(p) = p *
+// freq_scale * freq_base^(-2i/head_dim) / freq_factors[i] (freq_scale = 1 /
+// the linear scaling factor; freq_factors, Llama 3.1's rope_freqs, default 1).
+// Llama ("NORM") style pairs adjacent values (x[2i], x[2i+1]); NeoX style
+// (Qwen) pairs the halves (x[i], x[i + head_dim/2]).
 struct RopeParams {
   int head_dim = 64;  // rotated dims (all of the head); REQUIRES even
   float freq_base = 10000.0f;
   float freq_scale = 1.0f;
+  bool neox = false;
+  std::vector<float> freq_factors;  // empty, or head_dim / 2 positive values
 };
 
 // cos/sin of every position below max_positions, precomputed in double and
-// stored as f32 in the form the rotation consumes: for pair i of position p,
-//   cos_row(p)[2i] = cos_row(p)[2i+1] = cos(theta_i(p)),
-//   sin_row(p)[2i] = -sin(theta_i(p)), sin_row(p)[2i+1] = +sin(theta_i(p)),
-// so x' = x * cos_row + swap_pairs(x) * sin_row.
+// stored as f32 in the form the rotation consumes. Pair i of position p is the
+// slots (a, b) = (2i, 2i+1), or (i, i + head_dim/2) for NeoX:
+//   cos_row(p)[a] = cos_row(p)[b] = cos(theta_i(p)),
+//   sin_row(p)[a] = -sin(theta_i(p)), sin_row(p)[b] = +sin(theta_i(p)),
+// so x' = x * cos_row + swap(x) * sin_row, swap exchanging each pair's slots.
 class RopeTable {
  public:
   // INVALID_ARGUMENT unless head_dim is even and positive, freq_base > 0,
-  // freq_scale > 0 and max_positions > 0.
+  // freq_scale > 0, max_positions > 0 and freq_factors is empty or holds
+  // head_dim / 2 positive values.
   static absl::StatusOr<RopeTable> Create(const RopeParams& params, int max_positions);
 
   // Rotates x: [n_tokens][n_heads][head_dim] in place; token t is at positions[t].

@@ -18,7 +18,25 @@ static __global__ void SwiGluKernel(const float* gate_up, int64_t total, int64_t
   }
 }
 
+static __global__ void AddBiasKernel(float* x, int64_t row_stride, int64_t n, const float* bias) {
+  float* row = x + blockIdx.y * row_stride;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    row[i] += bias[i];
+  }
+}
+
 }  // namespace
+
+absl::Status AddBias(float* x, int n_tokens, int64_t row_stride, int64_t n, const float* bias,
+                     cudaStream_t stream) {
+  if (n_tokens <= 0 || n <= 0) return absl::OkStatus();
+  if (n_tokens > 65535) return absl::InvalidArgumentError("AddBias: more than 65535 tokens");
+  const int64_t blocks = (n + 255) / 256;
+  AddBiasKernel<<<dim3(static_cast<unsigned>(blocks < 1024 ? blocks : 1024), n_tokens), 256, 0, stream>>>(
+      x, row_stride, n, bias);
+  return LastLaunchStatus("AddBiasKernel");
+}
 
 absl::Status SwiGluToF16(const float* gate_up, int n_tokens, int64_t n_ff, uint16_t* out,
                          cudaStream_t stream) {

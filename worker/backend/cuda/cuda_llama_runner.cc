@@ -74,6 +74,8 @@ absl::Status Reserve(PinnedBuffer* buf, int64_t bytes, absl::string_view what) {
 
 struct DeviceLayer {
   DeviceBuffer attn_norm, ffn_norm;  // f32 [n_embd]
+  DeviceBuffer bqkv;                 // f32 [(n_head + 2 n_head_kv) hd] when hparams.qkv_bias
+  DeviceBuffer q_norm, k_norm;       // f32 [hd] when hparams.qk_norm
   DeviceBuffer wqkv;                 // f16 [(n_head + 2 n_head_kv) hd][n_embd]
   DeviceBuffer wo;                   // f16 [n_embd][n_head hd]
   DeviceBuffer w_gate_up;            // f16 [2 n_ff][n_embd]
@@ -145,6 +147,16 @@ absl::Status CudaLlamaRunner::Init() {
     KVCACHE_ASSIGN_OR_RETURN(D.attn_norm, UploadF32(L.attn_norm, n));
     KVCACHE_ASSIGN_OR_RETURN(D.ffn_norm, UploadF32(L.ffn_norm, n));
     KVCACHE_ASSIGN_OR_RETURN(D.wqkv, UploadF16({&L.wq, &L.wk, &L.wv}, n));
+    if (hp.qkv_bias) {
+      std::vector<float> b = L.bq;
+      b.insert(b.end(), L.bk.begin(), L.bk.end());
+      b.insert(b.end(), L.bv.begin(), L.bv.end());
+      KVCACHE_ASSIGN_OR_RETURN(D.bqkv, UploadF32(b, n));
+    }
+    if (hp.qk_norm) {
+      KVCACHE_ASSIGN_OR_RETURN(D.q_norm, UploadF32(L.q_norm, n));
+      KVCACHE_ASSIGN_OR_RETURN(D.k_norm, UploadF32(L.k_norm, n));
+    }
     KVCACHE_ASSIGN_OR_RETURN(D.wo, UploadF16({&L.wo}, n));
     KVCACHE_ASSIGN_OR_RETURN(D.w_gate_up, UploadF16({&L.w_gate, &L.w_up}, n));
     KVCACHE_ASSIGN_OR_RETURN(D.w_down, UploadF16({&L.w_down}, n));
@@ -155,7 +167,9 @@ absl::Status CudaLlamaRunner::Init() {
   }
   KVCACHE_ASSIGN_OR_RETURN(output_norm_, UploadF32(model_.output_norm(), "output_norm"));
   std::vector<float> rope(static_cast<size_t>(max_positions_) * hd);
-  RopeCosSinTable(static_cast<int>(hd), hp.rope_freq_base, freq_scale, max_positions_, rope.data());
+  RopeCosSinTable(static_cast<int>(hd), hp.rope_freq_base, freq_scale,
+                  model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data(), max_positions_,
+                  rope.data());
   KVCACHE_ASSIGN_OR_RETURN(rope_, UploadF32(rope, "rope table"));
 
   const int64_t t = options_.max_batch_tokens;
@@ -305,8 +319,16 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
     KVCACHE_RETURN_IF_ERROR(RmsNormToF16(x, nullptr, L.attn_norm.as<float>(), t, d, eps, xn16, stream));
     KVCACHE_RETURN_IF_ERROR(
         GemmF16(blas, L.wqkv.as<uint16_t>(), qkv_rows_, d, xn16, t, qkv, qkv_rows_, 0.0f));
-    KVCACHE_RETURN_IF_ERROR(
-        Rope(qkv, t, qkv_rows_, nh + nkv, static_cast<int>(hd), rope_.as<float>(), meta + off_pos_, stream));
+    if (hp.qkv_bias)
+      KVCACHE_RETURN_IF_ERROR(AddBias(qkv, t, qkv_rows_, qkv_rows_, L.bqkv.as<float>(), stream));
+    if (hp.qk_norm) {
+      KVCACHE_RETURN_IF_ERROR(
+          HeadRmsNorm(qkv, t, qkv_rows_, nh, static_cast<int>(hd), L.q_norm.as<float>(), eps, stream));
+      KVCACHE_RETURN_IF_ERROR(HeadRmsNorm(qkv + nh * hd, t, qkv_rows_, nkv, static_cast<int>(hd),
+                                          L.k_norm.as<float>(), eps, stream));
+    }
+    KVCACHE_RETURN_IF_ERROR(Rope(qkv, t, qkv_rows_, nh + nkv, static_cast<int>(hd), hp.rope_neox,
+                                 rope_.as<float>(), meta + off_pos_, stream));
     w.layer = a.layer = static_cast<int>(l);
     KVCACHE_RETURN_IF_ERROR(WriteKv(w, stream));
     KVCACHE_RETURN_IF_ERROR(PagedAttention(a, stream));

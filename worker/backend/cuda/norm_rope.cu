@@ -34,8 +34,19 @@ static __global__ void RmsNormKernel(const float* x, const int32_t* rows, const 
   }
 }
 
+// grid (n_heads, n_tokens), one warp per head.
+static __global__ void HeadRmsNormKernel(float* x, int64_t row_stride, int head_dim, const float* w,
+                                         float eps) {
+  float* head = x + blockIdx.y * row_stride + int64_t{blockIdx.x} * head_dim;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < head_dim; i += 32) ss = fmaf(head[i], head[i], ss);
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  const float scale = RmsScale(ss, head_dim, eps);
+  for (int i = threadIdx.x; i < head_dim; i += 32) head[i] = head[i] * scale * w[i];
+}
+
 // grid (ceil(n_heads * head_dim / 2 / 256), n_tokens): one thread per pair.
-static __global__ void RopeKernel(float* x, int64_t row_stride, int n_heads, int head_dim,
+static __global__ void RopeKernel(float* x, int64_t row_stride, int n_heads, int head_dim, bool neox,
                                   const float2* cos_sin, const int32_t* positions) {
   const int t = blockIdx.y;
   const int half = head_dim / 2;
@@ -43,8 +54,12 @@ static __global__ void RopeKernel(float* x, int64_t row_stride, int n_heads, int
   if (i >= n_heads * half) return;
   const int h = i / half, pair = i % half;
   const float2 cs = cos_sin[int64_t{positions[t]} * half + pair];
-  float* p = x + t * row_stride + int64_t{h} * head_dim + 2 * pair;
-  RopeRotate(p, p + 1, cs.x, cs.y);
+  float* head = x + t * row_stride + int64_t{h} * head_dim;
+  if (neox) {
+    RopeRotate(head + pair, head + pair + half, cs.x, cs.y);
+  } else {
+    RopeRotate(head + 2 * pair, head + 2 * pair + 1, cs.x, cs.y);
+  }
 }
 
 }  // namespace
@@ -56,22 +71,32 @@ absl::Status RmsNormToF16(const float* x, const int32_t* rows, const float* weig
   return LastLaunchStatus("RmsNormKernel");
 }
 
-absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim, const float* cos_sin,
-                  const int32_t* positions, cudaStream_t stream) {
+absl::Status HeadRmsNorm(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim,
+                         const float* weight, float eps, cudaStream_t stream) {
+  if (n_tokens <= 0 || n_heads <= 0) return absl::OkStatus();
+  if (n_tokens > 65535) return absl::InvalidArgumentError("HeadRmsNorm: more than 65535 tokens");
+  HeadRmsNormKernel<<<dim3(n_heads, n_tokens), 32, 0, stream>>>(x, row_stride, head_dim, weight, eps);
+  return LastLaunchStatus("HeadRmsNormKernel");
+}
+
+absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim, bool neox,
+                  const float* cos_sin, const int32_t* positions, cudaStream_t stream) {
   if (n_tokens <= 0) return absl::OkStatus();
   if (n_tokens > 65535) return absl::InvalidArgumentError("Rope: more than 65535 tokens");
   const int pairs = n_heads * head_dim / 2;
   const dim3 grid((pairs + 255) / 256, n_tokens);
-  RopeKernel<<<grid, 256, 0, stream>>>(x, row_stride, n_heads, head_dim,
+  RopeKernel<<<grid, 256, 0, stream>>>(x, row_stride, n_heads, head_dim, neox,
                                        reinterpret_cast<const float2*>(cos_sin), positions);
   return LastLaunchStatus("RopeKernel");
 }
 
-void RopeCosSinTable(int head_dim, double freq_base, double freq_scale, int max_positions, float* out) {
+void RopeCosSinTable(int head_dim, double freq_base, double freq_scale, const float* freq_factors,
+                     int max_positions, float* out) {
   const int half = head_dim / 2;
   for (int p = 0; p < max_positions; ++p) {
     for (int i = 0; i < half; ++i) {
-      const double theta = RopeTheta(p, i, head_dim, freq_base, freq_scale);
+      const double factor = freq_factors != nullptr ? static_cast<double>(freq_factors[i]) : 1.0;
+      const double theta = RopeTheta(p, i, head_dim, freq_base, freq_scale, factor);
       out[(int64_t{p} * half + i) * 2] = static_cast<float>(std::cos(theta));
       out[(int64_t{p} * half + i) * 2 + 1] = static_cast<float>(std::sin(theta));
     }

@@ -19,16 +19,25 @@ namespace kvcache::cuda {
 absl::Status RmsNormToF16(const float* x, const int32_t* rows, const float* weight, int n_rows, int64_t n,
                           float eps, uint16_t* y, cudaStream_t stream);
 
-// Rotates heads [0, n_heads) of each row in place (llama NORM RoPE: adjacent pairs):
+// Per-head RMSNorm in place (Qwen 3's Q/K norms): every [head_dim] head h in
+// [0, n_heads) of each row becomes head * RmsScale(head) * weight.
+//   x: row t at x + t * row_stride, [n_heads][head_dim] f32; weight: device [head_dim]
+absl::Status HeadRmsNorm(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim,
+                         const float* weight, float eps, cudaStream_t stream);
+
+// Rotates heads [0, n_heads) of each row in place; pair i is (2i, 2i+1) (llama
+// NORM RoPE) or (i, i + head_dim/2) when neox (Qwen):
 //   x: row t at x + t * row_stride, [n_heads][head_dim] f32
 //   cos_sin: device [max_positions][head_dim / 2] float2 (cos, sin), see RopeCosSinTable
 //   positions: device [n_tokens]
-absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim, const float* cos_sin,
-                  const int32_t* positions, cudaStream_t stream);
+absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim, bool neox,
+                  const float* cos_sin, const int32_t* positions, cudaStream_t stream);
 
 // Host table for Rope: [max_positions][head_dim / 2] (cos, sin) pairs, computed in
 // double (RopeTheta, kernel_math.h) then rounded to f32, as the CPU backend does.
-void RopeCosSinTable(int head_dim, double freq_base, double freq_scale, int max_positions, float* out);
+// freq_factors: [head_dim / 2] divisors (Llama 3.1's rope_freqs) or null.
+void RopeCosSinTable(int head_dim, double freq_base, double freq_scale, const float* freq_factors,
+                     int max_positions, float* out);
 
 }  // namespace kvcache::cuda
 

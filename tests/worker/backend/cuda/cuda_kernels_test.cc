@@ -221,27 +221,57 @@ TEST(CudaKernelsTest, RmsNormRopeSwiGluMatchCpu) {
     }
   }
 
-  // RoPE: q and k heads of a fused row, positions up to 1000.
+  // RoPE: q and k heads of a fused row, positions up to 1000, llama and NeoX
+  // pairing, with and without Llama 3.1 frequency factors.
   const int hd = 64, heads = 12;
   const int64_t stride = 15 * hd;
-  cpu::RopeParams rp;
-  rp.head_dim = hd;
-  auto table = cpu::RopeTable::Create(rp, 1024);
-  ASSERT_TRUE(table.ok());
-  std::vector<float> cs(1024 * hd);
-  RopeCosSinTable(hd, rp.freq_base, rp.freq_scale, 1024, cs.data());
-  std::vector<float> qk = Random(t * stride, 3);
   const std::vector<int32_t> pos = {0, 1, 31, 500, 1000};
-  std::vector<float> dense(t * heads * hd);
-  for (int i = 0; i < t; ++i) std::copy_n(&qk[i * stride], heads * hd, &dense[i * heads * hd]);
-  ASSERT_TRUE(table->Apply(dense.data(), t, heads, pos).ok());
-  DeviceBuffer dqk = Upload(qk), dcs = Upload(cs), dpos = Upload(pos);
-  ASSERT_TRUE(Rope(dqk.as<float>(), t, stride, heads, hd, dcs.as<float>(), dpos.as<int32_t>(), nullptr).ok());
-  const std::vector<float> got = Download<float>(dqk, qk.size());
-  for (int i = 0; i < t; ++i) {
-    for (int j = 0; j < heads * hd; ++j) EXPECT_NEAR(got[i * stride + j], dense[i * heads * hd + j], 1e-5f);
-    for (int j = heads * hd; j < stride; ++j)
-      EXPECT_EQ(got[i * stride + j], qk[i * stride + j]);  // V untouched
+  for (bool neox : {false, true}) {
+    for (bool factors : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "neox " << neox << " factors " << factors);
+      cpu::RopeParams rp;
+      rp.head_dim = hd;
+      rp.neox = neox;
+      if (factors) {
+        for (int i = 0; i < hd / 2; ++i) rp.freq_factors.push_back(1.0f + 7.0f * i / (hd / 2));
+      }
+      auto table = cpu::RopeTable::Create(rp, 1024);
+      ASSERT_TRUE(table.ok());
+      std::vector<float> cs(1024 * hd);
+      RopeCosSinTable(hd, rp.freq_base, rp.freq_scale, factors ? rp.freq_factors.data() : nullptr, 1024,
+                      cs.data());
+      std::vector<float> qk = Random(t * stride, 3);
+      std::vector<float> dense(t * heads * hd);
+      for (int i = 0; i < t; ++i) std::copy_n(&qk[i * stride], heads * hd, &dense[i * heads * hd]);
+      ASSERT_TRUE(table->Apply(dense.data(), t, heads, pos).ok());
+      DeviceBuffer dqk = Upload(qk), dcs = Upload(cs), dpos = Upload(pos);
+      ASSERT_TRUE(
+          Rope(dqk.as<float>(), t, stride, heads, hd, neox, dcs.as<float>(), dpos.as<int32_t>(), nullptr)
+              .ok());
+      const std::vector<float> got = Download<float>(dqk, qk.size());
+      for (int i = 0; i < t; ++i) {
+        for (int j = 0; j < heads * hd; ++j)
+          EXPECT_NEAR(got[i * stride + j], dense[i * heads * hd + j], 1e-5f);
+        for (int j = heads * hd; j < stride; ++j)
+          EXPECT_EQ(got[i * stride + j], qk[i * stride + j]);  // V untouched
+      }
+    }
+  }
+
+  // Qwen 3's per-head Q norm and Qwen 2's QKV bias on a fused row.
+  {
+    const std::vector<float> qk = Random(t * stride, 7), hw = Random(hd, 8), bias = Random(stride, 9);
+    std::vector<float> ref = qk;
+    for (int i = 0; i < t; ++i) {
+      cpu::RmsNorm(&ref[i * stride], hw.data(), heads, hd, 1e-6f, &ref[i * stride]);
+      for (int64_t j = 0; j < stride; ++j) ref[i * stride + j] += bias[j];
+    }
+    DeviceBuffer dqk = Upload(qk), dhw = Upload(hw), db = Upload(bias);
+    ASSERT_TRUE(HeadRmsNorm(dqk.as<float>(), t, stride, heads, hd, dhw.as<float>(), 1e-6f, nullptr).ok());
+    ASSERT_TRUE(AddBias(dqk.as<float>(), t, stride, stride, db.as<float>(), nullptr).ok());
+    const std::vector<float> got = Download<float>(dqk, qk.size());
+    for (size_t j = 0; j < got.size(); ++j)
+      EXPECT_NEAR(got[j], ref[j], std::fabs(ref[j]) * 1e-5f + 1e-5f) << j;
   }
 
   // SwiGLU on a fused gate|up row.

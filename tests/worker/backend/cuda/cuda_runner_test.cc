@@ -169,6 +169,15 @@ TEST(CudaRunnerTest, TinyModelLogitsMatchCpu) {
   }
 }
 
+// Every architecture's features (Llama 3.1 rope_freqs, Qwen 2 biases and NeoX
+// RoPE, Qwen 3 Q/K norms): the models arch_reference_test checks against llama.cpp.
+TEST(CudaRunnerTest, ArchitecturesMatchCpu) {
+  KVCACHE_REQUIRE_GPU();
+  for (const gguf::NamedTinyModel& m : gguf::ArchitectureReferenceModels()) {
+    CompareBackends(*Tiny(m.options), m.name);
+  }
+}
+
 TEST(CudaRunnerTest, SmolLM2LogitsMatchCpu) {
   KVCACHE_REQUIRE_GPU();
   auto real = model::LlamaModel::Load(gguf::DefaultModelPath());

@@ -64,6 +64,22 @@ TEST(KernelMathTest, RopeMatchesCpuTable) {
       EXPECT_EQ(static_cast<float>(std::sin(theta)), table->sin_row(p)[2 * i + 1]);
     }
   }
+  // Llama 3.1 frequency factors and NeoX pairing: the same angles, divided, in
+  // slots i and i + head_dim/2.
+  cpu::RopeParams np = rp;
+  np.neox = true;
+  for (int i = 0; i < hd / 2; ++i) np.freq_factors.push_back(1.0f + 0.25f * i);
+  auto neox = cpu::RopeTable::Create(np, max_pos);
+  ASSERT_TRUE(neox.ok()) << neox.status();
+  for (int p : {0, 3, 299}) {
+    for (int i = 0; i < hd / 2; ++i) {
+      const double theta = RopeTheta(p, i, hd, np.freq_base, np.freq_scale, np.freq_factors[i]);
+      EXPECT_EQ(static_cast<float>(std::cos(theta)), neox->cos_row(p)[i]);
+      EXPECT_EQ(static_cast<float>(std::cos(theta)), neox->cos_row(p)[i + hd / 2]);
+      EXPECT_EQ(static_cast<float>(-std::sin(theta)), neox->sin_row(p)[i]);
+      EXPECT_EQ(static_cast<float>(std::sin(theta)), neox->sin_row(p)[i + hd / 2]);
+    }
+  }
   // The rotation itself, on two heads of three tokens.
   const std::vector<int32_t> pos = {0, 5, 299};
   std::vector<float> x = Random(3 * 2 * hd, 5), ref = x;
