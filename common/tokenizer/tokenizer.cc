@@ -397,6 +397,10 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
   for (int32_t i = 0; i < n; ++i) {
     if (IsEogText(tokens_[i])) eog_[i] = true;
   }
+  eog_ids_.clear();
+  for (int32_t i = 0; i < n; ++i) {
+    if (eog_[i]) eog_ids_.push_back(i);
+  }
   spec_ = std::move(spec);
   return absl::OkStatus();
 }

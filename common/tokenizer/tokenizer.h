@@ -101,6 +101,8 @@ class Tokenizer {
   // markers of other families, e.g. gpt-oss's "<|return|>"; those are not
   // listed.)
   bool IsEndOfGeneration(int32_t id) const;
+  // Every id IsEndOfGeneration accepts, ascending: what a generation stops on.
+  const std::vector<int32_t>& eog_ids() const { return eog_ids_; }
   absl::string_view TokenText(int32_t id) const { return tokens_[id]; }  // REQUIRES: IsValid
   TokenType token_type(int32_t id) const { return types_[id]; }          // REQUIRES: IsValid
   // -1 when no token has exactly this text.
@@ -143,6 +145,7 @@ class Tokenizer {
   int32_t byte_symbol_[256];                     // symbol of each single byte; -1 none
   std::vector<int32_t> special_ids_;             // longest text first
   std::vector<bool> eog_;
+  std::vector<int32_t> eog_ids_;
 };
 
 }  // namespace tok

@@ -40,7 +40,7 @@ struct Engine::Request {
         req(std::move(r)),
         observer(obs),
         sampler(req.sampling),
-        stop({tokenizer->eos_id()}, req.stop_token_ids, req.stop, max_tokens, req.ignore_eos),
+        stop(tokenizer->eog_ids(), req.stop_token_ids, req.stop, max_tokens, req.ignore_eos),
         detok(tokenizer),
         tokenizer(tokenizer),
         submitted(absl::Now()) {}

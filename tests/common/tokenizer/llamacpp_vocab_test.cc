@@ -241,6 +241,8 @@ TEST(LlamaCppVocabFacts, Llama3) {
   EXPECT_FALSE(t.IsEndOfGeneration(128008));
   EXPECT_TRUE(t.IsEndOfGeneration(128009));   // <|eot_id|>
   EXPECT_FALSE(t.IsEndOfGeneration(128006));  // <|start_header_id|>
+  // What a generation stops on (the engine's stop list): both, nothing else.
+  EXPECT_EQ(t.eog_ids(), (std::vector<int32_t>{128001, 128009}));
   EXPECT_EQ(*t.TokenToPiece(128009, true), "<|eot_id|>");
   EXPECT_EQ(*t.TokenToPiece(128009, false), "");
   // ignore_merges: a pre-tokenized word that is a token is emitted whole.

@@ -62,6 +62,7 @@ TEST_F(SmolLmTokenizerTest, VocabularyFacts) {
   EXPECT_TRUE(tok_->IsEndOfGeneration(2));  // <|im_end|>
   EXPECT_TRUE(tok_->IsEndOfGeneration(0));  // <|endoftext|>
   EXPECT_FALSE(tok_->IsEndOfGeneration(1));
+  EXPECT_EQ(tok_->eog_ids(), (std::vector<int32_t>{0, 2}));
   EXPECT_EQ(tok_->TokenToPiece(49152, true).status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(tok_->Decode({5, -1}, true).status().code(), absl::StatusCode::kOutOfRange);
 }
