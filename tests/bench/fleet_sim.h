@@ -3,8 +3,8 @@
 // synthetic sessions and block hashes, so that one router can be driven by a
 // thousand workers and a million sessions on one machine.
 //
-// The model (stated in router_scale.json's notes and README "Router fleet at
-// scale"):
+// The model (stated in router_scale.json's notes and in deploy/README.md,
+// "Router fleet at scale"):
 //  - every worker caches at most `device_blocks` pages in tier 0 and
 //    `host_blocks` in tier 1 (its HBM and host-RAM budgets); a page pushed out
 //    of tier 0 goes to tier 1, one pushed out of tier 1 is dropped, in

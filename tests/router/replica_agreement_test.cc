@@ -7,6 +7,7 @@
 //
 // Time is simulated (ticks), so nothing here sleeps or depends on the machine.
 #include <algorithm>
+#include <cstdio>
 #include <deque>
 #include <memory>
 #include <random>
@@ -218,6 +219,8 @@ TEST(ReplicaAgreementTest, ReplicasFedTheSameFleetConvergeDespiteDelaysReorderin
     agree += same ? 1 : 0;
     ++total;
   }
+  std::printf("converged replicas placed %d of %d requests alike; resyncs %d, %d, %d\n", agree, total,
+              h.Resyncs(0), h.Resyncs(1), h.Resyncs(2));
   EXPECT_GE(agree * 100, total * 99) << agree << " of " << total;
 }
 
@@ -323,6 +326,8 @@ TEST(ReplicaAgreementTest, ABurstThroughThreeRoutersDoesNotPileOntoTheWorkerWith
   // Fair share is 240 / 8 = 30. Each router's ledger and the load reports keep
   // the hot worker within twice that; without the ledger, the routers see the
   // same stale loads between reports and pile onto it.
+  std::printf("burst of 240 through 3 routers: at most %lld on one worker with the ledgers, %lld without\n",
+              static_cast<long long>(max_with), static_cast<long long>(max_without));
   EXPECT_LE(max_with, 60) << "with the ledger";
   EXPECT_GT(max_without, max_with) << "without the ledger";
   const int64_t used = std::count_if(with_ledger.begin(), with_ledger.end(), [](int64_t n) { return n > 0; });
