@@ -538,6 +538,7 @@ absl::flat_hash_map<WorkerId, PrefixMatch> Directory::MatchPrefix(absl::Span<con
     const uint32_t n = holders.size();
     if (prev == nullptr) {
       alive.reserve(n);
+      out.reserve(n);  // every first-page holder gets an entry
       for (uint32_t i = 0; i < n; ++i) {
         alive.push_back({WorkerOf(d[i]), BitsOf(d[i]), {}});
         count(alive.back(), 1);
