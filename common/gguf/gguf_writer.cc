@@ -88,6 +88,70 @@ void GgufWriter::AddFloat32Array(absl::string_view key, const std::vector<float>
   for (float x : v) Put(&kv_bytes_, x);
 }
 
+absl::Status GgufWriter::CopyValue(absl::string_view key, const GgufValue& v) {
+  switch (v.type()) {
+    case GgufValueType::kString: {
+      KVCACHE_ASSIGN_OR_RETURN(absl::string_view s, v.AsString());
+      AddString(key, s);
+      return absl::OkStatus();
+    }
+    case GgufValueType::kBool: {
+      KVCACHE_ASSIGN_OR_RETURN(bool b, v.AsBool());
+      AddBool(key, b);
+      return absl::OkStatus();
+    }
+    case GgufValueType::kFloat32:
+    case GgufValueType::kFloat64: {
+      KVCACHE_ASSIGN_OR_RETURN(double d, v.AsDouble());
+      if (v.type() == GgufValueType::kFloat32) {
+        AddFloat32(key, static_cast<float>(d));
+      } else {
+        AddFloat64(key, d);
+      }
+      return absl::OkStatus();
+    }
+    case GgufValueType::kArray:
+      break;
+    default: {  // integers
+      KVCACHE_ASSIGN_OR_RETURN(int64_t i, v.AsInt64());
+      if (v.type() == GgufValueType::kUint32) {
+        AddUint32(key, static_cast<uint32_t>(i));
+      } else if (v.type() == GgufValueType::kInt32) {
+        AddInt32(key, static_cast<int32_t>(i));
+      } else if (v.type() == GgufValueType::kUint8) {
+        AddUint8(key, static_cast<uint8_t>(i));
+      } else {
+        AddUint64(key, static_cast<uint64_t>(i));
+      }
+      return absl::OkStatus();
+    }
+  }
+  switch (v.array_type()) {
+    case GgufValueType::kString: {
+      KVCACHE_ASSIGN_OR_RETURN(std::vector<absl::string_view> a, v.AsStringArray());
+      AddStringArray(key, std::vector<std::string>(a.begin(), a.end()));
+      return absl::OkStatus();
+    }
+    case GgufValueType::kInt32:
+    case GgufValueType::kUint32: {
+      KVCACHE_ASSIGN_OR_RETURN(std::vector<int64_t> a, v.AsIntArray());
+      AddKey(key, GgufValueType::kArray);
+      Put<uint32_t>(&kv_bytes_, static_cast<uint32_t>(v.array_type()));
+      Put<uint64_t>(&kv_bytes_, a.size());
+      for (int64_t x : a) Put<uint32_t>(&kv_bytes_, static_cast<uint32_t>(x));  // the same 4 bytes either way
+      return absl::OkStatus();
+    }
+    case GgufValueType::kFloat32: {
+      KVCACHE_ASSIGN_OR_RETURN(std::vector<double> a, v.AsDoubleArray());
+      AddFloat32Array(key, std::vector<float>(a.begin(), a.end()));
+      return absl::OkStatus();
+    }
+    default:
+      return absl::UnimplementedError(absl::StrCat("cannot copy array '", key, "' of element type ",
+                                                   static_cast<uint32_t>(v.array_type())));
+  }
+}
+
 absl::Status GgufWriter::AddTensor(absl::string_view name, GgmlType type, const std::vector<int64_t>& shape,
                                    std::string data) {
   if (shape.empty() || shape.size() > GgufLimits::kMaxDims) {

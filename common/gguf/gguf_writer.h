@@ -40,6 +40,10 @@ class GgufWriter {
   void AddStringArray(absl::string_view key, const std::vector<std::string>& v);
   void AddInt32Array(absl::string_view key, const std::vector<int32_t>& v);
   void AddFloat32Array(absl::string_view key, const std::vector<float>& v);
+  // A value read from another file, with its type: scalars of every type, and
+  // arrays of strings, int32, uint32 or float32 (what tokenizer metadata holds).
+  // UNIMPLEMENTED for other array types (nothing is written then).
+  absl::Status CopyValue(absl::string_view key, const GgufValue& v);
 
   // A tensor from already encoded bytes. `shape` is in ggml order (ne[0]
   // first), 1..4 dims. INVALID_ARGUMENT when data.size() does not match.

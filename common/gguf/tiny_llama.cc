@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/gguf/gguf_writer.h"
 #include "common/status_macros.h"
@@ -56,6 +57,24 @@ const char* const kMerges[][2] = {
     {"Ċ", "Ċ"},
 };
 
+// The tiny byte-level BPE vocabulary's metadata.
+void AddTinyVocabulary(const std::vector<std::string>& tokens, const std::vector<int32_t>& types,
+                       const std::vector<std::string>& merges, absl::string_view chat_template,
+                       GgufWriter* w) {
+  w->AddString("tokenizer.ggml.model", "gpt2");
+  w->AddString("tokenizer.ggml.pre", "smollm");
+  w->AddStringArray("tokenizer.ggml.tokens", tokens);
+  w->AddInt32Array("tokenizer.ggml.token_type", types);
+  w->AddStringArray("tokenizer.ggml.merges", merges);
+  w->AddUint32("tokenizer.ggml.bos_token_id", kTinyImStart);
+  w->AddUint32("tokenizer.ggml.eos_token_id", kTinyImEnd);
+  w->AddUint32("tokenizer.ggml.unknown_token_id", kTinyEndOfText);
+  w->AddUint32("tokenizer.ggml.padding_token_id", kTinyImEnd);
+  w->AddBool("tokenizer.ggml.add_bos_token", false);
+  w->AddBool("tokenizer.ggml.add_space_prefix", false);
+  w->AddString("tokenizer.chat_template", chat_template);
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
@@ -93,7 +112,14 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
     types.push_back(1);
     known.insert(l + r);
   }
-  const int64_t n_vocab = static_cast<int64_t>(tokens.size());
+  int64_t n_vocab = static_cast<int64_t>(tokens.size());
+  if (o.vocab != nullptr) {
+    const GgufValue* real = o.vocab->FindValue("tokenizer.ggml.tokens");
+    if (real == nullptr || !real->is_array() || real->array_size() == 0) {
+      return absl::InvalidArgumentError("tiny llama: the vocabulary file has no tokenizer.ggml.tokens");
+    }
+    n_vocab = static_cast<int64_t>(real->array_size());
+  }
 
   GgufWriter w;
   w.AddString("general.architecture", arch);
@@ -117,18 +143,16 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
     w.AddUint32(key + "attention.sliding_window", static_cast<uint32_t>(o.sliding_window));
   }
   w.AddUint32("general.file_type", 0);
-  w.AddString("tokenizer.ggml.model", "gpt2");
-  w.AddString("tokenizer.ggml.pre", "smollm");
-  w.AddStringArray("tokenizer.ggml.tokens", tokens);
-  w.AddInt32Array("tokenizer.ggml.token_type", types);
-  w.AddStringArray("tokenizer.ggml.merges", merges);
-  w.AddUint32("tokenizer.ggml.bos_token_id", kTinyImStart);
-  w.AddUint32("tokenizer.ggml.eos_token_id", kTinyImEnd);
-  w.AddUint32("tokenizer.ggml.unknown_token_id", kTinyEndOfText);
-  w.AddUint32("tokenizer.ggml.padding_token_id", kTinyImEnd);
-  w.AddBool("tokenizer.ggml.add_bos_token", false);
-  w.AddBool("tokenizer.ggml.add_space_prefix", false);
-  w.AddString("tokenizer.chat_template", kSmolLmTemplate);
+  if (o.vocab != nullptr) {
+    for (const auto& [k, v] : o.vocab->metadata()) {
+      if (!absl::StartsWith(k, "tokenizer.")) continue;
+      if (k == "tokenizer.chat_template" && !o.chat_template.empty()) continue;
+      KVCACHE_RETURN_IF_ERROR(w.CopyValue(k, v));
+    }
+  } else {
+    AddTinyVocabulary(tokens, types, merges, o.chat_template.empty() ? kSmolLmTemplate : o.chat_template, &w);
+  }
+  if (o.vocab != nullptr && !o.chat_template.empty()) w.AddString("tokenizer.chat_template", o.chat_template);
 
   std::mt19937_64 rng(o.seed);
   std::uniform_real_distribution<float> uni(-o.weight_scale, o.weight_scale);
@@ -233,6 +257,23 @@ std::vector<NamedTinyModel> ArchitectureReferenceModels() {
     o.seed = 14;
     o.weight_scale = kScale;
     out.push_back({"qwen2_q8_0", o});
+  }
+  {  // Real vocabularies: n_vocab (and the output matrix) at the families' sizes.
+    TinyLlamaOptions o;
+    o.architecture = "qwen2";
+    o.rope_freq_base = 1000000.0;
+    o.seed = 21;
+    o.weight_scale = kScale;
+    out.push_back({"qwen2_real_vocab", o, "qwen2"});
+    o.architecture = "llama";
+    o.rope_freqs = true;
+    o.rope_freq_base = 500000.0;
+    o.seed = 22;
+    out.push_back({"llama3_real_vocab", o, "llama-bpe"});
+    o.rope_freqs = false;
+    o.rope_freq_base = 10000.0;
+    o.seed = 23;
+    out.push_back({"llama_spm_real_vocab", o, "llama-spm"});
   }
   return out;
 }

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/gguf/ggml_types.h"
+#include "common/gguf/gguf_reader.h"
 
 namespace kvcache {
 namespace gguf {
@@ -40,6 +41,12 @@ struct TinyLlamaOptions {
   float weight_scale = 0.05f;  // weights ~ uniform(-scale, scale)
   uint64_t seed = 1;
   int n_merges = 64;  // extra merge tokens after the 256 byte tokens
+  // A real vocabulary: every tokenizer.* key of this file (e.g. llama.cpp's
+  // models/ggml-vocab-qwen2.gguf) replaces the tiny one, chat template included,
+  // and n_vocab follows it. Not owned; null: the tiny vocabulary.
+  const GgufFile* vocab = nullptr;
+  // Non-empty: written as tokenizer.chat_template instead of the vocabulary's.
+  std::string chat_template;
 };
 
 // SmolLM2-135M's shapes (30 layers, 576 wide, 9 query / 3 KV heads, FFN 1536,
@@ -64,7 +71,9 @@ constexpr int32_t kTinyEndOfText = 0;
 constexpr int32_t kTinyImStart = 1;
 constexpr int32_t kTinyImEnd = 2;
 
-// One tiny model per supported architecture feature, f32 or Q8_0 weights, that
+// One tiny model per supported architecture feature (f32 or Q8_0 weights), and
+// one per family carrying its real vocabulary (Qwen 2.5, Llama 3, Llama 2 /
+// Mistral SentencePiece), that
 // tests/worker/model/arch_reference_test.cc checks against llama.cpp's logits
 // (tests/data/arch_reference.json, recorded by tests/data/record_arch_reference.py
 // from the files `kvcache-tiny-model --out_dir` writes). Changing one changes its
@@ -72,6 +81,9 @@ constexpr int32_t kTinyImEnd = 2;
 struct NamedTinyModel {
   std::string name;
   TinyLlamaOptions options;
+  // "": the tiny vocabulary. Else llama.cpp's models/ggml-vocab-<vocab>.gguf,
+  // which the caller opens and sets as options.vocab.
+  std::string vocab;
 };
 std::vector<NamedTinyModel> ArchitectureReferenceModels();
 

@@ -2,6 +2,7 @@
 // architecture feature, gguf::ArchitectureReferenceModels) as OUT_DIR/NAME.gguf,
 // for tests/data/record_arch_reference.py to run through llama.cpp.
 #include <cstdio>
+#include <memory>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -9,6 +10,8 @@
 #include "common/gguf/tiny_llama.h"
 
 ABSL_FLAG(std::string, out_dir, "", "Folder to write NAME.gguf into (must exist).");
+ABSL_FLAG(std::string, llamacpp_src, "",
+          "llama.cpp source folder whose models/ggml-vocab-*.gguf give the real vocabularies.");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Writes the tiny reference models: kvcache-tiny-model --out_dir=DIR");
@@ -18,8 +21,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--out_dir is required\n");
     return 2;
   }
-  for (const auto& m : kvcache::gguf::ArchitectureReferenceModels()) {
+  for (auto m : kvcache::gguf::ArchitectureReferenceModels()) {
     const std::string path = dir + "/" + m.name + ".gguf";
+    std::unique_ptr<kvcache::gguf::GgufFile> vocab;
+    if (!m.vocab.empty()) {
+      const std::string vocab_path =
+          absl::GetFlag(FLAGS_llamacpp_src) + "/models/ggml-vocab-" + m.vocab + ".gguf";
+      auto f = kvcache::gguf::GgufFile::Open(vocab_path);
+      if (!f.ok()) {
+        std::fprintf(stderr, "%s: %s (set --llamacpp_src)\n", vocab_path.c_str(),
+                     f.status().ToString().c_str());
+        return 1;
+      }
+      vocab = std::move(*f);
+      m.options.vocab = vocab.get();
+    }
     absl::Status st = kvcache::gguf::WriteTinyLlama(m.options, path);
     if (!st.ok()) {
       std::fprintf(stderr, "%s: %s\n", path.c_str(), st.ToString().c_str());

@@ -28,6 +28,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 N_TOKENS = 12
+TOP = 20
 SEED = 4321
 
 
@@ -49,21 +50,29 @@ def main():
                         "-I" + os.path.join(src, "include"), "-I" + os.path.join(src, "ggml/include"), "-o", tool]
                        + [os.path.join(build, lib) for lib in libs] + ["-fopenmp", "-lpthread", "-ldl"], check=True)
         writer = os.path.join(args.build_dir, "common/gguf/kvcache-tiny-model")
-        paths = subprocess.run([writer, "--out_dir=" + tmp], check=True, capture_output=True,
-                               text=True).stdout.split()
+        paths = subprocess.run([writer, "--out_dir=" + tmp, "--llamacpp_src=" + src], check=True,
+                               capture_output=True, text=True).stdout.split()
         models = []
         rng = random.Random(SEED)
         for path in paths:
             name = os.path.basename(path)[: -len(".gguf")]
             with open(path, "rb") as f:
                 digest = hashlib.sha256(f.read()).hexdigest()
-            # Token ids below the tiny vocabulary's 323 entries, byte and merge tokens.
-            tokens = [rng.randrange(3, 323) for _ in range(N_TOKENS)]
+            real_vocab = "real_vocab" in name
+            # Token ids of the tiny vocabulary's byte and merge tokens (3..322), or
+            # of every real vocabulary's first 32,000.
+            tokens = [rng.randrange(0, 32000) if real_vocab else rng.randrange(3, 323) for _ in range(N_TOKENS)]
             out = subprocess.run([tool, path, ",".join(map(str, tokens))], check=True, capture_output=True,
                                  text=True).stdout
             ref = json.loads(out)
-            models.append({"name": name, "sha256": digest, "tokens": tokens, "n_vocab": ref["n_vocab"],
-                           "logits": ref["logits"]})
+            entry = {"name": name, "sha256": digest, "tokens": tokens, "n_vocab": ref["n_vocab"]}
+            if real_vocab:  # 32k-150k logits a position: keep the top 20 of each
+                tops = [sorted(range(len(row)), key=lambda i: -row[i])[:TOP] for row in ref["logits"]]
+                entry["top_ids"] = tops
+                entry["top_logits"] = [[row[i] for i in top] for row, top in zip(ref["logits"], tops)]
+            else:
+                entry["logits"] = ref["logits"]
+            models.append(entry)
             print(f"{name}: {len(tokens)} tokens, vocab {ref['n_vocab']}", file=sys.stderr)
     info = subprocess.run([os.path.join(bin_dir, "llama-server"), "--version"], capture_output=True,
                           text=True)
