@@ -2,6 +2,11 @@
 //
 //   matvec_*:   weight GB/s of MatMul at batch 1/4/16 (weights cycled through more
 //               copies than the caches hold, so this is the decode-time DRAM stream)
+//   types_*:    decode matvec (1 token) of every integer-dot weight type (q4_0, q5_0,
+//               q8_0, q4_1, q4_k, q5_k, q6_k) at each vector kernel level: weight
+//               GB/s, its fraction of the measured read bandwidth, and the speed-up
+//               over the dequantise path those types took before their integer
+//               kernels (DequantizeRow to f32 per 16-row chunk, then an f32 dot)
 //   decode_*:   every linear layer of one SmolLM2 decode step (30 layers + tied
 //               output; ~96 MB of Q4_1/Q8_0), batch 1 and 16
 //   prefill_*:  GFLOP/s at 256 tokens, integer kernel and dequant+sgemm, against a
@@ -14,6 +19,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -33,7 +39,7 @@
 #include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cpu/omp_env.h"
 
-ABSL_FLAG(std::string, sections, "bw,matvec,decode,prefill,attention",
+ABSL_FLAG(std::string, sections, "bw,matvec,types,decode,prefill,attention",
           "comma-separated parts to run (bw is always measured)");
 ABSL_FLAG(int, kernel_level, -1, "force a CpuKernelLevel (0 scalar, 1 avx2, 2 avx512); -1 = best");
 
@@ -63,7 +69,8 @@ double TimeIt(const std::function<void()>& fn, double min_batch_s = 0.05, int re
   return *std::min_element(per_call.begin(), per_call.end());
 }
 
-// Random but valid blocks: f16 scales of sane magnitude, random quants.
+// Random but valid blocks: f16 scales of sane magnitude, random quants (and random
+// k-quant sub-block scales and mins).
 std::vector<uint8_t> RandomWeights(GgmlType type, int64_t rows, int64_t cols, uint64_t seed) {
   const int64_t row_bytes = *gguf::RowBytes(type, cols);
   std::vector<uint8_t> bytes(static_cast<size_t>(rows * row_bytes));
@@ -72,13 +79,55 @@ std::vector<uint8_t> RandomWeights(GgmlType type, int64_t rows, int64_t cols, ui
     const uint64_t v = rng();
     std::memcpy(&bytes[i], &v, 8);
   }
-  const int64_t block = type == GgmlType::kQ4_1 ? 20 : 34;
+  const int64_t block = gguf::TypeTraits(type).type_size;
   const uint16_t d = gguf::Fp32ToFp16(0.01f), m = gguf::Fp32ToFp16(-0.08f);
   for (size_t off = 0; off + block <= bytes.size(); off += block) {
-    std::memcpy(&bytes[off], &d, 2);
-    if (type == GgmlType::kQ4_1) std::memcpy(&bytes[off + 2], &m, 2);
+    if (type == GgmlType::kQ6_K) {  // d is Q6_K's last field
+      std::memcpy(&bytes[off + offsetof(gguf::BlockQ6_K, d)], &d, 2);
+      continue;
+    }
+    std::memcpy(&bytes[off], &d, 2);  // d first in every other block
+    if (type == GgmlType::kQ4_1 || type == GgmlType::kQ4_K || type == GgmlType::kQ5_K) {
+      std::memcpy(&bytes[off + 2], &m, 2);  // then m / dmin
+    }
   }
   return bytes;
+}
+
+__attribute__((target("avx2,fma"))) float DotF32Avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
+  float sum = 0;
+  for (float v : lanes) sum += v;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// The route every quantised type but Q4_1/Q8_0 took before it had an integer kernel:
+// chunks of 16 rows DequantizeRow()d to f32 (per thread), then an AVX2 f32 dot
+// (the library's f32 kernel at one token is the same FMA loop). Rows split over
+// `threads` OpenMP threads, static, as MatMul does. REQUIRES: AVX2 + FMA.
+void DequantMatVec(const WeightView& w, const float* x, float* y, int threads) {
+  constexpr int64_t kChunk = 16;
+  const int64_t row_bytes = *gguf::RowBytes(w.type, w.cols);
+  const int64_t n_chunks = (w.rows + kChunk - 1) / kChunk;
+  const auto* bytes = static_cast<const uint8_t*>(w.data);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(kChunk * w.cols));
+    const int64_t r0 = c * kChunk, nr = std::min(kChunk, w.rows - r0);
+    for (int64_t r = 0; r < nr; ++r) {
+      (void)gguf::DequantizeRow(w.type, bytes + (r0 + r) * row_bytes, buf.data() + r * w.cols, w.cols);
+    }
+    for (int64_t r = 0; r < nr; ++r) y[r0 + r] = DotF32Avx2(buf.data() + r * w.cols, x, w.cols);
+  }
 }
 
 struct Linear {
@@ -139,6 +188,52 @@ int main(int argc, char** argv) {
         (void)MatMul(w, x.data(), batch, y.data());
       });
       report.metrics[absl::StrCat("matvec_", s.name, "_b", batch, "_gb_per_s")] = bytes / t / 1e9;
+    }
+  }
+
+  // ---- decode matvec (1 token) of each integer-dot type at each vector level.
+  // Shapes named in x out: SmolLM2's up (576x1536) and down (1536x576) projections,
+  // and 4096x4096 (a 7-8B model's attention projection, far larger than the caches).
+  // K-quants need in % 256 == 0, so they skip 576x1536. Weights cycled through
+  // >= 128 MiB of copies, as in matvec_* above.
+  if (want("types")) {
+    const CpuKernelLevel saved = GetCpuKernelLevel();
+    const GgmlType types[] = {GgmlType::kQ4_0, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_1,
+                              GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K};
+    const int64_t dims[][2] = {{576, 1536}, {1536, 576}, {4096, 4096}};  // {in, out}
+    std::vector<float> xt(4096), yt(4096);
+    for (float& v : xt) v = dist(rng);
+    for (GgmlType type : types) {
+      for (const auto& dim : dims) {
+        const int64_t cols = dim[0], rows = dim[1];
+        if (cols % kvcache::gguf::TypeTraits(type).block_size != 0) continue;
+        const int64_t bytes = rows * *kvcache::gguf::RowBytes(type, cols);
+        const int copies = static_cast<int>(std::max<int64_t>(1, (int64_t{128} << 20) / bytes));
+        std::vector<std::vector<uint8_t>> ws;
+        for (int c = 0; c < copies; ++c) ws.push_back(RandomWeights(type, rows, cols, 100 + c));
+        int next = 0;
+        auto view = [&] {
+          const WeightView w{type, ws[next].data(), rows, cols};
+          next = (next + 1) % copies;
+          return w;
+        };
+        const std::string key =
+            absl::StrCat("types_", kvcache::gguf::TypeName(type), "_", cols, "x", rows, "_b1");
+        // The dequantise path does not depend on the kernel level beyond its f32 dot;
+        // it is measured at the machine's best level.
+        const double t_deq = TimeIt([&] { DequantMatVec(view(), xt.data(), yt.data(), threads); });
+        report.baseline[key + "_dequant_gb_per_s"] = bytes / t_deq / 1e9;
+        for (CpuKernelLevel level : SupportedCpuKernelLevels()) {
+          if (level == CpuKernelLevel::kScalar) continue;
+          if (!SetCpuKernelLevel(level).ok()) continue;
+          const double t = TimeIt([&] { (void)MatMul(view(), xt.data(), 1, yt.data()); });
+          const std::string lk = absl::StrCat(key, "_", CpuKernelLevelName(level));
+          report.metrics[lk + "_gb_per_s"] = bytes / t / 1e9;
+          report.ratio[lk + "_bw_fraction"] = bytes / t / bw;
+          report.ratio[lk + "_vs_dequant"] = t_deq / t;
+        }
+        (void)SetCpuKernelLevel(saved);
+      }
     }
   }
 
@@ -264,7 +359,9 @@ int main(int argc, char** argv) {
   }
   report.baseline["mem_read_bw_gb_per_s"] = bw / 1e9;
   report.notes["baseline"] =
-      "mem_read_bw: 512 MiB AVX2 read/sum with the kernel thread count; prefill baseline: "
+      "mem_read_bw: 512 MiB AVX2 read/sum with the kernel thread count; types_*_dequant: "
+      "DequantizeRow per 16-row chunk + f32 dot kernel (the pre-integer route), same threads; "
+      "prefill baseline: "
       "cblas_sgemm (OpenBLAS, same threads) on weights dequantised to f32 beforehand";
   report.notes["attention"] = "32 sessions x 4096 tokens, 9 q heads / 3 kv heads x 64, f16 KV";
   return kvcache::bench::Finish(report).ok() ? 0 : 1;
