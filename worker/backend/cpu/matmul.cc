@@ -26,6 +26,7 @@ using gguf::GgmlType;
 struct QuantJob {
   GgmlType type;     // IsIntegerDotType(type)
   const uint8_t* w;  // [rows][w_stride bytes]
+  int64_t rows;
   int64_t w_stride;  // RowBytes(type, cols)
   int64_t nb;        // 32-blocks per row = cols / 32 (a multiple of 8 for k-quants)
   int n_tokens;
@@ -416,7 +417,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
     int8_t* const q_ptr = aq.data();
     float* const d_ptr = ads.data();
     float* const s_ptr = ads.data() + n_tokens * nb;
-    const QuantJob job{w.type, wbytes, *row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, y, y_stride};
+    const QuantJob job{w.type, wbytes, rows, *row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, y, y_stride};
 #pragma omp parallel num_threads(n_threads)
     {
 #pragma omp for schedule(static)
