@@ -1,7 +1,11 @@
-// kvcache-model-info: prints a GGUF model's hyper-parameters, tensor types,
-// KV-cache bytes per token and, optionally, the tokenisation of a string.
+// kvcache-model-info: prints what the worker will do with a GGUF model: its
+// hyper-parameters and architecture features, tokenizer and chat template, tensor
+// types with the CPU matmul route each takes, KV bytes per token and what the
+// worker's KV budgets hold, and, optionally, the tokenisation of a string.
 //
 //   kvcache-model-info [--model PATH] [--tokenize "text"] [--parse_special]
+//                      [--tier0_bytes N] [--tier1_bytes N] [--page_tokens N] [--kv_dtype T]
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -16,10 +20,15 @@
 #include "common/gguf/model_path.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
+#include "worker/backend/cpu/matmul.h"
 
 ABSL_FLAG(std::string, model, "", "GGUF model file (default: $KVCACHE_MODEL or the set-up cache)");
 ABSL_FLAG(std::string, tokenize, "", "text to tokenise with the model's tokenizer");
 ABSL_FLAG(bool, parse_special, true, "match control tokens such as <|im_start|> in --tokenize");
+ABSL_FLAG(int64_t, tier0_bytes, int64_t{1} << 30, "KV budget of tier 0 to size against (the worker's flag)");
+ABSL_FLAG(int64_t, tier1_bytes, int64_t{4} << 30, "KV budget of tier 1 to size against (the worker's flag)");
+ABSL_FLAG(int32_t, page_tokens, 16, "tokens per KV page (the worker's flag)");
+ABSL_FLAG(std::string, kv_dtype, "f16", "KV element type to size with: f16, bf16 or f32");
 
 namespace {
 
@@ -90,20 +99,57 @@ int main(int argc, char** argv) {
   printf("q/k/v biases:      %s\n", hp->qkv_bias ? "yes" : "no");
   printf("q/k head norms:    %s\n", hp->qk_norm ? "yes" : "no");
 
-  std::map<std::string, std::pair<int, int64_t>> types;
+  struct TypeUse {
+    GgmlType type;
+    int count = 0;
+    int64_t bytes = 0;
+  };
+  std::map<std::string, TypeUse> types;
+  int64_t weight_bytes = 0;
   for (const auto& t : f.tensors()) {
-    auto& e = types[std::string(kvcache::gguf::TypeName(t.type))];
-    ++e.first;
-    e.second += t.size_bytes;
+    auto [it, added] = types.try_emplace(std::string(kvcache::gguf::TypeName(t.type)), TypeUse{t.type});
+    ++it->second.count;
+    it->second.bytes += t.size_bytes;
+    weight_bytes += t.size_bytes;
   }
-  printf("tensor types:\n");
+  printf("tensor types (CPU matmul route):\n");
   for (const auto& [name, e] : types) {
-    printf("  %-8s %4d tensors %12lld bytes\n", name.c_str(), e.first, static_cast<long long>(e.second));
+    const GgmlType type = e.type;
+    const char* route = type == GgmlType::kF32                 ? "f32 FMA kernel (norm weights are f32 too)"
+                        : kvcache::cpu::IsIntegerDotType(type) ? "integer dot with 8-bit activations"
+                                                               : "dequantised to f32 per call (slow path)";
+    printf("  %-8s %4d tensors %12lld bytes  %s\n", name.c_str(), e.count, static_cast<long long>(e.bytes),
+           route);
   }
   printf("KV cache bytes per token (2 * layers * kv_heads * head_dim * size):\n");
   for (const auto& [name, size] : {std::pair<const char*, int>{"f32", 4}, {"f16", 2}, {"bf16", 2}}) {
     printf("  %-5s %lld\n", name, static_cast<long long>(hp->KvBytesPerToken(size)));
   }
+  // What the worker's budgets hold: whole pages of page_tokens tokens.
+  const std::string dtype = absl::GetFlag(FLAGS_kv_dtype);
+  const int64_t elt = dtype == "f32" ? 4 : 2;
+  const int64_t page_tokens = std::max(1, absl::GetFlag(FLAGS_page_tokens));
+  const int64_t page_bytes = hp->KvBytesPerToken(elt) * page_tokens;
+  const int64_t window = hp->sliding_window > 0 ? hp->sliding_window : hp->n_ctx_train;
+  printf("with --tier0_bytes=%lld --tier1_bytes=%lld --page_tokens=%lld --kv_dtype=%s (%lld bytes a page):\n",
+         static_cast<long long>(absl::GetFlag(FLAGS_tier0_bytes)),
+         static_cast<long long>(absl::GetFlag(FLAGS_tier1_bytes)), static_cast<long long>(page_tokens),
+         dtype.c_str(), static_cast<long long>(page_bytes));
+  for (const auto& [tier, bytes] :
+       {std::pair<const char*, int64_t>{"tier 0", absl::GetFlag(FLAGS_tier0_bytes)},
+        {"tier 1", absl::GetFlag(FLAGS_tier1_bytes)}}) {
+    const int64_t pages = page_bytes > 0 ? bytes / page_bytes : 0;
+    printf("  %s: %lld pages = %lld tokens = %.1f full contexts of %lld tokens\n", tier,
+           static_cast<long long>(pages), static_cast<long long>(pages * page_tokens),
+           window > 0 ? static_cast<double>(pages * page_tokens) / static_cast<double>(window) : 0.0,
+           static_cast<long long>(window));
+  }
+  const int64_t context_pages = page_tokens > 0 ? (window + page_tokens - 1) / page_tokens : 0;
+  if (page_bytes > 0 && absl::GetFlag(FLAGS_tier0_bytes) / page_bytes < context_pages) {
+    printf("  note: tier 0 holds less than one full context; long requests will be refused or offloaded\n");
+  }
+  printf("weights: %lld bytes (mapped from the file on the CPU backend)\n",
+         static_cast<long long>(weight_bytes));
 
   auto tok = kvcache::tok::Tokenizer::FromGguf(f);
   if (!tok.ok()) {
