@@ -6,7 +6,7 @@
 # ratio of affinity against the other modes, favourable or not) and the per-mode
 # reports beside it.
 #
-# Shapes (SHAPES, default "a b c"; each value below can be overridden with
+# Shapes (SHAPES, default "a b c a4 b4"; each value below can be overridden with
 # <SHAPE>_<VAR>, e.g. B_USERS=4):
 #   a  the original workload (README's earlier table): 8 users x 6 rounds, a
 #      400-token shared system prompt, 1,200 tokens of private notes per user,
@@ -18,9 +18,13 @@
 #      3 s between rounds
 #   c  shape a with tier 1 twice tier 0 (TIER1_RATIO=2): round-robin can keep
 #      most histories in host RAM, the unfavourable case for affinity
-# Tier 0 of each worker holds FRACTION (0.6) of half the shape's working set
-# (every user's final history; at least two users' longest contexts) and tier 1
-# TIER1_RATIO times that.
+#   a4, b4  shapes a and b on a fleet of four workers (WORKERS=4) of one thread
+#      each, oversubscribing THREADS=2 cores twice: a user's turns under
+#      round-robin meet each worker once per four turns, not every other turn.
+#      Modes affinity and round_robin only (<SHAPE>_MODES).
+# Tier 0 of each worker holds FRACTION (0.6) of the shape's working set divided by
+# the workers (every user's final history; at least two users' longest contexts)
+# and tier 1 TIER1_RATIO times that.
 #
 # Modes (MODES, default "affinity affinity_http round_robin llama_server"):
 #   affinity, round_robin, random   a kvcache router (--placement=...) over two
@@ -37,8 +41,8 @@
 #                                   prompt cache reuse, THREADS threads
 #   llamacpp_py                     llama-cpp-python's server (one slot), if
 #                                   installed: `pip install 'llama-cpp-python[server]'`
-# Both kvcache workers together get THREADS threads (THREADS/2 each), as does
-# llama-server.
+# The kvcache workers together get THREADS threads (THREADS/WORKERS each, at least
+# one), as does llama-server.
 #
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
 # Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, SHAPES, MODES, THREADS (2),
@@ -49,7 +53,7 @@ cd "$(dirname "$0")/../.."
 source scripts/common.sh
 
 OUT=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
-SHAPES=${SHAPES:-a b c}
+SHAPES=${SHAPES:-a b c a4 b4}
 MODES=${MODES:-affinity affinity_http round_robin llama_server}
 TOKEN_BUDGET_SHAPES=${TOKEN_BUDGET_SHAPES:-a}
 THREADS=${THREADS:-2}
@@ -124,13 +128,15 @@ wait_http() {
 
 failed=0
 reports=()
-worker_threads=$(( THREADS / 2 > 0 ? THREADS / 2 : 1 ))
 for shape in $SHAPES; do
+  shape_modes=$MODES
   case $shape in
-    #     users rounds qps answer system notes questions tier1_ratio think
-    a) d=(8 6 0.25 32 400 1200 "50,100" 1 3) ;;
-    b) d=(6 4 0.25 100 1000 2000 "50,100" 1 3) ;;
-    c) d=(8 6 0.25 32 400 1200 "50,100" 2 3) ;;
+    #      users rounds qps answer system notes questions tier1_ratio think workers
+    a) d=(8 6 0.25 32 400 1200 "50,100" 1 3 2) ;;
+    b) d=(6 4 0.25 100 1000 2000 "50,100" 1 3 2) ;;
+    c) d=(8 6 0.25 32 400 1200 "50,100" 2 3 2) ;;
+    a4) d=(8 6 0.25 32 400 1200 "50,100" 1 3 4); shape_modes="affinity round_robin" ;;
+    b4) d=(6 4 0.25 100 1000 2000 "50,100" 1 3 4); shape_modes="affinity round_robin" ;;
     *) log "unknown shape $shape"; exit 2 ;;
   esac
   USERS=$(shape_var "$shape" USERS "${d[0]}")
@@ -142,21 +148,23 @@ for shape in $SHAPES; do
   QUESTION_TOKENS=$(shape_var "$shape" QUESTION_TOKENS "${d[6]}")
   TIER1_RATIO=$(shape_var "$shape" TIER1_RATIO "${d[7]}")
   THINK_TIME=$(shape_var "$shape" THINK_TIME "${d[8]}")
+  WORKERS=$(shape_var "$shape" WORKERS "${d[9]}")
+  worker_threads=$(( THREADS / WORKERS > 0 ? THREADS / WORKERS : 1 ))
   # Working set: each user's final history (system prompt, notes, every question
   # and answer, plus chat-template tokens), in tokens.
   qmin=${QUESTION_TOKENS%,*}
   qmax=${QUESTION_TOKENS#*,}
   ws_tokens=$((USERS * (SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * ((qmin + qmax) / 2 + ANSWER_TOKENS + 24))))
   max_context=$((SYSTEM_TOKENS + USER_CONTEXT_TOKENS + 20 + ROUNDS * (qmax + ANSWER_TOKENS + 24)))
-  tier0=$(python3 -c "print(int(max($FRACTION * $ws_tokens / 2, 2 * $max_context) * $KV_BYTES_PER_TOKEN))")
+  tier0=$(python3 -c "print(int(max($FRACTION * $ws_tokens / $WORKERS, 2 * $max_context) * $KV_BYTES_PER_TOKEN))")
   tier1=$(python3 -c "print(int($tier0 * $TIER1_RATIO))")
   log "shape $shape: $USERS users x $ROUNDS rounds, system $SYSTEM_TOKENS, notes $USER_CONTEXT_TOKENS," \
     "answers $ANSWER_TOKENS, qps $QPS; working set ~$ws_tokens tokens; tier 0 per worker $((tier0 >> 20)) MiB," \
-    "tier 1 $((tier1 >> 20)) MiB; $worker_threads thread(s) per worker"
+    "tier 1 $((tier1 >> 20)) MiB; $WORKERS workers of $worker_threads thread(s)"
   BENCH=(python3 tests/bench/multi_round_qa.py --users="$USERS" --rounds="$ROUNDS" --qps="$QPS" --think_time="$THINK_TIME"
          --answer_tokens="$ANSWER_TOKENS" --system_tokens="$SYSTEM_TOKENS" --question_tokens="$QUESTION_TOKENS"
          --user_context_tokens="$USER_CONTEXT_TOKENS" --duration="$DURATION" --run_id="$RUN_ID")
-  modes=$MODES
+  modes=$(shape_var "$shape" MODES "$shape_modes")
   if [[ " $TOKEN_BUDGET_SHAPES " == *" $shape "* ]] && [[ " $modes " != *" affinity_token_budget "* ]]; then
     modes="$modes affinity_token_budget"
   fi
@@ -212,13 +220,14 @@ for shape in $SHAPES; do
           affinity_http) placement=affinity ;;
           affinity_token_budget) placement=affinity; step=(--max_step_ms=-1) ;;
         esac
-        start w1 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w1 --model="$KVCACHE_MODEL" \
-          --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated "${step[@]}"
-        w1=$ADDRESS
-        start w2 "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id=w2 --model="$KVCACHE_MODEL" \
-          --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated "${step[@]}"
-        w2=$ADDRESS
-        start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --http_listen=127.0.0.1:0 --workers="$w1,$w2" \
+        workers=()
+        for i in $(seq 1 "$WORKERS"); do
+          start "w$i" "$WORKER" --listen=127.0.0.1:0 --metrics_listen= --worker_id="w$i" --model="$KVCACHE_MODEL" \
+            --threads="$worker_threads" --tier0_bytes="$tier0" --tier1_bytes="$tier1" --allow_unauthenticated "${step[@]}"
+          workers+=("$ADDRESS")
+        done
+        start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --http_listen=127.0.0.1:0 \
+          --workers="$(IFS=,; echo "${workers[*]}")" \
           --placement="$placement" --model="$KVCACHE_MODEL" --allow_unauthenticated
         if [ "$mode" = affinity_http ]; then
           wait_http "http://$HTTP_ADDRESS/ready" || { failed=1; stop_all; continue; }
@@ -236,10 +245,10 @@ for shape in $SHAPES; do
         ;;
     esac
     stop_all
-    for log_file in "$WORK"/w1.err "$WORK"/w2.err "$WORK/llama-server-$shape.log"; do
+    for log_file in "$WORK"/w[0-9]*.err "$WORK/llama-server-$shape.log"; do
       [ -s "$log_file" ] && cp "$log_file" "$OUT/$shape-$mode-$(basename "$log_file")"
     done
-    rm -f "$WORK"/w1.err "$WORK"/w2.err
+    rm -f "$WORK"/w[0-9]*.err
     if [ -s "$json" ]; then
       cp "$json" "$OUT/multi_round_qa_$shape-$mode.json"
       reports+=("$shape/$mode=$json")
