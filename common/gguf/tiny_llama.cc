@@ -227,7 +227,7 @@ std::vector<NamedTinyModel> ArchitectureReferenceModels() {
     o.rope_freq_base = 500000.0;
     o.seed = 11;
     o.weight_scale = kScale;
-    out.push_back({"llama31", o});
+    out.push_back({"llama31", o, ""});
   }
   {  // Qwen 2.5 style: Q/K/V biases, NeoX RoPE, tied output.
     TinyLlamaOptions o;
@@ -236,7 +236,7 @@ std::vector<NamedTinyModel> ArchitectureReferenceModels() {
     o.norm_eps = 1e-6;
     o.seed = 12;
     o.weight_scale = kScale;
-    out.push_back({"qwen2", o});
+    out.push_back({"qwen2", o, ""});
   }
   {  // Qwen 3 style: per-head Q/K RMSNorm, head size 32 from key_length with a
      // 64-wide model (q_dim 128 != n_embd), untied output.
@@ -248,7 +248,7 @@ std::vector<NamedTinyModel> ArchitectureReferenceModels() {
     o.norm_eps = 1e-6;
     o.seed = 13;
     o.weight_scale = kScale;
-    out.push_back({"qwen3", o});
+    out.push_back({"qwen3", o, ""});
   }
   {  // Qwen 2.5 with Q8_0 weights: the quantised matmuls with biases.
     TinyLlamaOptions o;
@@ -256,7 +256,7 @@ std::vector<NamedTinyModel> ArchitectureReferenceModels() {
     o.weight_type = GgmlType::kQ8_0;
     o.seed = 14;
     o.weight_scale = kScale;
-    out.push_back({"qwen2_q8_0", o});
+    out.push_back({"qwen2_q8_0", o, ""});
   }
   {  // Real vocabularies: n_vocab (and the output matrix) at the families' sizes.
     TinyLlamaOptions o;

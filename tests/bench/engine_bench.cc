@@ -398,7 +398,7 @@ int Main() {
     absl::StatusOr<kv::StepReservation> res = kv.BeginStep("attn", ctx);
     if (!res.ok()) return fail(res.status());
     const kv::KvShape sh = ShapeOf(*s.model);
-    cpu::PageLayout L{sh.layers, sh.kv_heads, sh.head_dim, sh.page_tokens, cpu::KvDtype::kF16};
+    kv::PageLayout L{sh.layers, sh.kv_heads, sh.head_dim, sh.page_tokens, kv::KvDtype::kF16};
     void* base = kv.Tier0PageData(0);
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);

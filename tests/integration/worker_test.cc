@@ -454,7 +454,9 @@ TEST_F(WorkerTest, LargeSnapshotsComeInParts) {
     EXPECT_EQ(ev.sequence(), ++seq);
     const v1::WorkerSnapshot& part = ev.snapshot();
     EXPECT_LE(part.sessions_size() + part.device_block_hashes_size(), 3);
-    if (parts == 0) EXPECT_FALSE(part.model_id().empty());
+    if (parts == 0) {
+      EXPECT_FALSE(part.model_id().empty());
+    }
     ++parts;
     for (const auto& s : part.sessions()) sessions.insert(s.session_id());
     hashes += part.device_block_hashes_size();

@@ -18,10 +18,9 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "worker/kv/page_layout.h"
 
 namespace kvcache::kv {
-
-enum class KvDtype : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Size in bytes of one element; 0 for an unknown value.
 inline int64_t DtypeSize(KvDtype d) {
@@ -50,6 +49,8 @@ struct KvShape {
   int64_t page_bytes() const { return int64_t{page_tokens} * bytes_per_token(); }
   // Bytes of one K (or V) row of one token in one layer: kv_heads * head_dim * dtype.
   int64_t row_bytes() const { return int64_t{kv_heads} * head_dim * DtypeSize(dtype); }
+  // The page's byte layout as the kernels address it.
+  PageLayout layout() const { return PageLayout{layers, kv_heads, head_dim, page_tokens, dtype}; }
   std::string DebugString() const;
 
   friend bool operator==(const KvShape& a, const KvShape& b) {
@@ -66,13 +67,9 @@ absl::Status ValidateShape(const KvShape& shape);
 // Byte offset, within a page, of layer `layer`'s K row for slot `slot`
 // ([kv_heads][head_dim] elements follow contiguously).
 // REQUIRES: 0 <= layer < layers, 0 <= slot < page_tokens.
-inline int64_t KOffset(const KvShape& s, int layer, int slot) {
-  return (int64_t{layer} * 2 * s.page_tokens + slot) * s.row_bytes();
-}
+inline int64_t KOffset(const KvShape& s, int layer, int slot) { return s.layout().k_offset(layer, slot); }
 // Byte offset of layer `layer`'s V row for slot `slot`: right after that layer's K block.
-inline int64_t VOffset(const KvShape& s, int layer, int slot) {
-  return (int64_t{layer} * 2 * s.page_tokens + s.page_tokens + slot) * s.row_bytes();
-}
+inline int64_t VOffset(const KvShape& s, int layer, int slot) { return s.layout().v_offset(layer, slot); }
 
 }  // namespace kvcache::kv
 

@@ -1,6 +1,6 @@
 // A Llama-architecture decoder's weights, bound to a GGUF file without copying:
 // every linear weight stays in its quantised form inside the memory map, and
-// the forward pass multiplies against it directly (worker/backend/cpu/matmul.h).
+// the backends multiply against it directly (model::WeightView).
 // Norm weights are small and kept as f32 vectors.
 //
 //   token_embd: [n_vocab][n_embd]       (the output projection too, when tied)
@@ -24,11 +24,9 @@
 #include "absl/status/statusor.h"
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/llama_hparams.h"
-#include "worker/backend/cpu/matmul.h"
+#include "worker/model/weight_view.h"
 
 namespace kvcache::model {
-
-using cpu::WeightView;
 
 struct LlamaLayer {
   std::vector<float> attn_norm;  // [n_embd]

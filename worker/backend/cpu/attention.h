@@ -1,4 +1,4 @@
-// KV write and paged attention over the KV page slab (layout: page_layout.h).
+// KV write and paged attention over the KV page slab (layout: worker/kv/page_layout.h).
 //
 // Attention is causal, GQA-aware (n_heads / kv_heads query heads share each kv
 // head; MHA and MQA are the edge cases) and uses an online (flash-style) softmax
@@ -23,9 +23,14 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "worker/backend/cpu/page_layout.h"
+#include "worker/kv/page_layout.h"
 
 namespace kvcache::cpu {
+
+// The KV cache's page layout (one definition, owned by worker/kv).
+using kv::KvDtype;
+using kv::KvDtypeSize;
+using kv::PageLayout;
 
 // Stores n_tokens tokens' K and V of one layer at positions first_pos.. of a
 // sequence, converting f32 to layout.dtype (f16/bf16 round to nearest even).

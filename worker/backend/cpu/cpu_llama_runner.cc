@@ -26,12 +26,7 @@ absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const mod
     return absl::FailedPreconditionError("CPU runner needs tier 0 as one contiguous host slab");
   }
   if (kv->Tier0PageData(0) == nullptr) return absl::FailedPreconditionError("tier 0 is not host memory");
-  PageLayout layout;
-  layout.layers = s.layers;
-  layout.kv_heads = s.kv_heads;
-  layout.head_dim = s.head_dim;
-  layout.page_tokens = s.page_tokens;
-  layout.dtype = static_cast<KvDtype>(s.dtype);
+  const PageLayout layout = s.layout();
   RopeParams rp;
   rp.head_dim = static_cast<int>(hp.head_dim);
   rp.freq_base = static_cast<float>(hp.rope_freq_base);

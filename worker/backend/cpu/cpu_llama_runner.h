@@ -19,8 +19,8 @@
 
 #include "absl/status/statusor.h"
 #include "worker/backend/cpu/ops.h"
-#include "worker/backend/cpu/page_layout.h"
 #include "worker/kv/kv_cache_manager.h"
+#include "worker/kv/page_layout.h"
 #include "worker/model/llama_model.h"
 #include "worker/model/model_runner.h"
 
@@ -45,12 +45,12 @@ class CpuLlamaRunner : public model::ModelRunner {
 
  private:
   CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManager* kv, CpuRunnerOptions options,
-                 PageLayout layout, RopeTable rope);
+                 kv::PageLayout layout, RopeTable rope);
 
   const model::LlamaModel* const model_;
   kv::KvCacheManager* const kv_;
   const CpuRunnerOptions options_;
-  const PageLayout layout_;
+  const kv::PageLayout layout_;
   const RopeTable rope_;
 
   // Scratch, sized for max_batch_tokens rows.

@@ -29,16 +29,13 @@
 
 #include "absl/status/status.h"
 #include "common/gguf/ggml_types.h"
+#include "worker/model/weight_view.h"
 
 namespace kvcache::cpu {
 
-// A weight matrix in GGUF layout. Rows are `RowBytes(type, cols)` apart.
-struct WeightView {
-  gguf::GgmlType type = gguf::GgmlType::kF32;
-  const void* data = nullptr;
-  int64_t rows = 0;  // output features (ggml ne1)
-  int64_t cols = 0;  // input features (ggml ne0, contiguous)
-};
+// The model layer's weight matrix (worker/model/weight_view.h), as the kernels
+// take it.
+using model::WeightView;
 
 enum class MatMulPath {
   kAuto,   // kDot below SgemmMinTokens() tokens, kSgemm from there on

@@ -48,7 +48,7 @@ __device__ __forceinline__ void ToFloat8(const uint4& u, float* f) {
 static __global__ void WriteKvKernel(WriteKvArgs a) {
   const int t = blockIdx.y;
   const int64_t row = a.layout.row_elems();
-  const bool bf16 = a.layout.dtype == cpu::KvDtype::kBF16;
+  const bool bf16 = a.layout.dtype == kv::KvDtype::kBF16;
   uint8_t* page = a.layout.page(a.kv_base, a.dst_page[t]);
   uint16_t* k_dst = reinterpret_cast<uint16_t*>(page + a.layout.k_offset(a.layer, a.dst_slot[t]));
   uint16_t* v_dst = reinterpret_cast<uint16_t*>(page + a.layout.v_offset(a.layer, a.dst_slot[t]));
@@ -291,7 +291,7 @@ template <int HD, int kG>
 void LaunchSplitG(const AttentionArgs& a, int factor, cudaStream_t stream) {
   const dim3 grid(a.layout.kv_heads, (a.max_splits + factor - 1) / factor, a.n_items);
   const int split_tokens = kAttentionSplitTokens * factor;
-  if (a.layout.dtype == cpu::KvDtype::kBF16) {
+  if (a.layout.dtype == kv::KvDtype::kBF16) {
     AttentionSplitKernel<HD, true, kG><<<grid, kThreads, 0, stream>>>(a, split_tokens);
   } else {
     AttentionSplitKernel<HD, false, kG><<<grid, kThreads, 0, stream>>>(a, split_tokens);
@@ -317,12 +317,12 @@ absl::Status LaunchSplit(const AttentionArgs& a, int factor, cudaStream_t stream
 
 }  // namespace
 
-absl::Status AttentionSupports(const cpu::PageLayout& layout, int n_heads) {
+absl::Status AttentionSupports(const kv::PageLayout& layout, int n_heads) {
   if (layout.head_dim != 32 && layout.head_dim != 64 && layout.head_dim != 128) {
     return absl::UnimplementedError(
         absl::StrCat("CUDA attention supports head_dim 32, 64 or 128, not ", layout.head_dim));
   }
-  if (layout.dtype != cpu::KvDtype::kF16 && layout.dtype != cpu::KvDtype::kBF16) {
+  if (layout.dtype != kv::KvDtype::kF16 && layout.dtype != kv::KvDtype::kBF16) {
     return absl::UnimplementedError("CUDA attention needs f16 or bf16 KV pages");
   }
   if (layout.kv_heads <= 0 || n_heads % layout.kv_heads != 0 ||

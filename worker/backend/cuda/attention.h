@@ -24,8 +24,8 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "worker/backend/cpu/page_layout.h"
 #include "worker/backend/cuda/stream.h"
+#include "worker/kv/page_layout.h"
 
 namespace kvcache::cuda {
 
@@ -37,10 +37,10 @@ struct AttentionItem {
 
 // OK when the kernels handle this shape: head_dim 32, 64 or 128; f16/bf16 KV;
 // n_heads a multiple of kv_heads with a group of at most kMaxAttentionGroup.
-absl::Status AttentionSupports(const cpu::PageLayout& layout, int n_heads);
+absl::Status AttentionSupports(const kv::PageLayout& layout, int n_heads);
 
 struct WriteKvArgs {
-  cpu::PageLayout layout;
+  kv::PageLayout layout;
   void* kv_base = nullptr;  // device slab
   int layer = 0;
   int n_tokens = 0;
@@ -55,7 +55,7 @@ struct WriteKvArgs {
 absl::Status WriteKv(const WriteKvArgs& args, cudaStream_t stream);
 
 struct AttentionArgs {
-  cpu::PageLayout layout;
+  kv::PageLayout layout;
   const void* kv_base = nullptr;  // device slab
   int layer = 0;
   int n_heads = 0;

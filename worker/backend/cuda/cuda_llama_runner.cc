@@ -86,13 +86,7 @@ class CudaLlamaRunner final : public model::ModelRunner {
  public:
   CudaLlamaRunner(const model::LlamaModel& model, CudaTierStorage& tier0, const kv::KvShape& shape,
                   backend::CudaRunnerOptions options)
-      : model_(model), tier0_(tier0), ctx_(tier0.context()), options_(options) {
-    layout_.layers = shape.layers;
-    layout_.kv_heads = shape.kv_heads;
-    layout_.head_dim = shape.head_dim;
-    layout_.page_tokens = shape.page_tokens;
-    layout_.dtype = static_cast<cpu::KvDtype>(shape.dtype);
-  }
+      : model_(model), tier0_(tier0), ctx_(tier0.context()), options_(options), layout_(shape.layout()) {}
 
   absl::Status Init();
 
@@ -107,7 +101,7 @@ class CudaLlamaRunner final : public model::ModelRunner {
   CudaTierStorage& tier0_;
   const DeviceContext& ctx_;
   const backend::CudaRunnerOptions options_;
-  cpu::PageLayout layout_;
+  const kv::PageLayout layout_;
   int max_positions_ = 0;
   int64_t qkv_rows_ = 0;
 

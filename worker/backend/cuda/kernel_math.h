@@ -1,7 +1,7 @@
 // Scalar math of the Llama forward pass shared by the CUDA kernels and host code,
 // written once as KV_HD (`__host__ __device__` under nvcc) helpers and tested on
 // the CPU against the CPU backend (tests/worker/backend/cuda/kernel_math_test.cc).
-// Page addressing comes from worker/backend/cpu/page_layout.h and f16/bf16
+// Page addressing comes from worker/kv/page_layout.h and f16/bf16
 // rounding from common/gguf/fp16.h, both KV_HD as well.
 //
 // No CUDA header: includable from host-only code.
@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "common/gguf/fp16.h"  // KV_HD
-#include "worker/backend/cpu/page_layout.h"
+#include "worker/kv/page_layout.h"
 
 namespace kvcache::cuda {
 
@@ -88,7 +88,7 @@ KV_HD inline void MergeSoftmaxPartial(SoftmaxPartial* a, float* oa, const Softma
 
 // Byte offset, within a tier-0 slab, of the K (v = false) or V row of `kv_head`
 // for the token at `pos`, whose page is page_table[pos / page_tokens].
-KV_HD inline int64_t KvRowOffset(const cpu::PageLayout& L, const int32_t* page_table, int layer, int pos,
+KV_HD inline int64_t KvRowOffset(const kv::PageLayout& L, const int32_t* page_table, int layer, int pos,
                                  int kv_head, bool v) {
   const int page = page_table[pos / L.page_tokens];
   const int slot = pos % L.page_tokens;

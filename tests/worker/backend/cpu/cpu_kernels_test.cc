@@ -17,7 +17,7 @@
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cpu/ops.h"
-#include "worker/backend/cpu/page_layout.h"
+#include "worker/kv/page_layout.h"
 
 namespace kvcache::cpu {
 namespace {
@@ -402,7 +402,7 @@ TEST_P(CpuKernelsTest, GetRows) {
 TEST_P(CpuKernelsTest, RopeRotatesAdjacentPairs) {
   // head_dim 4, position 1, base 1e4: pair 0 turns by 1 rad, pair 1 by 0.01 rad, and
   // the pairs are (x0, x1), (x2, x3) (llama NORM), not (x0, x2) (NEOX).
-  auto table = RopeTable::Create({4, 10000.0f, 1.0f}, 8);
+  auto table = RopeTable::Create({4, 10000.0f, 1.0f, false, {}}, 8);
   ASSERT_TRUE(table.ok());
   float x[4] = {1.0f, 0.0f, 0.0f, 1.0f};
   const int32_t pos[] = {1};
@@ -418,7 +418,7 @@ TEST_P(CpuKernelsTest, RopeMatchesReference) {
   for (int head_dim : {64, 128, 6}) {
     for (float freq_scale : {1.0f, 0.25f}) {
       const float base = 100000.0f;
-      auto table = RopeTable::Create({head_dim, base, freq_scale}, 5000);
+      auto table = RopeTable::Create({head_dim, base, freq_scale, false, {}}, 5000);
       ASSERT_TRUE(table.ok());
       const int n_tokens = 5, n_heads = 3;
       const std::vector<int32_t> pos = {0, 1, 17, 4095, 4999};
@@ -442,7 +442,7 @@ TEST_P(CpuKernelsTest, RopeMatchesReference) {
       EXPECT_EQ(table->Apply(x.data(), 1, n_heads, bad).code(), absl::StatusCode::kInvalidArgument);
     }
   }
-  EXPECT_FALSE(RopeTable::Create({63, 10000.0f, 1.0f}, 8).ok());
+  EXPECT_FALSE(RopeTable::Create({63, 10000.0f, 1.0f, false, {}}, 8).ok());
 }
 
 // ---------------------------------------------------------------- KV + attention

@@ -51,9 +51,9 @@ struct SeqSpec {
 };
 
 // Attention over a batch of decode and prefill sequences vs cpu::PagedAttention.
-void CheckAttention(int head_dim, int kv_heads, int n_heads, cpu::KvDtype dtype, int window,
+void CheckAttention(int head_dim, int kv_heads, int n_heads, kv::KvDtype dtype, int window,
                     const std::vector<SeqSpec>& specs) {
-  cpu::PageLayout L;
+  kv::PageLayout L;
   L.layers = 2;
   L.kv_heads = kv_heads;
   L.head_dim = head_dim;
@@ -134,10 +134,9 @@ void CheckAttention(int head_dim, int kv_heads, int n_heads, cpu::KvDtype dtype,
 
 TEST(CudaKernelsTest, DecodeAttentionManySessionsOfDifferentLengths) {
   KVCACHE_REQUIRE_GPU();
-  CheckAttention(64, 3, 9, cpu::KvDtype::kF16, 0,
-                 {{1, 1}, {17, 1}, {256, 1}, {257, 1}, {1100, 1}, {4000, 1}});
-  CheckAttention(128, 2, 16, cpu::KvDtype::kBF16, 0, {{5, 1}, {700, 1}});
-  CheckAttention(32, 4, 4, cpu::KvDtype::kF16, 0, {{33, 1}, {513, 1}});
+  CheckAttention(64, 3, 9, kv::KvDtype::kF16, 0, {{1, 1}, {17, 1}, {256, 1}, {257, 1}, {1100, 1}, {4000, 1}});
+  CheckAttention(128, 2, 16, kv::KvDtype::kBF16, 0, {{5, 1}, {700, 1}});
+  CheckAttention(32, 4, 4, kv::KvDtype::kF16, 0, {{33, 1}, {513, 1}});
 }
 
 TEST(CudaKernelsTest, DecodeAttentionLargeBatchTakesLongerSplits) {
@@ -147,23 +146,23 @@ TEST(CudaKernelsTest, DecodeAttentionLargeBatchTakesLongerSplits) {
   // one-split items among them.
   std::vector<SeqSpec> specs;
   for (int i = 0; i < 48; ++i) specs.push_back({1 + 160 * i, 1});
-  CheckAttention(64, 3, 9, cpu::KvDtype::kF16, 0, specs);
+  CheckAttention(64, 3, 9, kv::KvDtype::kF16, 0, specs);
   specs.clear();
   for (int i = 0; i < 40; ++i) specs.push_back({7 + 150 * i, 1});
-  CheckAttention(32, 4, 4, cpu::KvDtype::kBF16, 0, specs);
+  CheckAttention(32, 4, 4, kv::KvDtype::kBF16, 0, specs);
 }
 
 TEST(CudaKernelsTest, PrefillAttentionCausalChunkReadingEarlierPages) {
   KVCACHE_REQUIRE_GPU();
   // A first chunk, a later chunk over earlier pages, and a decode in one batch.
-  CheckAttention(64, 3, 9, cpu::KvDtype::kF16, 0, {{64, 64}, {600, 37}, {300, 1}});
-  CheckAttention(64, 3, 9, cpu::KvDtype::kF16, 100, {{600, 37}, {300, 1}});  // sliding window
+  CheckAttention(64, 3, 9, kv::KvDtype::kF16, 0, {{64, 64}, {600, 37}, {300, 1}});
+  CheckAttention(64, 3, 9, kv::KvDtype::kF16, 100, {{600, 37}, {300, 1}});  // sliding window
 }
 
 TEST(CudaKernelsTest, WriteKvBitExactWithCpu) {
   KVCACHE_REQUIRE_GPU();
-  for (cpu::KvDtype dtype : {cpu::KvDtype::kF16, cpu::KvDtype::kBF16}) {
-    cpu::PageLayout L;
+  for (kv::KvDtype dtype : {kv::KvDtype::kF16, kv::KvDtype::kBF16}) {
+    kv::PageLayout L;
     L.layers = 3;
     L.kv_heads = 3;
     L.head_dim = 64;

@@ -90,12 +90,12 @@ void HbmAndAttention(const DeviceContext& ctx, bench::BenchReport& r) {
 
   // 64 sessions x 4096 tokens, SmolLM2 pages (30 layers, 3 kv heads, hd 64, f16).
   const int n_seq = 64, n_tok = 4096, layers = 30;
-  cpu::PageLayout L;
+  kv::PageLayout L;
   L.layers = layers;
   L.kv_heads = 3;
   L.head_dim = 64;
   L.page_tokens = 16;
-  L.dtype = cpu::KvDtype::kF16;
+  L.dtype = kv::KvDtype::kF16;
   const int pages_per_seq = n_tok / 16, n_pages = n_seq * pages_per_seq;
   DeviceBuffer slab =
       std::move(DeviceBuffer::Allocate(int64_t{n_pages} * L.page_bytes(), "bench slab")).value();

@@ -97,8 +97,8 @@ TEST(KernelMathTest, RopeMatchesCpuTable) {
   }
 }
 
-cpu::PageLayout Layout(cpu::KvDtype dtype) {
-  cpu::PageLayout L;
+kv::PageLayout Layout(kv::KvDtype dtype) {
+  kv::PageLayout L;
   L.layers = 3;
   L.kv_heads = 2;
   L.head_dim = 32;
@@ -108,8 +108,8 @@ cpu::PageLayout Layout(cpu::KvDtype dtype) {
 }
 
 TEST(KernelMathTest, KvAddressingAndEncodingMatchCpuWriteKv) {
-  for (cpu::KvDtype dtype : {cpu::KvDtype::kF16, cpu::KvDtype::kBF16}) {
-    const cpu::PageLayout L = Layout(dtype);
+  for (kv::KvDtype dtype : {kv::KvDtype::kF16, kv::KvDtype::kBF16}) {
+    const kv::PageLayout L = Layout(dtype);
     kv::KvShape shape{L.layers, L.kv_heads, L.head_dim, static_cast<kv::KvDtype>(dtype), L.page_tokens, 0};
     ASSERT_EQ(shape.page_bytes(), L.page_bytes());
     const std::vector<int32_t> table = {4, 1, 3};
@@ -117,7 +117,7 @@ TEST(KernelMathTest, KvAddressingAndEncodingMatchCpuWriteKv) {
     const int n = 40, layer = 2;
     const std::vector<float> k = Random(n * L.row_elems(), 6, 4.0f), v = Random(n * L.row_elems(), 7, 4.0f);
     ASSERT_TRUE(cpu::WriteKv(L, slab.data(), table, layer, 0, n, k.data(), v.data()).ok());
-    const bool bf16 = dtype == cpu::KvDtype::kBF16;
+    const bool bf16 = dtype == kv::KvDtype::kBF16;
     for (int pos = 0; pos < n; ++pos) {
       for (int h = 0; h < L.kv_heads; ++h) {
         const int64_t ko = KvRowOffset(L, table.data(), layer, pos, h, false);
@@ -144,7 +144,7 @@ TEST(KernelMathTest, KvAddressingAndEncodingMatchCpuWriteKv) {
 TEST(KernelMathTest, SplitSoftmaxAttentionMatchesCpu) {
   for (int window : {0, 300}) {
     SCOPED_TRACE(window);
-    const cpu::PageLayout L = Layout(cpu::KvDtype::kF16);
+    const kv::PageLayout L = Layout(kv::KvDtype::kF16);
     const int n_heads = 6, group = n_heads / L.kv_heads, n = 700, layer = 1;
     const int pages = (n + 15) / 16;
     std::vector<int32_t> table(pages);

@@ -1,23 +1,22 @@
-// Byte layout of a KV page, as the kernels address it.
+// Byte layout of a KV page, as the KV cache lays it out and the kernels (CPU and
+// CUDA) address it. KvShape::layout() gives it for a cache's shape.
 //
 // A page is one contiguous block holding `page_tokens` token slots of every layer:
 //
 //   page: [layers][2 (K, V)][page_tokens][kv_heads][head_dim]   of `dtype`
 //   slab: [n_pages][page_bytes]          page address = base + page_id * page_bytes
 //
-// This is the same layout as worker/kv/kv_shape.h (KOffset/VOffset); KvDtype uses
-// the same numeric values as kv::KvDtype so the two convert with a static_cast.
 // Every helper is KV_HD (host and, under nvcc, device) so a CUDA backend can share it.
 //
 // Thread-safety: a plain value with pure inline helpers; safe from any thread.
-#ifndef KVCACHE_WORKER_BACKEND_CPU_PAGE_LAYOUT_H_
-#define KVCACHE_WORKER_BACKEND_CPU_PAGE_LAYOUT_H_
+#ifndef KVCACHE_WORKER_KV_PAGE_LAYOUT_H_
+#define KVCACHE_WORKER_KV_PAGE_LAYOUT_H_
 
 #include <cstdint>
 
 #include "common/gguf/fp16.h"  // KV_HD
 
-namespace kvcache::cpu {
+namespace kvcache::kv {
 
 enum class KvDtype : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
@@ -54,6 +53,6 @@ struct PageLayout {
   }
 };
 
-}  // namespace kvcache::cpu
+}  // namespace kvcache::kv
 
-#endif  // KVCACHE_WORKER_BACKEND_CPU_PAGE_LAYOUT_H_
+#endif  // KVCACHE_WORKER_KV_PAGE_LAYOUT_H_
