@@ -18,7 +18,6 @@ FLAVOUR=${1:-native}
 VERSION=${LLAMACPP_PY_VERSION:-0.3.36}
 JOBS=${JOBS:-$(nproc)}
 ROOT="$KVCACHE_CACHE_DIR/llama.cpp"
-SRC="$ROOT/src-$VERSION"
 BUILD="$ROOT/$VERSION-$FLAVOUR"
 TOOLS=(llama-server llama-bench llama-quantize)
 
@@ -35,16 +34,7 @@ if [ $built = 1 ]; then
   exit 0
 fi
 
-if [ ! -f "$SRC/CMakeLists.txt" ]; then
-  tmp=$(mktemp -d)
-  log "downloading the llama-cpp-python $VERSION sdist from PyPI (it vendors llama.cpp)"
-  python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$tmp" "llama-cpp-python==$VERSION"
-  tar -xzf "$tmp"/llama_cpp_python-"$VERSION".tar.gz -C "$tmp"
-  mkdir -p "$ROOT"
-  rm -rf "$SRC"
-  mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
-  rm -rf "$tmp"
-fi
+SRC=$(LLAMACPP_PY_VERSION=$VERSION scripts/fetch_llamacpp_src.sh)  # the sdist's llama.cpp, fetched once
 log "building ${TOOLS[*]} ($FLAVOUR) in $BUILD"
 cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF "${FLAGS[@]}" >"$BUILD.cmake.log" 2>&1 ||

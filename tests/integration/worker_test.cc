@@ -14,14 +14,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
-#include "common/gguf/model_path.h"
 #include "common/gguf/gguf_reader.h"
+#include "common/gguf/model_path.h"
 #include "common/gguf/tiny_llama.h"
-#include "tests/common/gguf/reference_data.h"
-#include "tests/common/tokenizer/llamacpp_vocab.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcache/v1/worker.grpc.pb.h"
+#include "tests/common/gguf/reference_data.h"
+#include "tests/common/tokenizer/llamacpp_vocab.h"
 #include "tests/testing/child_process.h"
 #include "tests/testing/generate_client.h"
 
@@ -686,9 +686,9 @@ TEST_F(WorkerTest, RealVocabulariesServeMultiTurnChat) {
     const char* vocab;
     const char* chat_template;  // tests/data/chat_templates/<name>.jinja
   };
-  for (const Case& c : {Case{"qwen2", "qwen2", "qwen2.5-7b-instruct"}, Case{"qwen3", "qwen2", "qwen3-0.6b"},
-                        Case{"llama", "llama-bpe", "llama-3.1-8b-instruct"},
-                        Case{"llama", "llama-spm", "mistral-v1"}}) {
+  for (const Case& c :
+       {Case{"qwen2", "qwen2", "qwen2.5-7b-instruct"}, Case{"qwen3", "qwen2", "qwen3-0.6b"},
+        Case{"llama", "llama-bpe", "llama-3.1-8b-instruct"}, Case{"llama", "llama-spm", "mistral-v1"}}) {
     SCOPED_TRACE(absl::StrCat(c.arch, " with the ", c.vocab, " vocabulary"));
     const std::string vocab_path = testing::LlamaCppVocabPath(c.vocab);
     auto vocab = gguf::GgufFile::Open(vocab_path);
@@ -704,14 +704,16 @@ TEST_F(WorkerTest, RealVocabulariesServeMultiTurnChat) {
         absl::StrCat(testing::SourceDir(), "/tests/data/chat_templates/", c.chat_template, ".jinja"));
     ASSERT_TRUE(tmpl.ok()) << tmpl.status();
     o.chat_template = *tmpl;
-    const std::string path = absl::StrCat(::testing::TempDir(), "/kvcache_real_vocab_", c.arch, "_", c.vocab, ".gguf");
+    const std::string path =
+        absl::StrCat(::testing::TempDir(), "/kvcache_real_vocab_", c.arch, "_", c.vocab, ".gguf");
     ASSERT_TRUE(gguf::WriteTinyLlama(o, path).ok());
     std::vector<std::string> args = {"--model=" + path, "--threads=1", "--load_report_interval=100ms"};
     auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"), args);
     ASSERT_TRUE(w.ok()) << w.status();
     auto stub = v1::Worker::NewStub((*w)->channel());
 
-    auto chat_turn = [&](const std::string& session, v1::Mode mode, bool with_system, const std::string& text) {
+    auto chat_turn = [&](const std::string& session, v1::Mode mode, bool with_system,
+                         const std::string& text) {
       v1::GenerateRequest r;
       r.set_session_id(session);
       r.set_mode(mode);
@@ -739,7 +741,8 @@ TEST_F(WorkerTest, RealVocabulariesServeMultiTurnChat) {
     EXPECT_GE(u2.cached_tokens(), u1.prompt_tokens() + u1.generated_tokens() - 1);
     EXPECT_GT(u2.prompt_tokens(), u2.cached_tokens());
     // The same conversation in another session: the same tokens.
-    Turn r1 = chat_turn("twin", v1::FULL_CONTEXT, system, "What is the capital of France? Réponds en français.");
+    Turn r1 =
+        chat_turn("twin", v1::FULL_CONTEXT, system, "What is the capital of France? Réponds en français.");
     // Plain text through the same tokenizer.
     Turn text = Generate(stub.get(), Text("", "Once upon a time, über alles 1234", 6));
     ASSERT_TRUE(text.status.ok()) << text.status.error_message();
