@@ -23,8 +23,8 @@
 #include "common/gguf/model_path.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
+#include "tests/worker/model/greedy_reference.h"
 #include "worker/backend/cpu/cpu_features.h"
-#include "worker/backend/cpu/cpu_llama_runner.h"
 #include "worker/model/llama_model.h"
 #include "worker/model/sampler.h"
 
@@ -52,44 +52,18 @@ class LlamaReferenceTest : public ::testing::Test {
 
   void Build(kv::KvDtype dtype) {
     ASSERT_NE(model_, nullptr);
-    runner_.reset();
-    const auto& hp = model_->hparams();
-    kv::KvCacheOptions ko;
-    ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),
-                           static_cast<int>(hp.n_head_kv),
-                           static_cast<int>(hp.head_dim),
-                           dtype,
-                           16,
-                           0};
-    ko.model_id = model_->model_id();
-    ko.tier0_bytes = 64 * ko.shape.page_bytes();
-    auto kv = kv::KvCacheManager::Create(ko);
-    ASSERT_TRUE(kv.ok()) << kv.status();
-    kv_ = std::move(*kv);
-    auto r = cpu::CpuLlamaRunner::Create(model_, kv_.get(), {256, 0});
-    ASSERT_TRUE(r.ok()) << r.status();
-    runner_ = std::move(*r);
+    engine_ = std::make_unique<testing::ReferenceEngine>(model_, dtype);
+    ASSERT_TRUE(engine_->ok());
+    kv_ = engine_->kv();
   }
 
-  // Runs `tokens` through session `id` in one step and returns the logits.
   std::vector<float> Step(const std::string& id, const std::vector<int32_t>& tokens) {
-    auto res = kv_->BeginStep(id, static_cast<int64_t>(tokens.size()));
-    EXPECT_TRUE(res.ok()) << res.status();
-    model::SequenceStep s;
-    s.tokens = tokens;
-    s.first_pos = res->first_pos;
-    s.page_table = res->page_table;
-    s.want_logits = true;
-    std::vector<float> logits;
-    absl::Status st = runner_->Forward({s}, &logits);
-    EXPECT_TRUE(st.ok()) << st;
-    EXPECT_TRUE(kv_->CommitStep(id, tokens).ok());
-    return logits;
+    return engine_->Step(id, tokens);
   }
 
   static model::LlamaModel* model_;
-  std::unique_ptr<kv::KvCacheManager> kv_;
-  std::unique_ptr<cpu::CpuLlamaRunner> runner_;
+  std::unique_ptr<testing::ReferenceEngine> engine_;
+  kv::KvCacheManager* kv_ = nullptr;  // engine_'s
 };
 
 model::LlamaModel* LlamaReferenceTest::model_ = nullptr;
@@ -101,54 +75,11 @@ TEST_F(LlamaReferenceTest, GreedyAndLogitsMatchLlamaCpp) {
   ASSERT_GE(prompts.size(), 4);
   int index = 0;
   for (const auto& p : prompts) {
-    const auto& f = p.struct_value().fields();
-    const std::string name = f.at("name").string_value();
+    const std::string name = p.struct_value().fields().at("name").string_value();
     SCOPED_TRACE(name);
-    const std::vector<int32_t> prompt = testing::Ints(f.at("prompt_ids"));
-    const std::vector<int32_t> expected = testing::Ints(f.at("generated_ids"));
-    const std::vector<float> margins = testing::Floats(f.at("margins"));
-    const std::string id = "ref-" + std::to_string(index++);
-    ASSERT_TRUE(kv_->CreateSession(id, "t").ok());
-
-    std::vector<float> logits = Step(id, prompt);
-    const auto& first = f.at("first_step").struct_value().fields();
-    const std::vector<int32_t> top_ids = testing::Ints(first.at("top20_ids"));
-    const std::vector<float> top_logits = testing::Floats(first.at("top20_logits"));
-    float worst_abs = 0, worst_gap = 0;
-    for (size_t i = 0; i < top_ids.size(); ++i) {
-      worst_abs = std::max(worst_abs, std::fabs(logits[top_ids[i]] - top_logits[i]));
-      const float ours = logits[top_ids[i]] - logits[top_ids[0]];
-      const float theirs = top_logits[i] - top_logits[0];
-      worst_gap = std::max(worst_gap, std::fabs(ours - theirs));
-    }
-    // Teacher-forced: feed llama.cpp's token each step and compare decisions.
-    const int n = std::min<int>(kGreedyTokens, static_cast<int>(expected.size()));
-    int agree = 0, ties = 0, tie_agree = 0;
-    float worst_margin = 0;
-    for (int i = 0; i < n; ++i) {
-      const int32_t ours = model::Argmax(logits);
-      const float their_margin = margins[i];
-      float runner_up = -1e30f;
-      for (size_t v = 0; v < logits.size(); ++v) {
-        if (static_cast<int32_t>(v) != expected[i]) runner_up = std::max(runner_up, logits[v]);
-      }
-      const float our_margin = logits[expected[i]] - runner_up;  // < 0 when we disagree
-      worst_margin = std::max(worst_margin, std::fabs(our_margin - their_margin));
-      if (their_margin < kNearTie) {
-        ++ties;
-        tie_agree += ours == expected[i];
-      } else {
-        EXPECT_EQ(ours, expected[i]) << "step " << i << ", llama.cpp margin " << their_margin;
-        agree += ours == expected[i];
-      }
-      if (i + 1 < n) logits = Step(id, {expected[i]});
-    }
-    std::printf(
-        "%-13s first step: max |logit diff| %.3f, max gap diff %.3f; %d/%d decisions equal, "
-        "%d/%d near-ties equal, max margin diff %.3f\n",
-        name.c_str(), worst_abs, worst_gap, agree, n - ties, tie_agree, ties, worst_margin);
-    EXPECT_LE(worst_gap, kLogitTolerance);
-    ASSERT_TRUE(kv_->CloseSession(id).ok());
+    const testing::GreedyComparison c = testing::CompareWithLlamaCppGreedy(
+        *engine_, "ref-" + std::to_string(index++), p.struct_value(), kGreedyTokens, kNearTie, name);
+    EXPECT_LE(c.first_step_gap, kLogitTolerance);
   }
 }
 
