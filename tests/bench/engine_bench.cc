@@ -1,6 +1,9 @@
-// End-to-end benchmark of the serving path: SmolLM2-135M (Q4_1) through the
+// End-to-end benchmark of the serving path: a GGUF (default SmolLM2-135M Q4_1;
+// --model for another, e.g. the Q4_K_M file the tests re-quantise) through the
 // Engine (continuous batching) on CpuLlamaRunner over the paged KV cache, with
-// the same thread count as the llama.cpp baseline.
+// the same thread count as the llama.cpp baseline. Decode, prefill, batched and
+// attention run at every vector kernel level the machine has: keys carry the
+// level (`_avx2`, `_avx512`), and the keys without one are the best level's.
 //
 //   decode:     single stream, greedy, ignore_eos, 128 tokens after a short prompt;
 //               tokens/s from the first generated token to the last (no prefill)
@@ -13,8 +16,11 @@
 //   attention:  one decode token's paged attention over a 4096-token session
 //               (all 30 layers, f16 KV) as K/V bytes read per second, divided by
 //               the read bandwidth measured in this run
-//   llama.cpp:  tests/bench/llamacpp_baseline.py in a subprocess (same GGUF,
-//               same prompts, same threads); left out when llama_cpp is missing.
+//   llama.cpp:  its own llama-bench (pp512, tg128, same GGUF, same threads),
+//               built for this machine (--llama_bench: build_llamacpp.sh native)
+//               and, on an AVX-512 machine, without AVX-512 (--llama_bench_avx2:
+//               build_llamacpp.sh avx2) to compare with our avx2 level;
+//               scripts/bench.sh builds both and passes them.
 //
 // Timings are the best of a few repetitions: the cores are shared.
 #include <unistd.h>
@@ -28,16 +34,22 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "common/bench_json.h"
 #include "common/gguf/model_path.h"
 #include "common/tokenizer/tokenizer.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "tests/bench/mem_bandwidth.h"
 #include "worker/backend/cpu/attention.h"
 #include "worker/backend/cpu/cpu_features.h"
@@ -51,10 +63,12 @@ ABSL_FLAG(std::string, model, "", "GGUF path (default: DefaultModelPath())");
 ABSL_FLAG(int, threads, 2, "kernel threads (and llama.cpp n_threads)");
 ABSL_FLAG(int, reps, 3, "repetitions per measurement (best is kept)");
 ABSL_FLAG(int, recompute_samples, 6, "context lengths sampled for the recompute baseline");
-ABSL_FLAG(std::string, python, "python3", "interpreter for the llama.cpp baseline");
-ABSL_FLAG(std::string, llamacpp_script, KVCACHE_SOURCE_DIR "/tests/bench/llamacpp_baseline.py",
-          "llama.cpp baseline script");
-ABSL_FLAG(bool, llamacpp, true, "run the llama.cpp baseline");
+ABSL_FLAG(std::string, llama_bench, "",
+          "llama.cpp's llama-bench built for this machine (tests/bench/build_llamacpp.sh native); empty: no "
+          "llama.cpp baseline");
+ABSL_FLAG(std::string, llama_bench_avx2, "",
+          "llama-bench built without AVX-512 (tests/bench/build_llamacpp.sh avx2), the baseline of our avx2 "
+          "level on an AVX-512 machine");
 ABSL_FLAG(std::string, sections, "decode,prefill,batched,recompute,attention",
           "comma-separated parts to run (for profiling; ratios of parts not run are left out)");
 
@@ -184,52 +198,75 @@ absl::StatusOr<double> TimePrefill(kv::KvCacheManager& kv, cpu::CpuLlamaRunner& 
   return t;
 }
 
-// Runs the llama.cpp baseline script; fills `out` from its JSON. False with a
-// reason in `why` when it could not run.
-bool RunLlamaCpp(const std::string& model_path, const std::vector<int32_t>& decode_prompt,
-                 const std::vector<int32_t>& prefill_prompt, int threads, int reps,
-                 std::map<std::string, double>* out, std::string* why) {
-  const std::string python = absl::GetFlag(FLAGS_python);
-  if (std::system(absl::StrCat(python, " -c 'import llama_cpp' >/dev/null 2>&1").c_str()) != 0) {
-    *why = absl::StrCat("`", python, " -c \"import llama_cpp\"` failed: llama.cpp ratios left out");
-    return false;
-  }
-  char spec_path[] = "/tmp/engine_bench_spec_XXXXXX";
-  const int fd = mkstemp(spec_path);
-  if (fd < 0) {
-    *why = "cannot create a temp file";
-    return false;
-  }
-  close(fd);
-  {
-    std::ofstream f(spec_path);
-    f << "{\"threads\": " << threads << ", \"decode_tokens\": " << kDecodeTokens << ", \"reps\": " << reps
-      << ", \"decode_prompt\": [" << absl::StrJoin(decode_prompt, ",") << "], \"prefill_prompt\": ["
-      << absl::StrJoin(prefill_prompt, ",") << "]}";
-  }
-  const std::string cmd = absl::StrCat(python, " ", absl::GetFlag(FLAGS_llamacpp_script), " '", model_path,
-                                       "' ", spec_path, " 2>/dev/null");
+// llama.cpp's own figures on the same GGUF, from its llama-bench.
+struct LlamaCppRun {
+  double decode = 0;   // tg128: tokens/s
+  double prefill = 0;  // pp512: tokens/s
+  std::string about;   // version, build flags, CPU, whether weights were repacked
+};
+
+// Runs `cmd`, returns its stdout and exit status.
+std::pair<std::string, int> RunCommand(const std::string& cmd) {
   FILE* p = popen(cmd.c_str(), "r");
   std::string text;
   char buf[4096];
   while (p != nullptr && fgets(buf, sizeof(buf), p) != nullptr) text += buf;
-  const int rc = p != nullptr ? pclose(p) : -1;
-  unlink(spec_path);
-  // Tiny parser for the two numbers we need: "key": value.
-  auto number = [&](const std::string& key, double* v) {
-    const size_t at = text.find("\"" + key + "\":");
-    if (at == std::string::npos) return false;
-    *v = std::strtod(text.c_str() + at + key.size() + 3, nullptr);
-    return *v > 0;
-  };
-  double dec = 0, pre = 0;
-  if (rc != 0 || !number("decode_tokens_per_s", &dec) || !number("prefill_tokens_per_s", &pre)) {
-    *why = absl::StrCat("baseline script failed (rc ", rc, "): ", text.substr(0, 300));
-    return false;
+  return {text, p != nullptr ? pclose(p) : -1};
+}
+
+// The CPU switches (GGML_NATIVE, GGML_AVX*, GGML_AMX*, ...) that are ON in the
+// llama.cpp build of `bin_dir`.
+std::string LlamaCppBuildFlags(const std::string& bin_dir) {
+  std::ifstream f(bin_dir + "/../CMakeCache.txt");
+  std::vector<std::string> on;
+  for (std::string line; std::getline(f, line);) {
+    const size_t colon = line.find(":BOOL=ON");
+    if (colon == std::string::npos) continue;
+    for (const char* prefix : {"GGML_NATIVE", "GGML_AVX", "GGML_AMX", "GGML_FMA", "GGML_F16C", "GGML_BMI2",
+                               "GGML_SSE", "GGML_OPENMP", "GGML_LLAMAFILE", "GGML_CPU_REPACK"}) {
+      if (line.rfind(prefix, 0) == 0) on.push_back(line.substr(0, colon));
+    }
   }
-  (*out)["decode"] = dec;
-  (*out)["prefill"] = pre;
-  return true;
+  return on.empty() ? "unknown" : absl::StrJoin(on, " ");
+}
+
+// llama-bench -p 512 -n 128 on `model_path`. Weights are repacked as llama.cpp
+// does by default; when that run fails (its AMX repacking crashes on VMs that
+// advertise AMX without granting it), again with --repack 0, and `about` says so.
+absl::StatusOr<LlamaCppRun> RunLlamaBench(const std::string& llama_bench, const std::string& model_path,
+                                          int threads, int reps) {
+  std::string text, repack = "repacked (llama.cpp's default)";
+  int rc = -1;
+  for (const char* flag : {"1", "0"}) {
+    std::tie(text, rc) = RunCommand(absl::StrCat("'", llama_bench, "' -m '", model_path, "' -t ", threads,
+                                                 " -p ", kPrefillTokens, " -n ", kDecodeTokens, " -r ", reps,
+                                                 " --repack ", flag, " -o json 2>/dev/null"));
+    if (rc == 0) break;
+    repack = "not repacked (--repack 1 failed on this machine)";
+  }
+  google::protobuf::ListValue tests;
+  if (rc != 0 || !google::protobuf::util::JsonStringToMessage(text, &tests).ok()) {
+    return absl::UnavailableError(absl::StrCat(llama_bench, " failed (rc ", rc, "): ", text.substr(0, 300)));
+  }
+  LlamaCppRun run;
+  std::string cpu;
+  for (const auto& t : tests.values()) {
+    const auto& f = t.struct_value().fields();
+    const double ts = f.at("avg_ts").number_value();
+    if (f.at("n_gen").number_value() > 0) run.decode = ts;
+    if (f.at("n_prompt").number_value() > 0) run.prefill = ts;
+    cpu = f.at("cpu_info").string_value();
+  }
+  if (run.decode <= 0 || run.prefill <= 0)
+    return absl::UnavailableError("llama-bench reported no pp/tg figures");
+  const std::string bin_dir = llama_bench.substr(0, llama_bench.rfind('/'));
+  std::string version = RunCommand(absl::StrCat("'", bin_dir, "/llama-server' --version 2>&1")).first;
+  std::replace(version.begin(), version.end(), '\n', ' ');
+  run.about = absl::StrCat("llama.cpp ", absl::StripAsciiWhitespace(version),
+                           "; CPU switches ON: ", LlamaCppBuildFlags(bin_dir), "; CPU ", cpu, "; weights ",
+                           repack, "; llama-bench avg of ", reps, " reps, tg", kDecodeTokens,
+                           " from an empty context, pp", kPrefillTokens);
+  return run;
 }
 
 int Main() {
@@ -272,56 +309,81 @@ int Main() {
   const tok::Tokenizer& tk = *s.tokenizer;
   std::vector<std::unique_ptr<Timeline>> tl;
 
-  // Warm-up: page in the weights, grow scratch buffers.
-  if (auto st = RunAll(*s.engine, {Greedy(Prompt(tk, 64, 0), 8)}, &tl); !st.ok()) return fail(st);
-
   const std::string sections = absl::GetFlag(FLAGS_sections);
   auto want = [&](const char* name) { return sections.find(name) != std::string::npos; };
 
-  // ---- single-stream decode.
-  const std::vector<int32_t> decode_prompt = Prompt(tk, 16, 1);
-  double decode_single = 0;
-  for (int r = 0; r < reps && want("decode"); ++r) {
-    if (auto st = RunAll(*s.engine, {Greedy(decode_prompt, kDecodeTokens)}, &tl); !st.ok()) return fail(st);
-    const auto& times = tl[0]->times;
-    decode_single = std::max(decode_single, (times.size() - 1) / Seconds(times.front(), times.back()));
+  // The vector kernel levels, best first; `put` records a figure under the
+  // level's key and, for the best level, under the plain key too.
+  const cpu::CpuKernelLevel best = cpu::MaxSupportedCpuKernelLevel();
+  std::vector<cpu::CpuKernelLevel> levels;
+  for (cpu::CpuKernelLevel level : cpu::SupportedCpuKernelLevels()) {
+    if (level != cpu::CpuKernelLevel::kScalar) levels.insert(levels.begin(), level);
   }
-  report.metrics["decode_tokens_per_s_single"] = decode_single;
-
-  // ---- prefill (time to first token of a 512-token prompt).
-  const std::vector<int32_t> prefill_prompt = Prompt(tk, kPrefillTokens, 2);
-  double prefill = 0;
-  for (int r = 0; r < reps && want("prefill"); ++r) {
-    if (auto st = RunAll(*s.engine, {Greedy(prefill_prompt, 1)}, &tl); !st.ok()) return fail(st);
-    if (tl[0]->result.cached_tokens != 0) return fail(absl::InternalError("prefill hit the prefix cache"));
-    prefill = std::max(prefill, kPrefillTokens / absl::ToDoubleSeconds(tl[0]->result.time_to_first_token));
-  }
-  report.metrics["prefill_tokens_per_s"] = prefill;
-
-  // ---- batched decode: N sessions decoding together; the window runs from the
-  // step where the last one got its first token to the first one's last token.
-  std::map<int, double> batched;
-  for (int n : {1, 4, 16}) {
-    if (!want("batched")) break;
-    const int gen = 64;
-    for (int r = 0; r < reps; ++r) {
-      std::vector<sched::GenerateRequest> reqs;
-      for (int i = 0; i < n; ++i) reqs.push_back(Greedy(Prompt(tk, 16, 100 + i), gen));
-      if (auto st = RunAll(*s.engine, std::move(reqs), &tl); !st.ok()) return fail(st);
-      Clock::time_point from = tl[0]->times.front(), to = tl[0]->times.back();
-      for (const auto& t : tl) {
-        from = std::max(from, t->times.front());
-        to = std::min(to, t->times.back());
-      }
-      int64_t tokens = 0;
-      for (const auto& t : tl) {
-        for (const auto& x : t->times) tokens += x > from && x <= to;
-      }
-      batched[n] = std::max(batched[n], tokens / Seconds(from, to));
+  if (levels.empty()) levels.push_back(best);
+  auto put = [&](std::map<std::string, double>& to, const std::string& key, cpu::CpuKernelLevel level,
+                 double v) {
+    to[absl::StrCat(key, "_", cpu::CpuKernelLevelName(level))] = v;
+    if (level == best) to[key] = v;
+  };
+  auto set_level = [&](cpu::CpuKernelLevel level) {
+    if (absl::Status st = cpu::SetCpuKernelLevel(level); !st.ok()) {
+      std::fprintf(stderr, "engine_bench: %s\n", st.ToString().c_str());
+      std::exit(1);
     }
-    report.metrics[absl::StrCat("batched_decode_tokens_per_s_", n, "_sessions")] = batched[n];
+  };
+
+  const std::vector<int32_t> decode_prompt = Prompt(tk, 16, 1);
+  const std::vector<int32_t> prefill_prompt = Prompt(tk, kPrefillTokens, 2);
+  std::map<cpu::CpuKernelLevel, double> decode_single, prefill;
+  for (cpu::CpuKernelLevel level : levels) {
+    set_level(level);
+    // Warm-up: page in the weights, grow scratch buffers.
+    if (auto st = RunAll(*s.engine, {Greedy(Prompt(tk, 64, 0), 8)}, &tl); !st.ok()) return fail(st);
+
+    // ---- single-stream decode.
+    for (int r = 0; r < reps && want("decode"); ++r) {
+      if (auto st = RunAll(*s.engine, {Greedy(decode_prompt, kDecodeTokens)}, &tl); !st.ok()) return fail(st);
+      const auto& times = tl[0]->times;
+      decode_single[level] =
+          std::max(decode_single[level], (times.size() - 1) / Seconds(times.front(), times.back()));
+    }
+    if (want("decode")) put(report.metrics, "decode_tokens_per_s_single", level, decode_single[level]);
+
+    // ---- prefill (time to first token of a 512-token prompt).
+    for (int r = 0; r < reps && want("prefill"); ++r) {
+      if (auto st = RunAll(*s.engine, {Greedy(prefill_prompt, 1)}, &tl); !st.ok()) return fail(st);
+      if (tl[0]->result.cached_tokens != 0) return fail(absl::InternalError("prefill hit the prefix cache"));
+      prefill[level] =
+          std::max(prefill[level], kPrefillTokens / absl::ToDoubleSeconds(tl[0]->result.time_to_first_token));
+    }
+    if (want("prefill")) put(report.metrics, "prefill_tokens_per_s", level, prefill[level]);
+
+    // ---- batched decode: N sessions decoding together; the window runs from the
+    // step where the last one got its first token to the first one's last token.
+    std::map<int, double> batched;
+    for (int n : {1, 4, 16}) {
+      if (!want("batched")) break;
+      const int gen = 64;
+      for (int r = 0; r < reps; ++r) {
+        std::vector<sched::GenerateRequest> reqs;
+        for (int i = 0; i < n; ++i) reqs.push_back(Greedy(Prompt(tk, 16, 100 + i), gen));
+        if (auto st = RunAll(*s.engine, std::move(reqs), &tl); !st.ok()) return fail(st);
+        Clock::time_point from = tl[0]->times.front(), to = tl[0]->times.back();
+        for (const auto& t : tl) {
+          from = std::max(from, t->times.front());
+          to = std::min(to, t->times.back());
+        }
+        int64_t tokens = 0;
+        for (const auto& t : tl) {
+          for (const auto& x : t->times) tokens += x > from && x <= to;
+        }
+        batched[n] = std::max(batched[n], tokens / Seconds(from, to));
+      }
+      put(report.metrics, absl::StrCat("batched_decode_tokens_per_s_", n, "_sessions"), level, batched[n]);
+    }
+    if (want("batched")) put(report.ratio, "batch16_vs_single", level, batched[16] / batched[1]);
   }
-  if (want("batched")) report.ratio["batch16_vs_single"] = batched[16] / batched[1];
+  set_level(best);  // the rest runs at the best level
 
   // ---- cache vs recompute, part 1: the engine generates 256 tokens (cached).
   struct RecomputeCase {
@@ -428,38 +490,54 @@ int Main() {
         (void)cpu::PagedAttention(ap, {seq}, q.data(), out.data());
       }
     };
-    step();
-    double best = 1e30;
-    for (int r = 0; r < 5 * reps; ++r) {
-      const auto start = Clock::now();
-      step();
-      best = std::min(best, Seconds(start, Clock::now()));
-    }
     const double bytes = double{1} * L.layers * ctx * 2 * L.row_bytes();
-    report.metrics["attention_decode_ctx4096_ms"] = best * 1e3;
-    report.metrics["attention_kv_gb_per_s"] = bytes / best / 1e9;
+    for (cpu::CpuKernelLevel level : levels) {
+      set_level(level);
+      step();
+      double best_s = 1e30;
+      for (int r = 0; r < 5 * reps; ++r) {
+        const auto start = Clock::now();
+        step();
+        best_s = std::min(best_s, Seconds(start, Clock::now()));
+      }
+      put(report.metrics, "attention_decode_ctx4096_ms", level, best_s * 1e3);
+      put(report.metrics, "attention_kv_gb_per_s", level, bytes / best_s / 1e9);
+      put(report.ratio, "attention_bw_fraction", level, bytes / best_s / bw);
+    }
+    set_level(best);
     report.metrics["mem_read_bw_gb_per_s"] = bw / 1e9;
     report.baseline["mem_read_bw_gb_per_s"] = bw / 1e9;
-    report.ratio["attention_bw_fraction"] = bytes / best / bw;
     (void)kv.AbortStep("attn");
     (void)kv.CloseSession("attn");
   }
 
-  // ---- llama.cpp baseline (same prompts, same threads).
-  std::map<std::string, double> lc;
-  std::string why;
-  if (absl::GetFlag(FLAGS_llamacpp) && want("decode") && want("prefill") &&
-      RunLlamaCpp(model_path, decode_prompt, prefill_prompt, threads, reps, &lc, &why)) {
-    report.baseline["llamacpp_decode_tokens_per_s"] = lc["decode"];
-    report.baseline["llamacpp_prefill_tokens_per_s"] = lc["prefill"];
-    report.ratio["decode_vs_llamacpp"] = decode_single / lc["decode"];
-    report.ratio["prefill_vs_llamacpp"] = prefill / lc["prefill"];
-    report.notes["llamacpp"] =
-        "llama-cpp-python (tests/bench/llamacpp_baseline.py) on the same GGUF, same token ids, "
-        "n_threads as ours, greedy argmax, best of reps; its build is GGML_NATIVE=OFF (AVX2, no "
-        "AVX-512 paths), and it inherits OMP_WAIT_POLICY";
-  } else {
-    report.notes["llamacpp"] = why.empty() ? "skipped (--nollamacpp or --sections)" : why;
+  // ---- llama.cpp baseline: its llama-bench on the same GGUF and threads, built
+  // for this machine (against our best level) and without AVX-512 (against our
+  // avx2 level).
+  struct Baseline {
+    std::string llama_bench;
+    cpu::CpuKernelLevel level;
+  };
+  std::vector<Baseline> baselines;
+  if (!absl::GetFlag(FLAGS_llama_bench).empty())
+    baselines.push_back({absl::GetFlag(FLAGS_llama_bench), best});
+  if (!absl::GetFlag(FLAGS_llama_bench_avx2).empty() && best != cpu::CpuKernelLevel::kAvx2) {
+    baselines.push_back({absl::GetFlag(FLAGS_llama_bench_avx2), cpu::CpuKernelLevel::kAvx2});
+  }
+  if (baselines.empty()) report.notes["llamacpp"] = "skipped: no --llama_bench (scripts/bench.sh passes it)";
+  for (const Baseline& b : baselines) {
+    if (!want("decode") || !want("prefill")) break;
+    const std::string level = cpu::CpuKernelLevelName(b.level);
+    absl::StatusOr<LlamaCppRun> lc = RunLlamaBench(b.llama_bench, model_path, threads, reps);
+    if (!lc.ok()) {
+      report.notes["llamacpp_" + level] = lc.status().ToString();
+      continue;
+    }
+    put(report.baseline, "llamacpp_decode_tokens_per_s", b.level, lc->decode);
+    put(report.baseline, "llamacpp_prefill_tokens_per_s", b.level, lc->prefill);
+    put(report.ratio, "decode_vs_llamacpp", b.level, decode_single[b.level] / lc->decode);
+    put(report.ratio, "prefill_vs_llamacpp", b.level, prefill[b.level] / lc->prefill);
+    report.notes["llamacpp_" + level] = lc->about;
   }
   report.notes["method"] = absl::StrCat(
       "best of ", reps, " reps; decode: ", kDecodeTokens,

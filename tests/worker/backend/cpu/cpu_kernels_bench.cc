@@ -11,6 +11,9 @@
 //               output; ~96 MB of Q4_1/Q8_0), batch 1 and 16
 //   prefill_*:  GFLOP/s at 256 tokens, integer kernel and dequant+sgemm, against a
 //               baseline of OpenBLAS sgemm on pre-dequantised f32 weights (same run)
+//   prefill_types_*: integer kernel vs dequant+sgemm GFLOP/s of every integer-dot
+//               type at each vector level, 16 to 256 tokens (where kAuto should
+//               switch routes)
 //   attention_: decode over 4096 cached tokens (f16 KV), K/V bytes read per second
 //               divided by this machine's read bandwidth measured in the same run.
 #include <cblas.h>
@@ -39,7 +42,7 @@
 #include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cpu/omp_env.h"
 
-ABSL_FLAG(std::string, sections, "bw,matvec,types,decode,prefill,attention",
+ABSL_FLAG(std::string, sections, "bw,matvec,types,decode,prefill,prefilltypes,attention",
           "comma-separated parts to run (bw is always measured)");
 ABSL_FLAG(int, kernel_level, -1, "force a CpuKernelLevel (0 scalar, 1 avx2, 2 avx512); -1 = best");
 
@@ -306,6 +309,37 @@ int main(int argc, char** argv) {
             0.02, 3);
         report.metrics[absl::StrCat("crossover_", s.name, "_n", nt, "_sgemm_over_dot_time")] = b / a;
       }
+    }
+  }
+
+  // ---- prefill route of each integer-dot type at each vector level: the
+  // integer kernel against dequant+sgemm on SmolLM2's down projection (1536 in,
+  // 576 out; every type's blocks divide 1536), at 256 tokens and at the smaller
+  // counts where the cheaper route may change.
+  if (want("prefilltypes")) {
+    const CpuKernelLevel saved = GetCpuKernelLevel();
+    const int64_t rows = 576, cols = 1536;
+    for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_1, GgmlType::kQ4_K,
+                          GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+      const Linear lin{type, rows, cols, RandomWeights(type, rows, cols, 11)};
+      for (CpuKernelLevel level : SupportedCpuKernelLevels()) {
+        if (level == CpuKernelLevel::kScalar || !SetCpuKernelLevel(level).ok()) continue;
+        for (int n : {16, 32, 64, 128, 256}) {
+          const double flops = 2.0 * n * rows * cols;
+          const double t_dot =
+              TimeIt([&] { (void)MatMul(lin.view(), x.data(), cols, n, y.data(), rows, MatMulPath::kDot); },
+                     0.02, 3);
+          const double t_sg =
+              TimeIt([&] { (void)MatMul(lin.view(), x.data(), cols, n, y.data(), rows, MatMulPath::kSgemm); },
+                     0.02, 3);
+          const std::string key = absl::StrCat("prefill_types_", kvcache::gguf::TypeName(type), "_", cols,
+                                               "x", rows, "_n", n, "_", CpuKernelLevelName(level));
+          report.metrics[key + "_dot_gflop_per_s"] = flops / t_dot / 1e9;
+          report.metrics[key + "_sgemm_gflop_per_s"] = flops / t_sg / 1e9;
+          report.ratio[key + "_dot_over_sgemm_speed"] = t_sg / t_dot;
+        }
+      }
+      (void)SetCpuKernelLevel(saved);
     }
   }
 
