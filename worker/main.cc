@@ -13,9 +13,7 @@
 #include "common/status_macros.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
-#include "worker/backend/backend_loader.h"
-#include "worker/backend/cpu/cpu_features.h"
-#include "worker/backend/cpu/cpu_llama_runner.h"
+#include "worker/backend/backend.h"
 #include "worker/backend/cpu/omp_env.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
@@ -146,16 +144,15 @@ int Run() {
   auto chat = tok::ChatTemplate::FromGguf((*model)->file());
   if (!chat.ok()) KV_LOG_WARN("no chat template ({}); chat input is refused", chat.status().ToString());
 
-  // The CUDA backend is a plugin opened only now, after the /metrics exposer
-  // started (cuBLAS in the process stops civetweb from starting threads).
-  const backend::DeviceSpec device = *backend::ParseDevice(absl::GetFlag(FLAGS_device));
-  std::unique_ptr<backend::CudaBackend> cuda;
-  if (device.kind == backend::DeviceSpec::Kind::kCuda) {
-    auto loaded = backend::LoadCudaBackend(device, absl::GetFlag(FLAGS_cuda_plugin));
-    if (!loaded.ok()) DieWith(kName, loaded.status(), 1);
-    cuda = std::move(*loaded);
-    KV_LOG_INFO("CUDA backend on {}", cuda->Describe());
-  }
+  // The backend opens only now, after the /metrics exposer started (the CUDA
+  // plugin's cuBLAS stops civetweb from starting threads).
+  backend::BackendOptions bo;
+  bo.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
+  bo.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  bo.cpu_threads = absl::GetFlag(FLAGS_threads);
+  auto backend = backend::OpenBackend(*backend::ParseDevice(absl::GetFlag(FLAGS_device)), bo);
+  if (!backend.ok()) DieWith(kName, backend.status(), 1);
+  KV_LOG_INFO("backend: {}", (*backend)->Describe());
 
   kv::KvCacheOptions ko;
   ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),     static_cast<int>(hp.n_head_kv),
@@ -165,7 +162,7 @@ int Run() {
   ko.tier0_bytes = absl::GetFlag(FLAGS_tier0_bytes);
   ko.tier1_bytes = absl::GetFlag(FLAGS_tier1_bytes);
   ko.max_session_tokens = absl::GetFlag(FLAGS_max_context);
-  if (cuda != nullptr) ko.storage_factory = cuda->MakeTierStorageFactory();
+  ko.storage_factory = (*backend)->MakeTierStorageFactory();
   auto kv = kv::KvCacheManager::Create(ko);
   if (!kv.ok()) {
     DieWith(kName,
@@ -173,24 +170,11 @@ int Run() {
                          absl::StrCat(kv.status().message(), " (check --tier0_bytes / --tier1_bytes)")),
             1);
   }
-  cpu::CpuRunnerOptions ro;
-  ro.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
-  ro.threads = absl::GetFlag(FLAGS_threads);
-  absl::StatusOr<model::ModelRunnerPtr> runner;
-  if (cuda != nullptr) {
-    runner = cuda->CreateRunner(**model, (*kv)->tier_storage(0), ko.shape, {ro.max_batch_tokens});
-  } else {
-    auto cpu_runner = cpu::CpuLlamaRunner::Create(model->get(), kv->get(), ro);
-    if (cpu_runner.ok()) {
-      runner = model::ModelRunnerPtr(std::move(*cpu_runner));
-    } else {
-      runner = cpu_runner.status();
-    }
-  }
+  absl::StatusOr<model::ModelRunnerPtr> runner = (*backend)->CreateRunner(**model, **kv);
   if (!runner.ok()) DieWith(kName, runner.status(), 1);
 
   sched::EngineOptions eo;
-  eo.max_batch_tokens = ro.max_batch_tokens;
+  eo.max_batch_tokens = bo.max_batch_tokens;
   eo.max_step_time = absl::GetFlag(FLAGS_max_step_ms) < 0
                          ? absl::Milliseconds(-1)
                          : absl::Microseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_max_step_ms) * 1000));
