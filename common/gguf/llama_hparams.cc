@@ -105,6 +105,8 @@ absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& f) {
   KVCACHE_ASSIGN_OR_RETURN(
       h.rope_scaling.original_context_length,
       OptionalInt(f, p + "rope.scaling.original_context_length", 0, 0, int64_t{1} << 32));
+  KVCACHE_ASSIGN_OR_RETURN(h.rope_scaling.attn_factor,
+                           OptionalDouble(f, p + "rope.scaling.attn_factor", 1.0));
   KVCACHE_ASSIGN_OR_RETURN(h.sliding_window,
                            OptionalInt(f, p + "attention.sliding_window", 0, 0, int64_t{1} << 32));
 

@@ -19,6 +19,7 @@ struct RopeScaling {
   std::string type = "none";            // "none", "linear", "yarn", ...
   double factor = 1.0;                  // context extension factor
   int64_t original_context_length = 0;  // 0 when not given
+  double attn_factor = 1.0;             // rope.scaling.attn_factor: scales RoPE's cos and sin
 };
 
 // The GGUF architectures this decoder runs, and how each differs from Llama:

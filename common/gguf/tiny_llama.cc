@@ -136,6 +136,14 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
     w.AddUint32(key + "attention.value_length", static_cast<uint32_t>(head_dim));
   }
   w.AddFloat32(key + "rope.freq_base", static_cast<float>(o.rope_freq_base));
+  if (!o.rope_scaling_type.empty()) {
+    w.AddString(key + "rope.scaling.type", o.rope_scaling_type);
+    w.AddFloat32(key + "rope.scaling.factor", static_cast<float>(o.rope_scaling_factor));
+    if (o.rope_scaling_original_ctx > 0) {
+      w.AddUint32(key + "rope.scaling.original_context_length",
+                  static_cast<uint32_t>(o.rope_scaling_original_ctx));
+    }
+  }
   w.AddFloat32(key + "attention.layer_norm_rms_epsilon", static_cast<float>(o.norm_eps));
   w.AddUint32(key + "rope.dimension_count", static_cast<uint32_t>(head_dim));
   w.AddUint32(key + "vocab_size", static_cast<uint32_t>(n_vocab));
@@ -274,6 +282,20 @@ std::vector<NamedTinyModel> ArchitectureReferenceModels() {
     o.rope_freq_base = 10000.0;
     o.seed = 23;
     out.push_back({"llama_spm_real_vocab", o, "llama-spm"});
+  }
+  {  // Qwen 2.5 / Qwen 3 "128K" files: YaRN, factor 4 over a 32-token original
+     // context, so the 12 test positions span the ramp between extrapolated and
+     // interpolated pairs (correction dims 0 and 2 of 8), cos and sin scaled by
+     // 1 + 0.1 ln 4.
+    TinyLlamaOptions o;
+    o.architecture = "qwen2";
+    o.rope_freq_base = 10000.0;
+    o.rope_scaling_type = "yarn";
+    o.rope_scaling_factor = 4.0;
+    o.rope_scaling_original_ctx = 32;
+    o.seed = 15;
+    o.weight_scale = kScale;
+    out.push_back({"qwen2_yarn", o, ""});
   }
   return out;
 }

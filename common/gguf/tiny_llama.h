@@ -32,6 +32,11 @@ struct TinyLlamaOptions {
   int64_t n_ctx = 256;
   int64_t sliding_window = 0;  // written when > 0
   double rope_freq_base = 10000.0;
+  // Written when rope_scaling_type is not empty: rope.scaling.type, .factor and
+  // .original_context_length (when > 0).
+  std::string rope_scaling_type;
+  double rope_scaling_factor = 1.0;
+  int64_t rope_scaling_original_ctx = 0;
   double norm_eps = 1e-5;
   bool tied_embeddings = true;  // false: also write output.weight
   bool rope_freqs = false;      // write rope_freqs.weight (Llama 3.1 style, factors 1..8)

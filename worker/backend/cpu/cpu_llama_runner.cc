@@ -27,17 +27,8 @@ absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const mod
   }
   if (kv->Tier0PageData(0) == nullptr) return absl::FailedPreconditionError("tier 0 is not host memory");
   const PageLayout layout = s.layout();
-  RopeParams rp;
-  rp.head_dim = static_cast<int>(hp.head_dim);
-  rp.freq_base = static_cast<float>(hp.rope_freq_base);
-  rp.neox = hp.rope_neox;
-  rp.freq_factors = model->rope_freqs();
-  if (hp.rope_scaling.type == "linear" && hp.rope_scaling.factor > 0) {
-    rp.freq_scale = static_cast<float>(1.0 / hp.rope_scaling.factor);
-  } else if (hp.rope_scaling.type != "none" && hp.rope_scaling.factor != 1.0) {
-    return absl::UnimplementedError(absl::StrCat("rope scaling '", hp.rope_scaling.type, "'"));
-  }
-  const int max_positions = static_cast<int>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096);
+  KVCACHE_ASSIGN_OR_RETURN(const RopeParams rp, model::RopeParamsFor(hp, model->rope_freqs()));
+  const int max_positions = model::RopeMaxPositions(hp);
   KVCACHE_ASSIGN_OR_RETURN(RopeTable rope, RopeTable::Create(rp, max_positions));
   if (options.threads > 0) SetNumThreads(options.threads);
   return std::unique_ptr<CpuLlamaRunner>(new CpuLlamaRunner(model, kv, options, layout, std::move(rope)));

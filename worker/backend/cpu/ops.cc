@@ -194,7 +194,8 @@ absl::StatusOr<RopeTable> RopeTable::Create(const RopeParams& params, int max_po
       params.freq_factors.empty() || static_cast<int>(params.freq_factors.size()) == params.head_dim / 2;
   for (float f : params.freq_factors) factors_ok = factors_ok && f > 0.0f && std::isfinite(f);
   if (params.head_dim <= 0 || params.head_dim % 2 != 0 || !(params.freq_base > 0.0f) ||
-      !(params.freq_scale > 0.0f) || max_positions <= 0 || !factors_ok) {
+      !(params.freq_scale > 0.0f) || !(params.attn_factor > 0.0f) || max_positions <= 0 || !factors_ok ||
+      (params.yarn && params.yarn_orig_ctx <= 0)) {
     return absl::InvalidArgumentError(absl::StrCat("RopeTable: bad params head_dim=", params.head_dim,
                                                    " base=", params.freq_base, " scale=", params.freq_scale,
                                                    " freq_factors=", params.freq_factors.size(),
@@ -206,14 +207,9 @@ absl::StatusOr<RopeTable> RopeTable::Create(const RopeParams& params, int max_po
   table.sin_.resize(static_cast<size_t>(max_positions) * d);
   for (int p = 0; p < max_positions; ++p) {
     for (int i = 0; i < d / 2; ++i) {
-      double theta = static_cast<double>(p) * params.freq_scale *
-                     std::pow(static_cast<double>(params.freq_base), -2.0 * i / d);
-      // The same operations as the CUDA backend's RopeTheta (bit-exact tables).
-      if (!params.freq_factors.empty() && params.freq_factors[i] != 1.0f) {
-        theta /= static_cast<double>(params.freq_factors[i]);
-      }
-      const float c = static_cast<float>(std::cos(theta));
-      const float s = static_cast<float>(std::sin(theta));
+      const model::RopeAngle r = model::RopeAt(params, p, i);
+      const float c = static_cast<float>(r.cos);
+      const float s = static_cast<float>(r.sin);
       const size_t a = static_cast<size_t>(p) * d + (params.neox ? i : 2 * i);
       const size_t b = a + (params.neox ? d / 2 : 1);
       table.cos_[a] = c;

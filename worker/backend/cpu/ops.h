@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "worker/backend/cpu/matmul.h"
+#include "worker/model/rope.h"
 
 namespace kvcache::cpu {
 
@@ -44,24 +45,15 @@ int64_t Argmax(const float* x, int64_t n);
 // INVALID_ARGUMENT when an id is outside [0, table.rows).
 absl::Status GetRows(const WeightView& table, absl::Span<const int32_t> ids, float* out);
 
-// Rotary position embedding. Pair i of a head is rotated by theta_i(p) = p *
-// freq_scale * freq_base^(-2i/head_dim) / freq_factors[i] (freq_scale = 1 /
-// the linear scaling factor; freq_factors, Llama 3.1's rope_freqs, default 1).
-// Llama ("NORM") style pairs adjacent values (x[2i], x[2i+1]); NeoX style
-// (Qwen) pairs the halves (x[i], x[i + head_dim/2]).
-struct RopeParams {
-  int head_dim = 64;  // rotated dims (all of the head); REQUIRES even
-  float freq_base = 10000.0f;
-  float freq_scale = 1.0f;
-  bool neox = false;
-  std::vector<float> freq_factors;  // empty, or head_dim / 2 positive values
-};
+// Rotary position embedding: the model's RoPE (worker/model/rope.h: angles,
+// frequency factors, linear and YaRN scaling) as a table.
+using model::RopeParams;
 
-// cos/sin of every position below max_positions, precomputed in double and
-// stored as f32 in the form the rotation consumes. Pair i of position p is the
-// slots (a, b) = (2i, 2i+1), or (i, i + head_dim/2) for NeoX:
-//   cos_row(p)[a] = cos_row(p)[b] = cos(theta_i(p)),
-//   sin_row(p)[a] = -sin(theta_i(p)), sin_row(p)[b] = +sin(theta_i(p)),
+// cos/sin of every position below max_positions (model::RopeAt, in double,
+// magnitude included), stored as f32 in the form the rotation consumes. Pair i
+// of position p is the slots (a, b) = (2i, 2i+1), or (i, i + head_dim/2) for NeoX:
+//   cos_row(p)[a] = cos_row(p)[b] = cos_i(p),
+//   sin_row(p)[a] = -sin_i(p), sin_row(p)[b] = +sin_i(p),
 // so x' = x * cos_row + swap(x) * sin_row, swap exchanging each pair's slots.
 class RopeTable {
  public:

@@ -16,6 +16,7 @@
 #include "worker/backend/cuda/embedding.h"
 #include "worker/backend/cuda/kernel_math.h"
 #include "worker/backend/cuda/norm_rope.h"
+#include "worker/model/rope.h"
 
 namespace kvcache::cuda {
 namespace {
@@ -123,12 +124,9 @@ absl::Status CudaLlamaRunner::Init() {
   const gguf::LlamaHparams& hp = model_.hparams();
   KVCACHE_RETURN_IF_ERROR(ctx_.Activate());
   KVCACHE_RETURN_IF_ERROR(AttentionSupports(layout_, static_cast<int>(hp.n_head)));
-  if (hp.rope_scaling.type != "none" && hp.rope_scaling.type != "linear" && hp.rope_scaling.factor != 1.0) {
-    return absl::UnimplementedError(absl::StrCat("rope scaling '", hp.rope_scaling.type, "'"));
-  }
-  const double freq_scale =
-      hp.rope_scaling.type == "linear" && hp.rope_scaling.factor > 0 ? 1.0 / hp.rope_scaling.factor : 1.0;
-  max_positions_ = static_cast<int>(hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096);
+  KVCACHE_ASSIGN_OR_RETURN(const model::RopeParams rope_params,
+                           model::RopeParamsFor(hp, model_.rope_freqs()));
+  max_positions_ = model::RopeMaxPositions(hp);
   const int64_t d = hp.n_embd, hd = hp.head_dim, ff = hp.n_ff;
   qkv_rows_ = (hp.n_head + 2 * hp.n_head_kv) * hd;
 
@@ -161,9 +159,7 @@ absl::Status CudaLlamaRunner::Init() {
   }
   KVCACHE_ASSIGN_OR_RETURN(output_norm_, UploadF32(model_.output_norm(), "output_norm"));
   std::vector<float> rope(static_cast<size_t>(max_positions_) * hd);
-  RopeCosSinTable(static_cast<int>(hd), hp.rope_freq_base, freq_scale,
-                  model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data(), max_positions_,
-                  rope.data());
+  RopeCosSinTable(rope_params, max_positions_, rope.data());
   KVCACHE_ASSIGN_OR_RETURN(rope_, UploadF32(rope, "rope table"));
 
   const int64_t t = options_.max_batch_tokens;

@@ -34,18 +34,6 @@ KV_HD inline float RmsScale(float sum_sq, int64_t n, float eps) {
   return 1.0f / sqrtf(sum_sq / static_cast<float>(n) + eps);
 }
 
-// RoPE angle of pair `pair` (elements 2*pair, 2*pair+1, or pair, pair +
-// head_dim/2 for NeoX) at position `pos`, in double exactly as the CPU backend's
-// RopeTable computes it:
-//   theta = pos * freq_scale * freq_base^(-2 pair / head_dim) / freq_factor
-// (freq_factor: Llama 3.1's rope_freqs entry for the pair, else 1).
-KV_HD inline double RopeTheta(int pos, int pair, int head_dim, double freq_base, double freq_scale,
-                              double freq_factor = 1.0) {
-  double theta = static_cast<double>(pos) * freq_scale * pow(freq_base, -2.0 * pair / head_dim);
-  if (freq_factor != 1.0) theta /= freq_factor;
-  return theta;
-}
-
 // Rotates one pair (adjacent for llama NORM RoPE, half a head apart for NeoX) by
 // the angle whose cos/sin are given.
 KV_HD inline void RopeRotate(float* x0, float* x1, float c, float s) {

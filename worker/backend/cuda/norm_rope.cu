@@ -90,17 +90,4 @@ absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int h
   return LastLaunchStatus("RopeKernel");
 }
 
-void RopeCosSinTable(int head_dim, double freq_base, double freq_scale, const float* freq_factors,
-                     int max_positions, float* out) {
-  const int half = head_dim / 2;
-  for (int p = 0; p < max_positions; ++p) {
-    for (int i = 0; i < half; ++i) {
-      const double factor = freq_factors != nullptr ? static_cast<double>(freq_factors[i]) : 1.0;
-      const double theta = RopeTheta(p, i, head_dim, freq_base, freq_scale, factor);
-      out[(int64_t{p} * half + i) * 2] = static_cast<float>(std::cos(theta));
-      out[(int64_t{p} * half + i) * 2 + 1] = static_cast<float>(std::sin(theta));
-    }
-  }
-}
-
 }  // namespace kvcache::cuda

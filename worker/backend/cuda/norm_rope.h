@@ -11,6 +11,10 @@
 #include "absl/status/status.h"
 #include "worker/backend/cuda/stream.h"
 
+namespace kvcache::model {
+struct RopeParams;  // worker/model/rope.h
+}  // namespace kvcache::model
+
 namespace kvcache::cuda {
 
 // y[r][i] = f16(x[rows[r]][i] * RmsScale(sum_j x[rows[r]][j]^2, n, eps) * weight[i]).
@@ -33,11 +37,10 @@ absl::Status HeadRmsNorm(float* x, int n_tokens, int64_t row_stride, int n_heads
 absl::Status Rope(float* x, int n_tokens, int64_t row_stride, int n_heads, int head_dim, bool neox,
                   const float* cos_sin, const int32_t* positions, cudaStream_t stream);
 
-// Host table for Rope: [max_positions][head_dim / 2] (cos, sin) pairs, computed in
-// double (RopeTheta, kernel_math.h) then rounded to f32, as the CPU backend does.
-// freq_factors: [head_dim / 2] divisors (Llama 3.1's rope_freqs) or null.
-void RopeCosSinTable(int head_dim, double freq_base, double freq_scale, const float* freq_factors,
-                     int max_positions, float* out);
+// Host table for Rope: [max_positions][head_dim / 2] (cos, sin) pairs of the
+// model's RoPE (model::RopeAt in double, then rounded to f32, as the CPU
+// backend's RopeTable does). Defined in rope_table.cc (host code).
+void RopeCosSinTable(const model::RopeParams& params, int max_positions, float* out);
 
 }  // namespace kvcache::cuda
 

@@ -237,8 +237,7 @@ TEST(CudaKernelsTest, RmsNormRopeSwiGluMatchCpu) {
       auto table = cpu::RopeTable::Create(rp, 1024);
       ASSERT_TRUE(table.ok());
       std::vector<float> cs(1024 * hd);
-      RopeCosSinTable(hd, rp.freq_base, rp.freq_scale, factors ? rp.freq_factors.data() : nullptr, 1024,
-                      cs.data());
+      RopeCosSinTable(rp, 1024, cs.data());
       std::vector<float> qk = Random(t * stride, 3);
       std::vector<float> dense(t * heads * hd);
       for (int i = 0; i < t; ++i) std::copy_n(&qk[i * stride], heads * hd, &dense[i * heads * hd]);

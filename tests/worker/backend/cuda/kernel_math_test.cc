@@ -58,14 +58,15 @@ TEST(KernelMathTest, RopeMatchesCpuTable) {
   ASSERT_TRUE(table.ok()) << table.status();
   for (int p : {0, 1, 17, 299}) {
     for (int i = 0; i < hd / 2; ++i) {
-      const double theta = RopeTheta(p, i, hd, rp.freq_base, rp.freq_scale);
-      // Bit-exact: the same double formula, rounded to f32 once.
-      EXPECT_EQ(static_cast<float>(std::cos(theta)), table->cos_row(p)[2 * i]);
-      EXPECT_EQ(static_cast<float>(std::sin(theta)), table->sin_row(p)[2 * i + 1]);
+      const model::RopeAngle a = model::RopeAt(rp, p, i);
+      // Bit-exact: the model's angle in double, rounded to f32 once, in slots 2i and 2i + 1.
+      EXPECT_EQ(static_cast<float>(a.cos), table->cos_row(p)[2 * i]);
+      EXPECT_EQ(static_cast<float>(a.cos), table->cos_row(p)[2 * i + 1]);
+      EXPECT_EQ(static_cast<float>(-a.sin), table->sin_row(p)[2 * i]);
+      EXPECT_EQ(static_cast<float>(a.sin), table->sin_row(p)[2 * i + 1]);
     }
   }
-  // Llama 3.1 frequency factors and NeoX pairing: the same angles, divided, in
-  // slots i and i + head_dim/2.
+  // NeoX pairing: slots i and i + head_dim/2.
   cpu::RopeParams np = rp;
   np.neox = true;
   for (int i = 0; i < hd / 2; ++i) np.freq_factors.push_back(1.0f + 0.25f * i);
@@ -73,11 +74,11 @@ TEST(KernelMathTest, RopeMatchesCpuTable) {
   ASSERT_TRUE(neox.ok()) << neox.status();
   for (int p : {0, 3, 299}) {
     for (int i = 0; i < hd / 2; ++i) {
-      const double theta = RopeTheta(p, i, hd, np.freq_base, np.freq_scale, np.freq_factors[i]);
-      EXPECT_EQ(static_cast<float>(std::cos(theta)), neox->cos_row(p)[i]);
-      EXPECT_EQ(static_cast<float>(std::cos(theta)), neox->cos_row(p)[i + hd / 2]);
-      EXPECT_EQ(static_cast<float>(-std::sin(theta)), neox->sin_row(p)[i]);
-      EXPECT_EQ(static_cast<float>(std::sin(theta)), neox->sin_row(p)[i + hd / 2]);
+      const model::RopeAngle a = model::RopeAt(np, p, i);
+      EXPECT_EQ(static_cast<float>(a.cos), neox->cos_row(p)[i]);
+      EXPECT_EQ(static_cast<float>(a.cos), neox->cos_row(p)[i + hd / 2]);
+      EXPECT_EQ(static_cast<float>(-a.sin), neox->sin_row(p)[i]);
+      EXPECT_EQ(static_cast<float>(a.sin), neox->sin_row(p)[i + hd / 2]);
     }
   }
   // The rotation itself, on two heads of three tokens.
@@ -87,9 +88,9 @@ TEST(KernelMathTest, RopeMatchesCpuTable) {
   for (int t = 0; t < 3; ++t) {
     for (int h = 0; h < 2; ++h) {
       for (int i = 0; i < hd / 2; ++i) {
-        const double theta = RopeTheta(pos[t], i, hd, rp.freq_base, rp.freq_scale);
+        const model::RopeAngle a = model::RopeAt(rp, pos[t], i);
         float* p = &x[(t * 2 + h) * hd + 2 * i];
-        RopeRotate(p, p + 1, static_cast<float>(std::cos(theta)), static_cast<float>(std::sin(theta)));
+        RopeRotate(p, p + 1, static_cast<float>(a.cos), static_cast<float>(a.sin));
         EXPECT_NEAR(p[0], ref[(t * 2 + h) * hd + 2 * i], 1e-6f);
         EXPECT_NEAR(p[1], ref[(t * 2 + h) * hd + 2 * i + 1], 1e-6f);
       }
