@@ -84,14 +84,35 @@ void SplitGpt2(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, Em
   }
 }
 
-// Llama 3 / Qwen2 pre-tokenizer regex, hand-written:
-//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,D}|
-//    ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
-// with D = max_digits (3 for Llama 3, 1 for Qwen2), over code points [b, e)
-// of a piece, in the order llama.cpp's unicode_regex_split_custom_llama3 /
-// _qwen2 try the alternatives.
+// The pre-tokenizer regexes of the Llama 3 family, which differ only in a few
+// alternatives:
+//   Llama 3 / Qwen2:
+//     (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,D}|
+//      ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+//   with D = 3 (Llama 3) or 1 (Qwen2);
+//   Tekken (Mistral Nemo), as llama.cpp adapts it for std::regex:
+//     [^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|
+//     [^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}|
+//      ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+struct SplitRules {
+  bool contractions;  // the leading (?i:'s|...) alternative
+  // Tekken's two letter alternatives instead of [^\r\n\p{L}\p{N}]?\p{L}+.
+  // "Upper" is a letter that is not a-z, "lower" one that is not A-Z: a
+  // non-ASCII letter is both, whatever its case (llama.cpp runs this regex
+  // on text where every non-ASCII letter is one placeholder byte).
+  bool case_words;
+  size_t max_digits;  // \p{N}{1,max_digits}
+  bool slash_tail;    // [\r\n/]* after punctuation, else [\r\n]*
+};
+constexpr SplitRules kLlama3Rules = {true, false, 3, false};
+constexpr SplitRules kQwen2Rules = {true, false, 1, false};
+constexpr SplitRules kTekkenRules = {false, true, 1, true};
+
+// One of those regexes, hand-written, over code points [b, e) of a piece,
+// trying the alternatives in order as llama.cpp's matchers do
+// (unicode_regex_split_custom_llama3 / _qwen2; std::regex for Tekken).
 template <typename Emit>
-void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, size_t max_digits,
+void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, const SplitRules& rules,
                  Emit&& emit) {
   auto flag_at = [&](size_t i) -> uint8_t { return i < e ? flags[i] : kSentinel; };
   auto cp_at = [&](size_t i) -> uint32_t { return i < e ? cps[i] : 0xFFFFFFFFu; };
@@ -99,8 +120,11 @@ void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, 
   auto is_letter = [&](size_t i) { return (flag_at(i) & (kLetter | kSentinel)) == kLetter; };
   auto is_number = [&](size_t i) { return (flag_at(i) & (kNumber | kSentinel)) == kNumber; };
   auto is_space = [&](size_t i) { return (flag_at(i) & (kWhitespace | kSentinel)) == kWhitespace; };
+  auto is_upper = [&](size_t i) { return is_letter(i) && !(cps[i] >= 'a' && cps[i] <= 'z'); };
+  auto is_lower = [&](size_t i) { return is_letter(i) && !(cps[i] >= 'A' && cps[i] <= 'Z'); };
   // [^\s\p{L}\p{N}] inside the piece.
   auto other = [](uint8_t f) { return (f & (kWhitespace | kLetter | kNumber | kSentinel)) == 0; };
+  auto is_tail = [&](uint32_t c) { return c == '\r' || c == '\n' || (rules.slash_tail && c == '/'); };
   size_t prev = b;
   auto add = [&](size_t end) {
     if (end > prev) emit(prev, end);
@@ -109,7 +133,7 @@ void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, 
   size_t pos = b;
   while (pos < e) {
     const uint32_t cp = cps[pos];
-    if (cp == '\'' && pos + 1 < e) {
+    if (rules.contractions && cp == '\'' && pos + 1 < e) {
       const uint32_t n1 = lower(cps[pos + 1]);
       if (n1 == 's' || n1 == 't' || n1 == 'm' || n1 == 'd') {
         pos += 2;
@@ -125,9 +149,31 @@ void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, 
         }
       }
     }
-    // [^\r\n\p{L}\p{N}]?\p{L}+
-    if (!(cp == '\r' || cp == '\n' || is_number(pos)) && (is_letter(pos) || is_letter(pos + 1))) {
-      ++pos;
+    // [^\r\n\p{L}\p{N}]? before a word: taken when it is there.
+    const size_t word = pos + (cp == '\r' || cp == '\n' || is_number(pos) || is_letter(pos) ? 0 : 1);
+    if (rules.case_words) {
+      // upper* lower+: lower+ starts at the last lower letter at or after
+      // the start of the upper run and at most one past its end; when that
+      // letter is inside the run (a non-ASCII letter, which counts as both
+      // cases), lower+ is that letter alone ...
+      size_t upper_end = word;
+      while (is_upper(upper_end)) ++upper_end;
+      size_t lower_start = upper_end + 1;
+      while (lower_start > word && !is_lower(lower_start - 1)) --lower_start;
+      if (lower_start > word) {
+        pos = lower_start;
+        while (is_lower(pos)) ++pos;
+        add(pos);
+        continue;
+      }
+      // ... else upper+ lower* (lower* is empty here).
+      if (upper_end > word) {
+        pos = upper_end;
+        add(pos);
+        continue;
+      }
+    } else if (is_letter(word)) {  // \p{L}+
+      pos = word;
       while (is_letter(pos)) ++pos;
       add(pos);
       continue;
@@ -137,7 +183,7 @@ void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, 
       size_t run = 0;
       while (is_number(pos)) {
         ++pos;
-        if (++run == max_digits) {
+        if (++run == rules.max_digits) {
           add(pos);
           run = 0;
         }
@@ -145,12 +191,12 @@ void SplitLlama3(const uint32_t* cps, const uint8_t* flags, size_t b, size_t e, 
       add(pos);
       continue;
     }
-    // " ?[^\s\p{L}\p{N}]+[\r\n]*"
+    // " ?[^\s\p{L}\p{N}]+[\r\n]*" (or [\r\n/]*)
     const uint8_t f2 = cp == ' ' ? flag_at(pos + 1) : flags[pos];
     if ((f2 & (kWhitespace | kLetter | kNumber)) == 0) {
       if (cp == ' ') ++pos;
       while (other(flag_at(pos))) ++pos;
-      while (cp_at(pos) == '\r' || cp_at(pos) == '\n') ++pos;
+      while (is_tail(cp_at(pos))) ++pos;
       add(pos);
       continue;
     }
@@ -261,7 +307,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const gguf::GgufF
     for (int32_t* d : {&spec.bos_id, &spec.eos_id, &spec.unk_id}) {
       if (*d >= static_cast<int32_t>(spec.tokens.size())) *d = -1;
     }
-  } else if (spec.pre == "llama3" || spec.pre == "llama-v3" || spec.pre == "llama-bpe") {
+  } else if (spec.pre == "llama3" || spec.pre == "llama-v3" || spec.pre == "llama-bpe" ||
+             spec.pre == "tekken") {
     spec.add_bos = true;
   }
   auto id = [&](const char* key, int32_t* out) -> absl::Status {
@@ -311,6 +358,9 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
   } else if (spec.pre == "llama3" || spec.pre == "llama-v3" || spec.pre == "llama-bpe") {
     pre_ = PreKind::kLlama3;
     ignore_merges_ = true;
+  } else if (spec.pre == "tekken") {
+    pre_ = PreKind::kTekken;
+    ignore_merges_ = true;
   } else if (spec.pre == "qwen2" || spec.pre == "deepseek-r1-qwen" || spec.pre == "megrez" ||
              spec.pre == "stablelm2") {
     pre_ = PreKind::kQwen2;
@@ -324,7 +374,7 @@ absl::Status Tokenizer::Init(VocabSpec spec) {
   } else {
     return absl::UnimplementedError(
         absl::StrCat("pre-tokenizer '", spec.pre,
-                     "' is not supported (supported: llama-bpe, llama3, qwen2, deepseek-r1-qwen, "
+                     "' is not supported (supported: llama-bpe, llama3, tekken, qwen2, deepseek-r1-qwen, "
                      "smollm, starcoder, refact, command-r, codeshell, exaone, minerva-7b, gpt-2, mpt, "
                      "olmo, jais)"));
   }
@@ -495,8 +545,11 @@ void Tokenizer::EncodeFragment(absl::string_view text, std::vector<int32_t>* out
     SplitGpt2(cps.data(), flags.data(), 0, cps.size(), emit);
     return;
   }
-  if (pre_ == PreKind::kLlama3 || pre_ == PreKind::kQwen2) {
-    SplitLlama3(cps.data(), flags.data(), 0, cps.size(), pre_ == PreKind::kLlama3 ? 3 : 1, emit);
+  if (pre_ == PreKind::kLlama3 || pre_ == PreKind::kQwen2 || pre_ == PreKind::kTekken) {
+    const SplitRules& rules = pre_ == PreKind::kLlama3  ? kLlama3Rules
+                              : pre_ == PreKind::kQwen2 ? kQwen2Rules
+                                                        : kTekkenRules;
+    SplitLlama3(cps.data(), flags.data(), 0, cps.size(), rules, emit);
     return;
   }
   // smollm: first `\p{N}` isolates every number code point, then GPT-2 runs

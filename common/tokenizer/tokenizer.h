@@ -1,15 +1,15 @@
 // Tokenizer built from a GGUF vocabulary, matching llama.cpp's `llama_tokenize`
 // / `llama_token_to_piece` for
 //   - byte-level BPE (`tokenizer.ggml.model = gpt2`) with the pre-tokenizers
-//     "smollm" (SmolLM2, StarCoder, ...), "gpt-2", "llama-bpe" (Llama 3) and
-//     "qwen2" (Qwen 2.5 / Qwen3), and
+//     "smollm" (SmolLM2, StarCoder, ...), "gpt-2", "llama-bpe" (Llama 3),
+//     "qwen2" (Qwen 2.5 / Qwen3) and "tekken" (Mistral Nemo, Mistral Small 3,
+//     Pixtral), and
 //   - SentencePiece (`tokenizer.ggml.model = llama`: Llama 2, Mistral), with
 //     score-driven merges, `<0xNN>` byte fallback and the leading-space prefix.
-// Other models and pre-tokenizers (e.g. Mistral Nemo's "tekken") are a clear
-// UNIMPLEMENTED error at load time.
-// FromGguf applies llama.cpp's per-model defaults (add_bos for SentencePiece
-// and llama-bpe, add_space_prefix for SentencePiece) and then the GGUF keys
-// that override them.
+// Other models and pre-tokenizers are a clear UNIMPLEMENTED error at load time.
+// FromGguf applies llama.cpp's per-model defaults (add_bos for SentencePiece,
+// llama-bpe and tekken, add_space_prefix for SentencePiece) and then the GGUF
+// keys that override them.
 //
 //   KVCACHE_ASSIGN_OR_RETURN(auto tok, Tokenizer::FromGguf(*file));
 //   std::vector<int32_t> ids = tok->Encode(prompt, {.add_special = true,
@@ -114,7 +114,7 @@ class Tokenizer {
     int32_t rank;
     int32_t result;  // symbol id of the merged string
   };
-  enum class PreKind { kGpt2, kSmollm, kLlama3, kQwen2 };
+  enum class PreKind { kGpt2, kSmollm, kLlama3, kQwen2, kTekken };
 
   Tokenizer() = default;
   absl::Status Init(VocabSpec spec);
@@ -131,8 +131,8 @@ class Tokenizer {
   VocabSpec spec_;
   bool spm_ = false;  // SentencePiece, else byte-level BPE
   PreKind pre_ = PreKind::kSmollm;
-  // llama-bpe: a pre-tokenized word that is itself a token is emitted whole,
-  // without running the merges (llama.cpp's ignore_merges).
+  // llama-bpe, tekken: a pre-tokenized word that is itself a token is emitted
+  // whole, without running the merges (llama.cpp's ignore_merges).
   bool ignore_merges_ = false;
   std::vector<float> scores_;
   std::vector<std::string> tokens_;

@@ -2,7 +2,9 @@
 // tokenizes lines of "<add_special> <parse_special> <hex text>" from stdin with
 // llama.cpp's own llama_tokenize on a vocabulary-only model, and prints the ids
 // of each line; then, for every id in "pieces <id>..." lines, the hex of
-// llama_token_to_piece(special = true) and (special = false).
+// llama_token_to_piece(special = true) and (special = false); and for
+// "detok <remove_special> <unparse_special> <id>..." lines, the hex of
+// llama_detokenize of those ids.
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -18,16 +20,33 @@ static std::string FromHex(const std::string& h) {
   return out;
 }
 
-static std::string Piece(const llama_vocab* vocab, llama_token id, bool special) {
-  char buf[512];
-  const int n = llama_token_to_piece(vocab, id, buf, sizeof(buf), 0, special);
+static std::string ToHex(const char* data, int n) {
   std::string hex;
   char tmp[3];
   for (int i = 0; i < n; ++i) {
-    snprintf(tmp, sizeof(tmp), "%02x", static_cast<unsigned char>(buf[i]));
+    snprintf(tmp, sizeof(tmp), "%02x", static_cast<unsigned char>(data[i]));
     hex += tmp;
   }
   return hex;
+}
+
+static std::string Piece(const llama_vocab* vocab, llama_token id, bool special) {
+  char buf[512];
+  const int n = llama_token_to_piece(vocab, id, buf, sizeof(buf), 0, special);
+  return ToHex(buf, n);
+}
+
+static std::string Detokenize(const llama_vocab* vocab, const std::vector<llama_token>& ids,
+                              bool remove_special, bool unparse_special) {
+  std::vector<char> buf(ids.size() * 16 + 64);
+  int n = llama_detokenize(vocab, ids.data(), static_cast<int32_t>(ids.size()), buf.data(),
+                           static_cast<int32_t>(buf.size()), remove_special, unparse_special);
+  if (n < 0) {  // -n: the size it needs
+    buf.resize(-n);
+    n = llama_detokenize(vocab, ids.data(), static_cast<int32_t>(ids.size()), buf.data(),
+                         static_cast<int32_t>(buf.size()), remove_special, unparse_special);
+  }
+  return ToHex(buf.data(), n);
 }
 
 int main(int argc, char** argv) {
@@ -51,6 +70,14 @@ int main(int argc, char** argv) {
       int id;
       while (in >> id) std::cout << Piece(vocab, id, true) << "," << Piece(vocab, id, false) << " ";
       std::cout << "\n";
+      continue;
+    }
+    if (kind == "detok") {
+      int remove, unparse, id;
+      in >> remove >> unparse;
+      std::vector<llama_token> ids;
+      while (in >> id) ids.push_back(id);
+      std::cout << Detokenize(vocab, ids, remove == 1, unparse == 1) << "\n";
       continue;
     }
     int parse;
