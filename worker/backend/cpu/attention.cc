@@ -23,18 +23,9 @@ constexpr int kMaxItemRows = 32;
 // Keys below which a (sequence, kv head, query block) is never split.
 constexpr int kMinSplitKeys = 256;
 
-// ---- Inner loops, per ISA level ----
-struct AttnKernels {
-  // dst[j][0..width) = f32(src + j * src_stride bytes), j < n.
-  void (*to_f32)(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width, float* dst);
-  // s[j] = q · kf[j * ld .. + hd), j < n.  q: [hd].
-  void (*scores)(const float* q, const float* kf, int64_t ld, int n, int hd, float* s);
-  // s[j] = e^(s[j] - m) for j < n; returns the sum. s has room for n rounded up to 8.
-  float (*exp_sum)(float* s, int n, float m);
-  // o[0..hd) = o * corr + sum_j p[j] * vf[j * ld .. + hd).
-  void (*pv)(float* o, const float* p, const float* vf, int64_t ld, int n, int hd, float corr);
-};
+// ---- Scalar inner loops (the reference path) ----
 
+// dst[j][0..width) = f32(src + j * src_stride bytes), j < n.
 void ToF32Scalar(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width, float* dst) {
   for (int j = 0; j < n; ++j) {
     const uint8_t* row = src + j * src_stride;
@@ -58,6 +49,7 @@ void ToF32Scalar(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, i
   }
 }
 
+// s[j] = q · kf[j * ld .. + hd), j < n.  q: [hd].
 void ScoresScalar(const float* q, const float* kf, int64_t ld, int n, int hd, float* s) {
   for (int j = 0; j < n; ++j) {
     float sum = 0.0f;
@@ -66,6 +58,7 @@ void ScoresScalar(const float* q, const float* kf, int64_t ld, int n, int hd, fl
   }
 }
 
+// s[j] = e^(s[j] - m) for j < n; returns the sum.
 float ExpSumScalar(float* s, int n, float m) {
   float sum = 0.0f;
   for (int j = 0; j < n; ++j) {
@@ -75,108 +68,12 @@ float ExpSumScalar(float* s, int n, float m) {
   return sum;
 }
 
+// o[0..hd) = o * corr + sum_j p[j] * vf[j * ld .. + hd).
 void PvScalar(float* o, const float* p, const float* vf, int64_t ld, int n, int hd, float corr) {
   for (int i = 0; i < hd; ++i) {
     float acc = o[i] * corr;
     for (int j = 0; j < n; ++j) acc += p[j] * vf[j * ld + i];
     o[i] = acc;
-  }
-}
-
-// AVX2 versions. REQUIRES hd % 8 == 0 (checked by the dispatcher).
-KVCACHE_TARGET_AVX2 void ToF32Avx2(const uint8_t* src, int64_t src_stride, KvDtype dtype, int n, int width,
-                                   float* dst) {
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* row = src + j * src_stride;
-    float* d = dst + static_cast<int64_t>(j) * width;
-    for (int i = 0; i < width; i += 8) {
-      __m256 v;
-      if (dtype == KvDtype::kF16) {
-        v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
-      } else if (dtype == KvDtype::kBF16) {
-        const __m256i w =
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
-        v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      } else {
-        v = _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
-      }
-      _mm256_storeu_ps(d + i, v);
-    }
-  }
-}
-
-KVCACHE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* kf, int64_t ld, int n, int hd, float* s) {
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const float* k0 = kf + j * ld;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int i = 0; i < hd; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ld + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ld + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ld + i), a3);
-    }
-    // hadd tree: lane k of the result is the full sum of a_k.
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-  }
-  for (; j < n; ++j) {
-    const float* k = kf + j * ld;
-    __m256 a = _mm256_setzero_ps();
-    for (int i = 0; i < hd; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-    s[j] = simd::HSum(a);
-  }
-}
-
-KVCACHE_TARGET_AVX2 float ExpSumAvx2(float* s, int n, float m) {
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = simd::Exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-    _mm256_storeu_ps(s + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  if (j < n) {  // masked tail: lanes >= n - j contribute exact zeros
-    alignas(32) float tail[8];
-    for (int k = 0; k < 8; ++k) tail[k] = j + k < n ? s[j + k] - m : -INFINITY;
-    const __m256 e = simd::Exp(_mm256_load_ps(tail));
-    _mm256_store_ps(tail, e);
-    for (int k = 0; j + k < n; ++k) s[j + k] = tail[k];
-    sum = _mm256_add_ps(sum, e);
-  }
-  return simd::HSum(sum);
-}
-
-KVCACHE_TARGET_AVX2 void PvAvx2(float* o, const float* p, const float* vf, int64_t ld, int n, int hd,
-                                float corr) {
-  const __m256 cv = _mm256_set1_ps(corr);
-  int i = 0;
-  for (; i + 32 <= hd; i += 32) {
-    __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(o + i), cv);
-    __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(o + i + 8), cv);
-    __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(o + i + 16), cv);
-    __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(o + i + 24), cv);
-    for (int j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_broadcast_ss(p + j);
-      const float* v = vf + j * ld + i;
-      o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), o0);
-      o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), o1);
-      o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), o2);
-      o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), o3);
-    }
-    _mm256_storeu_ps(o + i, o0);
-    _mm256_storeu_ps(o + i + 8, o1);
-    _mm256_storeu_ps(o + i + 16, o2);
-    _mm256_storeu_ps(o + i + 24, o3);
-  }
-  for (; i < hd; i += 8) {
-    __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(o + i), cv);
-    for (int j = 0; j < n; ++j) {
-      o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vf + j * ld + i), o0);
-    }
-    _mm256_storeu_ps(o + i, o0);
   }
 }
 
@@ -187,9 +84,6 @@ KVCACHE_TARGET_AVX2 void F32ToF16Avx2(const float* src, uint8_t* dst, int64_t n)
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
   }
 }
-
-const AttnKernels kScalarKernels = {ToF32Scalar, ScoresScalar, ExpSumScalar, PvScalar};
-const AttnKernels kAvx2Kernels = {ToF32Avx2, ScoresAvx2, ExpSumAvx2, PvAvx2};
 
 // ---- Work decomposition ----
 
@@ -289,9 +183,9 @@ void FinishRows(const Ctx& c, const Item& it, const RowState& rs) {
   }
 }
 
-// The item loop over AttnKernels: converts a page's K/V of the item's kv heads,
-// then per row scores, online softmax and P·V.
-void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch) {
+// The reference item loop (any head_dim): converts a page's K/V of the item's
+// kv heads, then per row scores, online softmax and P·V.
+void RunItemScalar(const Ctx& c, const Item& it, float* scratch) {
   const AttentionParams& p = *c.p;
   const AttentionSeq& seq = c.seqs[it.seq];
   const PageLayout& L = p.layout;
@@ -300,7 +194,7 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
   const int width = (it.h1 - it.h0) * hd;  // converted floats per key
   const int n_rows = ItemRows(it, G);
   RowState rs;
-  // scratch after the rows: Kf, Vf [pt][width] | S [pt + 8]
+  // scratch after the rows: Kf, Vf [pt][width] | S [pt]
   float* Kf = InitRows(c, it, scratch, &rs);
   float* Vf = Kf + static_cast<int64_t>(pt) * width;
   float* S = Vf + static_cast<int64_t>(pt) * width;
@@ -316,12 +210,12 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
     const int n = c1 - c0;
     const uint8_t* page = L.page(p.kv_base, seq.page_table[page_idx]);
     // Kf, Vf: [n][width] = keys c0..c1-1, kv heads h0..h1-1, rows row_bytes apart.
-    k.to_f32(page + L.k_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Kf);
-    k.to_f32(page + L.v_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Vf);
+    ToF32Scalar(page + L.k_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Kf);
+    ToF32Scalar(page + L.v_offset(p.layer, slot0) + head_off, row_bytes, L.dtype, n, width, Vf);
     for (int r = 0; r < n_rows; ++r) {
       if (c1 <= lo[r] || c0 > hi[r]) continue;
       const int64_t kv_off = static_cast<int64_t>((r % hg) / G) * hd;  // this row's kv head
-      k.scores(Q + r * hd, Kf + kv_off, width, n, hd, S);
+      ScoresScalar(Q + r * hd, Kf + kv_off, width, n, hd, S);
       float m_chunk = -INFINITY;
       if (c0 >= lo[r] && c1 - 1 <= hi[r]) {
         for (int j = 0; j < n; ++j) m_chunk = std::max(m_chunk, S[j]);
@@ -333,15 +227,238 @@ void RunItem(const AttnKernels& k, const Ctx& c, const Item& it, float* scratch)
       }
       const float m_new = std::max(M[r], m_chunk);
       const float corr = M[r] == -INFINITY ? 0.0f : std::exp(M[r] - m_new);
-      const float sum = k.exp_sum(S, n, m_new);
+      const float sum = ExpSumScalar(S, n, m_new);
       Lsum[r] = Lsum[r] * corr + sum;
       M[r] = m_new;
-      k.pv(O + r * hd, S, Vf + kv_off, width, n, hd, corr);
+      PvScalar(O + r * hd, S, Vf + kv_off, width, n, hd, corr);
     }
     c0 = c1;
   }
   FinishRows(c, it, rs);
 }
+
+using RunItemFn = void (*)(const Ctx&, const Item&, float*);
+
+// Scratch floats after the rows for a block path: Kf, Vf [block_keys][hd] |
+// P, Lv [kMaxItemRows][block_keys].
+constexpr int64_t BlockScratchFloats(int block_keys, int hd) {
+  return 2 * int64_t{block_keys} * hd + 2 * kMaxItemRows * block_keys;
+}
+
+// ---- AVX2: blocks of 8 keys, one score per lane ----
+// The AVX-512 design below on 8-lane registers: blend masks stand in for mask
+// registers, and P·V goes by column chunks so that accumulators, V and a
+// broadcast fit the 16 ymm registers.
+namespace avx2 {
+
+constexpr int kBlockKeys = 8;
+// The shuffle tree in Scores leaves accumulator i's sum in lane kTreeKey[i] (an involution),
+// so accumulating key kTreeKey[i] into accumulator i puts key j in lane j.
+constexpr int kTreeKey[kBlockKeys] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+// dst[j][0..8 NC) = f32(src + j * stride) for j < n; rows n..7 are zeroed so
+// that masked keys multiply finite values. Row j < n_prefetch of `prefetch`
+// (same stride) is prefetched alongside, as in avx512::LoadBlock.
+template <int NC>
+KVCACHE_TARGET_AVX2 void LoadBlock(const uint8_t* src, int64_t stride, KvDtype dtype, int n, float* dst,
+                                   const uint8_t* prefetch, int n_prefetch) {
+  const int64_t src_row_bytes = NC * 8 * KvDtypeSize(dtype);
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* row = src + j * stride;
+    if (j < n_prefetch) {
+      for (int64_t b = 0; b < src_row_bytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T0);
+      }
+    }
+    float* d = dst + j * NC * 8;
+    for (int c = 0; c < NC; ++c) {
+      __m256 v;
+      if (dtype == KvDtype::kF16) {
+        v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+      } else if (dtype == KvDtype::kBF16) {
+        const __m256i w =
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+        v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      } else {
+        v = _mm256_loadu_ps(reinterpret_cast<const float*>(row) + 8 * c);
+      }
+      _mm256_storeu_ps(d + 8 * c, v);
+    }
+  }
+  for (int j = n; j < kBlockKeys; ++j) {
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(dst + (j * NC + c) * 8, _mm256_setzero_ps());
+  }
+}
+
+// Lane j of the result = q · kf[j]: 8 dot products of length 8 NC, each
+// accumulated in its own register and summed across lanes by a shuffle tree.
+template <int NC>
+KVCACHE_TARGET_AVX2 __m256 Scores(const float* q, const float* kf) {
+  __m256 a[kBlockKeys];
+  const __m256 q0 = _mm256_loadu_ps(q);
+#pragma GCC unroll 8
+  for (int i = 0; i < kBlockKeys; ++i) a[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(kf + kTreeKey[i] * NC * 8));
+  for (int c = 1; c < NC; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < kBlockKeys; ++i) {
+      a[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kf + (kTreeKey[i] * NC + c) * 8), a[i]);
+    }
+  }
+  // 8 -> 4 registers across 128-bit lanes ([a.lo, b.hi] + [a.hi, b.lo]), then 4 -> 2 -> 1 within them.
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_add_ps(_mm256_blend_ps(a[i], a[i + 4], 0xF0), _mm256_permute2f128_ps(a[i], a[i + 4], 0x21));
+  }
+  for (int i = 0; i < 2; ++i) {
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[i], a[i + 2]), _mm256_unpackhi_ps(a[i], a[i + 2]));
+  }
+  const __m256d x = _mm256_castps_pd(a[0]), y = _mm256_castps_pd(a[1]);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+}
+
+// Columns [col, col + 8 D) of o[r] += sum_j p[r][j] * vf[j] for R rows at
+// once, so each V load feeds R independent accumulator chains.
+// p: rows 8 floats apart; vf: [8][8 NC]; o: R row pointers.
+template <int NC, int D, int R>
+KVCACHE_TARGET_AVX2 void PvRows(const float* p, const float* vf, float* const* o, int col) {
+  __m256 acc[R][D];
+  for (int r = 0; r < R; ++r) {
+    for (int d = 0; d < D; ++d) acc[r][d] = _mm256_loadu_ps(o[r] + col + 8 * d);
+  }
+  for (int j = 0; j < kBlockKeys; ++j) {
+    __m256 v[D];
+    for (int d = 0; d < D; ++d) v[d] = _mm256_loadu_ps(vf + j * NC * 8 + col + 8 * d);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p + r * kBlockKeys + j);
+      for (int d = 0; d < D; ++d) acc[r][d] = _mm256_fmadd_ps(pj, v[d], acc[r][d]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int d = 0; d < D; ++d) _mm256_storeu_ps(o[r] + col + 8 * d, acc[r][d]);
+  }
+}
+
+// Registers per column chunk, and rows per PvRows call: R x D accumulators,
+// D V registers and a broadcast within 16 (D = 4: 2 rows; D <= 3: 4 rows).
+constexpr int kPvCols = 4;
+template <int D>
+constexpr int kPvRows = std::min(4, (15 - D) / D);
+
+// PvRows for the last n < R rows.
+template <int NC, int D, int R>
+KVCACHE_TARGET_AVX2 void PvTail(const float* p, const float* vf, float* const* o, int n, int col) {
+  if constexpr (R > 1) {
+    if (n == R - 1) {
+      PvRows<NC, D, R - 1>(p, vf, o, col);
+    } else {
+      PvTail<NC, D, R - 1>(p, vf, o, n, col);
+    }
+  }
+}
+
+// P·V of n rows for the D registers of columns from col.
+template <int NC, int D>
+KVCACHE_TARGET_AVX2 void PvCols(const float* p, const float* vf, float* const* o, int n, int col) {
+  constexpr int R = kPvRows<D>;
+  for (; n >= R; n -= R, p += R * kBlockKeys, o += R) PvRows<NC, D, R>(p, vf, o, col);
+  PvTail<NC, D, R>(p, vf, o, n, col);
+}
+
+template <int NC>
+KVCACHE_TARGET_AVX2 void Pv(const float* p, const float* vf, float* const* o, int n) {
+  for (int d0 = 0; d0 + kPvCols <= NC; d0 += kPvCols) PvCols<NC, kPvCols>(p, vf, o, n, 8 * d0);
+  if constexpr (NC % kPvCols != 0) PvCols<NC, NC % kPvCols>(p, vf, o, n, 8 * (NC - NC % kPvCols));
+}
+
+// The item loop for head_dim = 8 NC, as avx512::RunItem: per block of up to 8
+// keys and kv head, K and V are converted once; every row of that kv head
+// scores the block in one register and updates its online softmax, then P·V
+// runs for the rows together.
+template <int NC>
+KVCACHE_TARGET_AVX2 void RunItem(const Ctx& c, const Item& it, float* scratch) {
+  constexpr int hd = NC * 8;
+  const AttentionParams& p = *c.p;
+  const AttentionSeq& seq = c.seqs[it.seq];
+  const PageLayout& L = p.layout;
+  const int G = c.group, pt = L.page_tokens;
+  const int hg = (it.h1 - it.h0) * G;
+  const int n_tokens = it.q1 - it.q0;
+  RowState rs;
+  float* Kf = InitRows(c, it, scratch, &rs);  // [8][hd]
+  float* Vf = Kf + kBlockKeys * hd;           // [8][hd]
+  float* P = Vf + kBlockKeys * hd;            // [kMaxItemRows][8]: a block's weights per row
+  float* Lv = P + kMaxItemRows * kBlockKeys;  // [kMaxItemRows][8]: softmax sums by lane
+  float* orows[kMaxItemRows];                 // output rows of P's rows
+  std::fill(Lv, Lv + kMaxItemRows * kBlockKeys, 0.0f);
+  const int64_t row_bytes = L.row_bytes();
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+
+  for (int c0 = it.k0; c0 < it.k1;) {
+    const int page_idx = c0 / pt;
+    const int c1 = std::min(it.k1, (page_idx + 1) * pt);
+    const uint8_t* page = L.page(p.kv_base, seq.page_table[page_idx]);
+    const int next_first = (page_idx + 1) * pt;  // position of the next page's slot 0
+    const uint8_t* next = next_first < it.k1 ? L.page(p.kv_base, seq.page_table[page_idx + 1]) : page;
+    for (int b0 = c0; b0 < c1; b0 += kBlockKeys) {
+      const int nk = std::min(kBlockKeys, c1 - b0);
+      const int slot = b0 % pt;
+      for (int kh = 0; kh < it.h1 - it.h0; ++kh) {
+        const int64_t head_off = static_cast<int64_t>(it.h0 + kh) * hd * L.elt_bytes();
+        const int n_next = std::clamp(it.k1 - (next_first + slot), 0, nk);
+        int n_p = 0;
+        for (int t = 0; t < n_tokens; ++t) {
+          for (int g = 0; g < G; ++g) {
+            const int r = t * hg + kh * G + g;
+            const int j_lo = std::max(0, rs.lo[r] - b0), j_hi = std::min(nk - 1, rs.hi[r] - b0);
+            if (j_lo > j_hi) continue;  // no visible key in this block
+            if (n_p == 0) {
+              LoadBlock<NC>(page + L.k_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Kf,
+                            next + L.k_offset(p.layer, slot) + head_off, n_next);
+              LoadBlock<NC>(page + L.v_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Vf,
+                            next + L.v_offset(p.layer, slot) + head_off, n_next);
+            }
+            // All ones in lanes j_lo..j_hi.
+            const __m256 mask = _mm256_castsi256_ps(
+                _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(j_lo), lane),
+                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(j_hi + 1), lane)));
+            const __m256 s = _mm256_blendv_ps(neg_inf, Scores<NC>(rs.Q + r * hd, Kf), mask);
+            float* orow = rs.O + r * hd;
+            float* lrow = Lv + r * kBlockKeys;
+            // Masked lanes are -inf and never compare greater.
+            if (_mm256_movemask_ps(_mm256_cmp_ps(s, _mm256_set1_ps(rs.M[r]), _CMP_GT_OQ)) != 0) {
+              // The running max rises (rarely, after the first blocks): rescale what was summed.
+              const float m_blk = simd::HMax(s);
+              const __m256 cv = _mm256_set1_ps(rs.M[r] == -INFINITY ? 0.0f : std::exp(rs.M[r] - m_blk));
+              rs.M[r] = m_blk;
+              _mm256_storeu_ps(lrow, _mm256_mul_ps(_mm256_loadu_ps(lrow), cv));
+              for (int d = 0; d < NC; ++d) {
+                _mm256_storeu_ps(orow + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * d), cv));
+              }
+            }
+            const __m256 e = _mm256_and_ps(mask, simd::Exp(_mm256_sub_ps(s, _mm256_set1_ps(rs.M[r]))));
+            _mm256_storeu_ps(lrow, _mm256_add_ps(_mm256_loadu_ps(lrow), e));
+            _mm256_storeu_ps(P + n_p * kBlockKeys, e);
+            orows[n_p++] = orow;
+          }
+        }
+        Pv<NC>(P, Vf, orows, n_p);
+      }
+    }
+    c0 = c1;
+  }
+  for (int r = 0; r < ItemRows(it, G); ++r) rs.Lsum[r] = simd::HSum(_mm256_loadu_ps(Lv + r * kBlockKeys));
+  FinishRows(c, it, rs);
+}
+
+// Indexed by head_dim / 8 (1..16); up to 128 as on AVX-512.
+constexpr RunItemFn kRunItem[] = {nullptr,     RunItem<1>,  RunItem<2>,  RunItem<3>,  RunItem<4>,
+                                  RunItem<5>,  RunItem<6>,  RunItem<7>,  RunItem<8>,  RunItem<9>,
+                                  RunItem<10>, RunItem<11>, RunItem<12>, RunItem<13>, RunItem<14>,
+                                  RunItem<15>, RunItem<16>};
+
+}  // namespace avx2
 
 // ---- AVX-512: blocks of 16 keys, one score per lane ----
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_ps() to their builtins and
@@ -545,7 +662,6 @@ KVCACHE_TARGET_AVX512 void RunItem(const Ctx& c, const Item& it, float* scratch)
   FinishRows(c, it, rs);
 }
 
-using RunItemFn = void (*)(const Ctx&, const Item&, float*);
 // Indexed by head_dim / 16 (1..8); head_dim up to 128 keeps a row's output in registers.
 constexpr RunItemFn kRunItem[] = {nullptr,    RunItem<1>, RunItem<2>, RunItem<3>, RunItem<4>,
                                   RunItem<5>, RunItem<6>, RunItem<7>, RunItem<8>};
@@ -739,31 +855,32 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
                 G,
                 hd,
                 params.scale > 0.0f ? params.scale : 1.0f / std::sqrt(static_cast<float>(hd))};
-  const bool avx2 = GetCpuKernelLevel() >= CpuKernelLevel::kAvx2 && hd % 8 == 0;
-  const AttnKernels& k = avx2 ? kAvx2Kernels : kScalarKernels;
-  const int64_t max_width = static_cast<int64_t>(group_heads_for_decode ? L.kv_heads : 1) * hd;
-  const avx512::RunItemFn run512 =
-      GetCpuKernelLevel() >= CpuKernelLevel::kAvx512 && hd % 16 == 0 && hd / 16 <= 8
-          ? avx512::kRunItem[hd / 16]
-          : nullptr;
-  const int64_t scratch_floats =
-      2 * kMaxItemRows * hd + 2 * kMaxItemRows +
-      std::max<int64_t>(2 * pt * max_width + pt + 8,
-                        2 * avx512::kBlockKeys * hd + 2 * kMaxItemRows * avx512::kBlockKeys);
+  // The widest block path for this head_dim; the scalar reference otherwise.
+  const CpuKernelLevel level = GetCpuKernelLevel();
+  RunItemFn run = RunItemScalar;
+  int64_t path_floats =  // the path's scratch after the rows
+      2 * pt * static_cast<int64_t>(group_heads_for_decode ? L.kv_heads : 1) * hd + pt;
+  if (level >= CpuKernelLevel::kAvx512 && hd % 16 == 0 && hd / 16 <= 8) {
+    run = avx512::kRunItem[hd / 16];
+    path_floats = BlockScratchFloats(avx512::kBlockKeys, hd);
+  } else if (level >= CpuKernelLevel::kAvx2 && hd % 8 == 0 && hd / 8 <= 16) {
+    run = avx2::kRunItem[hd / 8];
+    path_floats = BlockScratchFloats(avx2::kBlockKeys, hd);
+  }
+  const int64_t scratch_floats = 2 * kMaxItemRows * hd + 2 * kMaxItemRows + path_floats;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   const int threads = static_cast<int>(std::min<int64_t>(n_threads, n_items));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scratch(static_cast<size_t>(scratch_floats));
+    // Cache-line aligned: rows and blocks lie at multiples of hd * 4 bytes from
+    // the start, so no full-register load or store of the vector paths splits a
+    // line (a 16-byte aligned scratch cost the AVX-512 path ~10%).
+    std::vector<float> scratch_buf(static_cast<size_t>(scratch_floats) + 15);
+    float* scratch =
+        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch_buf.data()) + 63) & ~uintptr_t{63});
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) {
-      if (run512 != nullptr) {
-        run512(ctx, items[i], scratch.data());
-      } else {
-        RunItem(k, ctx, items[i], scratch.data());
-      }
-    }
+    for (int64_t i = 0; i < n_items; ++i) run(ctx, items[i], scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < n_groups; ++g) MergeGroup(ctx, groups[g]);
   }

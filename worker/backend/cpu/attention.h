@@ -8,7 +8,9 @@
 // one register holds a row's 16 scores (dot products summed across lanes by a
 // shuffle tree), P·V runs for all rows of a kv head at once, and the same rows
 // of the next page are prefetched while a block is converted, since a session's
-// pages lie anywhere in the slab.
+// pages lie anywhere in the slab. With AVX2 (head_dim a multiple of 8, up to
+// 128) the same design runs on blocks of 8 keys; other head_dims take the
+// scalar loop, which is also the reference.
 // Work is split over (sequence, kv head, query block, key range) items with
 // OpenMP (NumThreads() threads, dynamic, longest first); long key ranges are cut
 // into page-aligned splits whose partial softmax states are merged, so a batch of

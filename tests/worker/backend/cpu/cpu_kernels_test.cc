@@ -608,6 +608,16 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
       {8, 1, 128, 16, 37, KvDtype::kF16, {{90, 90}, {600, 1}, {64, 7}}},
       // Window larger than the sequence; head_dim not a multiple of 8 (scalar path).
       {6, 3, 20, 4, 1000, KvDtype::kF16, {{30, 30}, {11, 1}}},
+      // head_dim 32, group 4, bf16, pages of 12 (blocks of 8 and 16 end short at page ends):
+      // decodes of 1..250 keys, a prefill and a chunk.
+      {8, 2, 32, 12, 0, KvDtype::kBF16, {{1, 1}, {7, 1}, {12, 1}, {13, 1}, {29, 29}, {100, 5}, {250, 1}}},
+      // head_dim 32, MHA, f32, pages of 7, a window of 19 that starts inside blocks.
+      {3, 3, 32, 7, 19, KvDtype::kF32, {{130, 9}, {20, 20}, {500, 1}}},
+      // Split key ranges that start mid-page (window 700, pages of 12), group 3.
+      {9, 3, 64, 12, 700, KvDtype::kF16, {{1500, 1}, {1000, 2}}},
+      // head_dim 128, group 4 (Llama 3), pages of 13: a 3-token query split into key ranges.
+      {8, 2, 128, 13, 0, KvDtype::kF16, {{900, 3}, {31, 1}}},
+      {8, 2, 128, 13, 0, KvDtype::kBF16, {{700, 2}}},
   };
   for (int threads : {1, 2}) {
     SetNumThreads(threads);
@@ -615,6 +625,24 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
       SCOPED_TRACE(::testing::Message() << "case " << c << " threads " << threads);
       RunAttentionCase(cases[c], rng);
     }
+  }
+}
+
+// Every head_dim a block path takes (multiples of 8 up to 128: each AVX2 and
+// AVX-512 instantiation, every P·V column remainder), with groups 1..5 (every
+// tail of rows per P·V call), each KV dtype, odd page sizes and a window.
+TEST_P(CpuKernelsTest, PagedAttentionEveryHeadDim) {
+  std::mt19937 rng(47);
+  const KvDtype dtypes[] = {KvDtype::kF16, KvDtype::kBF16, KvDtype::kF32};
+  for (int hd = 8; hd <= 128; hd += 8) {
+    const int i = hd / 8, group = 1 + i % 5, kv_heads = 1 + i % 2;
+    const int page_tokens = 3 + 2 * (i % 6);  // 3..13
+    const int window = i % 3 == 0 ? 11 : 0;
+    const AttnCase ac{
+        group * kv_heads, kv_heads, hd, page_tokens, window, dtypes[i % 3], {{37, 37}, {90, 1}, {20, 3}}};
+    SCOPED_TRACE(::testing::Message() << "head_dim " << hd << " group " << group << " page " << ac.page_tokens
+                                      << " window " << ac.window);
+    RunAttentionCase(ac, rng);
   }
 }
 
