@@ -58,6 +58,7 @@
 #include "worker/backend/cpu/attention.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
+#include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cpu/omp_env.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
@@ -73,6 +74,9 @@ ABSL_FLAG(std::string, llama_bench, "",
 ABSL_FLAG(std::string, llama_bench_avx2, "",
           "llama-bench built without AVX-512 (tests/bench/build_llamacpp.sh avx2), the baseline of our avx2 "
           "level on an AVX-512 machine");
+ABSL_FLAG(int, sgemm_min_tokens, 0,
+          "tokens from which matmuls take dequant+sgemm (cpu::SetSgemmMinTokens; 0: the measured default of "
+          "each level)");
 ABSL_FLAG(std::string, sections, "decode,prefill,batched,recompute,attention",
           "comma-separated parts to run (for profiling; ratios of parts not run are left out)");
 
@@ -282,6 +286,7 @@ int Main() {
   report.benchmark = "engine";
   const int threads = absl::GetFlag(FLAGS_threads);
   const int reps = absl::GetFlag(FLAGS_reps);
+  cpu::SetSgemmMinTokens(absl::GetFlag(FLAGS_sgemm_min_tokens));
   std::string model_path = absl::GetFlag(FLAGS_model);
   if (model_path.empty()) model_path = gguf::DefaultModelPath();
   auto fail = [](const absl::Status& st) {

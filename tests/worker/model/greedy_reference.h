@@ -68,10 +68,13 @@ class ReferenceEngine {
     s.page_table = res->page_table;
     s.want_logits = true;
     std::vector<float> logits;
-    const int saved = cpu::SgemmMinTokens();
-    if (math_ == Math::kExact) cpu::SetSgemmMinTokens(1);  // every matmul on dequantised f32 weights
-    absl::Status st = runner_->Forward({s}, &logits);
-    cpu::SetSgemmMinTokens(saved);
+    absl::Status st;
+    if (math_ == Math::kExact) {
+      const cpu::ScopedSgemmMinTokens exact(1);  // every matmul on dequantised f32 weights
+      st = runner_->Forward({s}, &logits);
+    } else {
+      st = runner_->Forward({s}, &logits);
+    }
     EXPECT_TRUE(st.ok()) << st;
     EXPECT_TRUE(kv_->CommitStep(id, tokens).ok());
     return logits;

@@ -89,8 +89,7 @@ TEST_F(LlamaReferenceTest, ExactPathMatchesFloat64Reference) {
   auto greedy = testing::LoadReference("llamacpp_greedy.json");
   ASSERT_TRUE(greedy.ok()) << greedy.status();
   Build(kv::KvDtype::kF32);
-  const int saved = cpu::SgemmMinTokens();
-  cpu::SetSgemmMinTokens(1);  // every matmul on dequantised f32 weights
+  const cpu::ScopedSgemmMinTokens exact(1);  // every matmul on dequantised f32 weights
   const auto& prompts = ref->fields().at("prompts").list_value().values();
   const auto& inputs = greedy->fields().at("prompts").list_value().values();
   ASSERT_EQ(prompts.size(), inputs.size());
@@ -106,7 +105,6 @@ TEST_F(LlamaReferenceTest, ExactPathMatchesFloat64Reference) {
     EXPECT_EQ(model::Argmax(logits), ids[0]);
     ASSERT_TRUE(kv_->CloseSession(id).ok());
   }
-  cpu::SetSgemmMinTokens(saved);
 }
 
 // The serving path's own error: its first-step top-20 logit gaps against the

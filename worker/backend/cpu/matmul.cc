@@ -304,12 +304,17 @@ bool IsIntegerDotType(GgmlType type) {
 int SgemmMinTokens() {
   const int set = g_sgemm_min_tokens.load(std::memory_order_relaxed);
   if (set > 0) return set;
-  // Measured with cpu_kernels_bench (Q4_1 576x1536, 1 thread, EPYC Zen 4): the VNNI
-  // integer kernel beats dequant+sgemm at every n_tokens from 8 to 256; the AVX2
-  // maddubs kernel loses from 64 tokens on; scalar dots always lose to OpenBLAS.
+  // Measured with cpu_kernels_bench: on an EPYC Zen 4 (Q4_1 576x1536, 1 thread)
+  // the VNNI integer kernel beat dequant+sgemm at every n_tokens from 8 to 256;
+  // on an Intel Xeon (2 threads, every integer-dot type, 1536x576) it wins up to
+  // 64 tokens, sgemm wins for Q5_0/Q6_K from 128 and for most types at 256, and
+  // a 512-token prefill runs 25% (Q4_1) to 50% (Q4_K_M) faster through sgemm
+  // (engine_bench --sgemm_min_tokens). 256 keeps every decode and small chunk on
+  // the integer kernel. The AVX2 maddubs kernel loses from 64 tokens on both;
+  // scalar dots always lose to OpenBLAS.
   switch (GetCpuKernelLevel()) {
     case CpuKernelLevel::kAvx512:
-      return INT_MAX;
+      return 256;
     case CpuKernelLevel::kAvx2:
       return 64;
     default:
@@ -319,6 +324,12 @@ int SgemmMinTokens() {
 void SetSgemmMinTokens(int n_tokens) {
   g_sgemm_min_tokens.store(std::max(0, n_tokens), std::memory_order_relaxed);
 }
+
+ScopedSgemmMinTokens::ScopedSgemmMinTokens(int n_tokens)
+    : saved_(g_sgemm_min_tokens.load(std::memory_order_relaxed)) {
+  SetSgemmMinTokens(n_tokens);
+}
+ScopedSgemmMinTokens::~ScopedSgemmMinTokens() { SetSgemmMinTokens(saved_); }
 
 void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64_t cols, int8_t* q, float* d,
                            float* s) {

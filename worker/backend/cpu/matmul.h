@@ -62,11 +62,24 @@ inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, fl
 bool IsIntegerDotType(gguf::GgmlType type);
 
 // Token count from which kAuto uses the sgemm path. Default (measured crossover,
-// cpu_kernels_bench): never at kAvx512 (VNNI integer kernel was faster up to 256
-// tokens), 64 at kAvx2, 1 at kScalar. SetSgemmMinTokens(n > 0) overrides it
-// (INT_MAX disables sgemm); SetSgemmMinTokens(0) restores the default.
+// cpu_kernels_bench prefill_types_* and engine_bench prefill): 256 at kAvx512,
+// 64 at kAvx2, 1 at kScalar. SetSgemmMinTokens(n > 0) overrides it (INT_MAX
+// disables sgemm); SetSgemmMinTokens(0) restores the default.
 int SgemmMinTokens();
 void SetSgemmMinTokens(int n_tokens);
+
+// Overrides SgemmMinTokens for its lifetime and then restores whatever was set
+// before (the per-level default included). Not for concurrent use.
+class ScopedSgemmMinTokens {
+ public:
+  explicit ScopedSgemmMinTokens(int n_tokens);
+  ~ScopedSgemmMinTokens();
+  ScopedSgemmMinTokens(const ScopedSgemmMinTokens&) = delete;
+  ScopedSgemmMinTokens& operator=(const ScopedSgemmMinTokens&) = delete;
+
+ private:
+  const int saved_;  // the raw setting: 0 = the level's default
+};
 
 // Activation rows quantised to Q8 blocks of 32, as the integer kernels see them
 // (exposed for tests): for token t and block b,
