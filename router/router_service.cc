@@ -246,7 +246,14 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     const bool drain_refusal =
         st.error_code() == grpc::UNAVAILABLE && st.error_message() == kWorkerDrainingMessage;
     if (drain_refusal) router_->pool_->MarkDraining(placement_.worker);
-    if (append_ && drain_refusal && !lost_midstream && attempts_ < router_->options_.max_attempts) {
+    // An APPEND that waited in the worker's queue while a drain migrated its
+    // session finds the session gone there (NOT_FOUND): it follows the session
+    // too, instead of telling the client its conversation does not exist.
+    const bool moved_away =
+        append_ && st.error_code() == grpc::NOT_FOUND &&
+        router_->SessionMovingFrom({request_.tenant(), request_.session_id()}, placement_.worker);
+    if (append_ && (drain_refusal || moved_away) && !lost_midstream &&
+        attempts_ < router_->options_.max_attempts) {
       KV_LOG_INFO("session '{}' is on draining worker {}; waiting for it to move", request_.session_id(),
                   placement_.worker);
       tried_.pop_back();  // the session may come back to no worker but this one's successor
@@ -367,6 +374,12 @@ void RouterService::EndCall() {
 bool RouterService::MustWaitForSession(const SessionKey& key) const {
   auto loc = directory_->FindSession(key);
   return !loc.has_value() || pool_->Draining(loc->worker);
+}
+
+bool RouterService::SessionMovingFrom(const SessionKey& key, const WorkerId& worker) const {
+  if (pool_->Draining(worker)) return true;
+  auto loc = directory_->FindSession(key);
+  return loc.has_value() && loc->worker != worker;
 }
 
 absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, const std::string& tenant,
