@@ -304,17 +304,20 @@ bool IsIntegerDotType(GgmlType type) {
 int SgemmMinTokens() {
   const int set = g_sgemm_min_tokens.load(std::memory_order_relaxed);
   if (set > 0) return set;
-  // Measured with cpu_kernels_bench: on an EPYC Zen 4 (Q4_1 576x1536, 1 thread)
-  // the VNNI integer kernel beat dequant+sgemm at every n_tokens from 8 to 256;
-  // on an Intel Xeon (2 threads, every integer-dot type, 1536x576) it wins up to
-  // 64 tokens, sgemm wins for Q5_0/Q6_K from 128 and for most types at 256, and
-  // a 512-token prefill runs 25% (Q4_1) to 50% (Q4_K_M) faster through sgemm
-  // (engine_bench --sgemm_min_tokens). 256 keeps every decode and small chunk on
-  // the integer kernel. The AVX2 maddubs kernel loses from 64 tokens on both;
+  // The VNNI integer kernel computes each token's row from that token alone, so
+  // a reply does not depend on how its prefill was chunked or what shared the
+  // step (PressureSoakTest compares seeded replies under different concurrency);
+  // dequant+sgemm rounds differently, so switching routes by chunk size would
+  // break that. Measured with cpu_kernels_bench: on an EPYC Zen 4 (Q4_1
+  // 576x1536, 1 thread) the VNNI kernel beat dequant+sgemm at every n_tokens
+  // from 8 to 256; on an Intel Xeon (prefill_types_*, 2 threads) it wins up to
+  // 64 tokens, and a 512-token prefill through sgemm ran 25% (Q4_1) to 50%
+  // (Q4_K_M) faster (engine_bench --sgemm_min_tokens=256), a speed left on the
+  // table for that invariance. The AVX2 maddubs kernel loses from 64 tokens on;
   // scalar dots always lose to OpenBLAS.
   switch (GetCpuKernelLevel()) {
     case CpuKernelLevel::kAvx512:
-      return 256;
+      return INT_MAX;
     case CpuKernelLevel::kAvx2:
       return 64;
     default:

@@ -61,10 +61,10 @@ inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, fl
 // Q5_0, Q8_0, Q4_K, Q5_K, Q6_K. Other decodable types take the f32 route.
 bool IsIntegerDotType(gguf::GgmlType type);
 
-// Token count from which kAuto uses the sgemm path. Default (measured crossover,
-// cpu_kernels_bench prefill_types_* and engine_bench prefill): 256 at kAvx512,
-// 64 at kAvx2, 1 at kScalar. SetSgemmMinTokens(n > 0) overrides it (INT_MAX
-// disables sgemm); SetSgemmMinTokens(0) restores the default.
+// Token count from which kAuto uses the sgemm path. Default: never at kAvx512
+// (the integer kernel keeps replies independent of prefill chunking; see
+// matmul.cc), 64 at kAvx2, 1 at kScalar (measured crossovers, cpu_kernels_bench). SetSgemmMinTokens(n > 0)
+// overrides it (INT_MAX disables sgemm); SetSgemmMinTokens(0) restores the default.
 int SgemmMinTokens();
 void SetSgemmMinTokens(int n_tokens);
 
