@@ -304,22 +304,21 @@ bool IsIntegerDotType(GgmlType type) {
 int SgemmMinTokens() {
   const int set = g_sgemm_min_tokens.load(std::memory_order_relaxed);
   if (set > 0) return set;
-  // The VNNI integer kernel computes each token's row from that token alone, so
-  // a reply does not depend on how its prefill was chunked or what shared the
-  // step (PressureSoakTest compares seeded replies under different concurrency);
-  // dequant+sgemm rounds differently, so switching routes by chunk size would
-  // break that. Measured with cpu_kernels_bench: on an EPYC Zen 4 (Q4_1
-  // 576x1536, 1 thread) the VNNI kernel beat dequant+sgemm at every n_tokens
-  // from 8 to 256; on an Intel Xeon (prefill_types_*, 2 threads) it wins up to
-  // 64 tokens, and a 512-token prefill through sgemm ran 25% (Q4_1) to 50%
-  // (Q4_K_M) faster (engine_bench --sgemm_min_tokens=256), a speed left on the
-  // table for that invariance. The AVX2 maddubs kernel loses from 64 tokens on;
-  // scalar dots always lose to OpenBLAS.
+  // The integer kernels compute each token's outputs from that token alone, so
+  // a reply does not depend on how its prefill was chunked or on what shared
+  // the step (PressureSoakTest compares seeded replies under different
+  // concurrency). Dequant+sgemm rounds differently, so choosing the route by
+  // chunk size would break that: at the vector levels prefill stays on the
+  // integer kernels, and the speed this leaves is measured instead. With
+  // cpu_kernels_bench prefill_types_* (2 threads, Intel Xeon) the VNNI kernel
+  // wins up to 64 tokens and a 512-token prefill through sgemm ran 25% (Q4_1)
+  // to 50% (Q4_K_M) faster (engine_bench --sgemm_min_tokens=256); the AVX2
+  // maddubs kernel loses from 64 tokens on (sgemm 1.2-1.6x faster at 256).
+  // Scalar dots always lose to OpenBLAS, and the scalar level always uses it.
   switch (GetCpuKernelLevel()) {
     case CpuKernelLevel::kAvx512:
-      return INT_MAX;
     case CpuKernelLevel::kAvx2:
-      return 64;
+      return INT_MAX;
     default:
       return 1;
   }

@@ -62,9 +62,9 @@ inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, fl
 bool IsIntegerDotType(gguf::GgmlType type);
 
 // Token count from which kAuto uses the sgemm path. Default: never at kAvx512
-// (the integer kernel keeps replies independent of prefill chunking; see
-// matmul.cc), 64 at kAvx2, 1 at kScalar (measured crossovers, cpu_kernels_bench). SetSgemmMinTokens(n > 0)
-// overrides it (INT_MAX disables sgemm); SetSgemmMinTokens(0) restores the default.
+// and kAvx2 (the integer kernels keep replies independent of prefill chunking;
+// see matmul.cc), always at kScalar. SetSgemmMinTokens(n > 0) overrides it
+// (INT_MAX disables sgemm); SetSgemmMinTokens(0) restores the default.
 int SgemmMinTokens();
 void SetSgemmMinTokens(int n_tokens);
 
