@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from llamacpp_build import NativeBuild
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 N_TOKENS = 12
@@ -38,17 +40,11 @@ def main():
     p.add_argument("--out", default=os.path.join(HERE, "arch_reference.json"))
     args = p.parse_args()
 
-    bin_dir = subprocess.run([os.path.join(ROOT, "tests/bench/build_llamacpp.sh"), "native"], check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    build = os.path.dirname(bin_dir)
-    version = os.path.basename(build).split("-")[0]
-    src = os.path.join(os.path.dirname(build), "src-" + version)
+    llama = NativeBuild()
+    src = llama.src
     with tempfile.TemporaryDirectory() as tmp:
         tool = os.path.join(tmp, "llamacpp_logits")
-        libs = ["src/libllama.a", "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a"]
-        subprocess.run(["g++", "-O2", "-std=c++17", os.path.join(HERE, "llamacpp_logits.cc"),
-                        "-I" + os.path.join(src, "include"), "-I" + os.path.join(src, "ggml/include"), "-o", tool]
-                       + [os.path.join(build, lib) for lib in libs] + ["-fopenmp", "-lpthread", "-ldl"], check=True)
+        llama.compile_logits_tool(tool)
         writer = os.path.join(args.build_dir, "common/gguf/kvcache-tiny-model")
         paths = subprocess.run([writer, "--out_dir=" + tmp, "--llamacpp_src=" + src], check=True,
                                capture_output=True, text=True).stdout.split()
@@ -74,11 +70,9 @@ def main():
                 entry["logits"] = ref["logits"]
             models.append(entry)
             print(f"{name}: {len(tokens)} tokens, vocab {ref['n_vocab']}", file=sys.stderr)
-    info = subprocess.run([os.path.join(bin_dir, "llama-server"), "--version"], capture_output=True,
-                          text=True)
     doc = {"generator": "tests/data/record_arch_reference.py",
-           "llama_cpp": (info.stdout + info.stderr).strip().splitlines()[0] if (info.stdout + info.stderr) else "",
-           "llama_cpp_python_sdist": version,
+           "llama_cpp": llama.version_line(),
+           "llama_cpp_python_sdist": llama.version,
            "models": models}
     with open(args.out, "w") as f:
         json.dump(doc, f)

@@ -27,9 +27,9 @@ import sys
 import tempfile
 
 import gguf
+from llamacpp_build import NativeBuild
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 TYPES = ["Q4_K_M", "Q6_K", "Q4_0", "Q8_0"]
 GREEDY_TOKENS = 48
 
@@ -51,22 +51,15 @@ def sha256_file(path):
 
 def main():
     model = model_path()
-    bin_dir = subprocess.run([os.path.join(ROOT, "tests/bench/build_llamacpp.sh"), "native"], check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    build = os.path.dirname(bin_dir)
-    version = os.path.basename(build).split("-")[0]
-    src = os.path.join(os.path.dirname(build), "src-" + version)
+    llama = NativeBuild()
     prompts = json.load(open(os.path.join(HERE, "llamacpp_greedy.json")))["prompts"]
     models = []
     with tempfile.TemporaryDirectory() as tmp:
         tool = os.path.join(tmp, "llamacpp_logits")
-        libs = ["src/libllama.a", "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a"]
-        subprocess.run(["g++", "-O2", "-std=c++17", os.path.join(HERE, "llamacpp_logits.cc"),
-                        "-I" + os.path.join(src, "include"), "-I" + os.path.join(src, "ggml/include"), "-o", tool]
-                       + [os.path.join(build, lib) for lib in libs] + ["-fopenmp", "-lpthread", "-ldl"], check=True)
+        llama.compile_logits_tool(tool)
         for qtype in TYPES:
             path = os.path.join(tmp, qtype + ".gguf")
-            subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--allow-requantize", model, path, qtype, "2"],
+            subprocess.run([os.path.join(llama.bin_dir, "llama-quantize"), "--allow-requantize", model, path, qtype, "2"],
                            check=True, capture_output=True)
             tensors = {t.name: [t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()[:16]]
                        for t in gguf.GGUFReader(path).tensors}
@@ -81,10 +74,9 @@ def main():
                                  "first_step": {"top20_ids": g["top20_ids"], "top20_logits": g["top20_logits"]}})
             models.append({"type": qtype, "tensors": tensors, "prompts": recorded})
             print(f"{qtype}: {len(tensors)} tensors, {len(recorded)} prompts", file=sys.stderr)
-    info = subprocess.run([os.path.join(bin_dir, "llama-server"), "--version"], capture_output=True, text=True)
     doc = {"generator": "tests/data/record_requant_reference.py",
-           "llama_cpp": (info.stdout + info.stderr).strip().splitlines()[0] if (info.stdout + info.stderr) else "",
-           "llama_cpp_python_sdist": version,
+           "llama_cpp": llama.version_line(),
+           "llama_cpp_python_sdist": llama.version,
            "source_model": os.path.basename(model), "source_sha256": sha256_file(model),
            "settings": "llama.cpp CPU, 1 thread, f16 KV cache, no flash attention, no weight repacking; "
                        "the prompt in one batch, then one token a step",

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,13 +69,9 @@ class ReferenceEngine {
     s.page_table = res->page_table;
     s.want_logits = true;
     std::vector<float> logits;
-    absl::Status st;
-    if (math_ == Math::kExact) {
-      const cpu::ScopedSgemmMinTokens exact(1);  // every matmul on dequantised f32 weights
-      st = runner_->Forward({s}, &logits);
-    } else {
-      st = runner_->Forward({s}, &logits);
-    }
+    std::optional<cpu::ScopedSgemmMinTokens> exact;  // every matmul on dequantised f32 weights
+    if (math_ == Math::kExact) exact.emplace(1);
+    absl::Status st = runner_->Forward({s}, &logits);
     EXPECT_TRUE(st.ok()) << st;
     EXPECT_TRUE(kv_->CommitStep(id, tokens).ok());
     return logits;
