@@ -14,7 +14,6 @@
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "worker/backend/backend.h"
-#include "worker/backend/cpu/omp_env.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
 #include "worker/sched/engine.h"
@@ -257,7 +256,6 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::cpu::EnsureOmpWaitSettings(argv);  // before any thread starts
   kvcache::InitProcess(argc, argv, kvcache::kName,
                        "kvcache-worker: KV-cache-centred LLM worker. See --help.");
   return kvcache::Run();

@@ -59,7 +59,6 @@
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
 #include "worker/backend/cpu/matmul.h"
-#include "worker/backend/cpu/omp_env.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
 #include "worker/sched/engine.h"
@@ -246,8 +245,7 @@ absl::StatusOr<LlamaCppRun> RunLlamaBench(const std::string& llama_bench, const 
   std::string text, repack = "repacked (llama.cpp's default)";
   int rc = -1;
   for (const char* flag : {"1", "0"}) {
-    // llama.cpp with its own OpenMP defaults, not the passive waiting this
-    // process runs with (omp_env.h): passive waits slow its many small ops.
+    // llama.cpp with its own OpenMP defaults, whatever the caller's environment sets.
     std::tie(text, rc) =
         RunCommand(absl::StrCat("env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT '", llama_bench, "' -m '",
                                 model_path, "' -t ", threads, " -p ", kPrefillTokens, " -n ", kDecodeTokens,
@@ -316,8 +314,6 @@ int Main() {
   }
   report.metrics["threads"] = threads;
   report.notes["kernel_level"] = cpu::CpuKernelLevelName(cpu::GetCpuKernelLevel());
-  report.notes["omp_wait_policy"] = std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "";
-  report.notes["gomp_spincount"] = std::getenv("GOMP_SPINCOUNT") ? std::getenv("GOMP_SPINCOUNT") : "";
   report.notes["model"] = model_path;
   const tok::Tokenizer& tk = *s.tokenizer;
   std::vector<std::unique_ptr<Timeline>> tl;
@@ -436,8 +432,7 @@ int Main() {
   }
 
   // Every kernel from here on runs on this thread. Stop the engine's thread
-  // first, so that the process has one thread running OpenMP regions, as a
-  // worker does (with two, libgomp stops spinning between regions: omp_env.h).
+  // first, so that the process has one thread running kernels, as a worker does.
   s.engine.reset();
 
   // ---- cache vs recompute, part 2: the baseline, a second KV cache and runner
@@ -595,7 +590,6 @@ int Main() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::cpu::EnsureOmpWaitSettings(argv);
   absl::ParseCommandLine(argc, argv);
   return kvcache::Main();
 }

@@ -1,12 +1,14 @@
 #include "tests/bench/mem_bandwidth.h"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <vector>
+
+#include "worker/backend/cpu/compute_pool.h"
 
 namespace kvcache::bench {
 namespace {
@@ -32,20 +34,19 @@ double MeasureReadBandwidth(int threads) {
   using Clock = std::chrono::steady_clock;
   const int64_t n = int64_t{512} << 20 >> 2;
   float* buf = static_cast<float*>(std::aligned_alloc(64, n * 4));
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) buf[i] = 1.0f;
+  // Parts of 1 MiB, handed out to whichever thread is free.
+  constexpr int64_t kPart = int64_t{1} << 18;
+  const int64_t parts = n / kPart;
+  cpu::ComputePool& pool = cpu::ComputePool::Get();
+  pool.ParallelFor(parts, threads,
+                   [&](int64_t p) { std::fill(buf + p * kPart, buf + (p + 1) * kPart, 1.0f); });
+  std::vector<double> sums(static_cast<size_t>(parts));
   double best = 1e30, sink = 0;
   for (int r = 0; r < 5; ++r) {
     const auto start = Clock::now();
-    double total = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      const int64_t chunk = n / nt / 32 * 32;
-      total += SumBuffer(buf + t * chunk, t == nt - 1 ? n - t * chunk : chunk);
-    }
+    pool.ParallelFor(parts, threads, [&](int64_t p) { sums[p] = SumBuffer(buf + p * kPart, kPart); });
     best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
-    sink += total;
+    for (double v : sums) sink += v;
   }
   std::free(buf);
   if (sink == 0) return 0;  // keeps the sums alive

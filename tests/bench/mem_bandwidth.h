@@ -2,7 +2,7 @@
 // ratios (attention_bw_fraction, weight-stream fractions), measured in the same
 // run as the figure it divides.
 //
-// Thread-safety: reentrant; uses `threads` OpenMP threads and 512 MiB.
+// Thread-safety: reentrant; uses `threads` ComputePool threads and 512 MiB.
 #ifndef KVCACHE_TESTS_BENCH_MEM_BANDWIDTH_H_
 #define KVCACHE_TESTS_BENCH_MEM_BANDWIDTH_H_
 

@@ -45,7 +45,6 @@
 #include "router/placement.h"
 #include "tests/testing/child_process.h"
 #include "tests/testing/http_client.h"
-#include "worker/backend/cpu/omp_env.h"
 
 ABSL_FLAG(int, requests, 40, "Requests per path for the time-to-first-token comparison");
 ABSL_FLAG(int, decode_tokens, 200, "Tokens generated for the throughput comparison");
@@ -430,7 +429,6 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::cpu::EnsureOmpWaitSettings(argv);
   absl::ParseCommandLine(argc, argv);
   return kvcache::Run();
 }

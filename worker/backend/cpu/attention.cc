@@ -1,7 +1,6 @@
 #include "worker/backend/cpu/attention.h"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/gguf/fp16.h"
+#include "worker/backend/cpu/compute_pool.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/simd_math.h"
 
@@ -871,19 +871,19 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   const int threads = static_cast<int>(std::min<int64_t>(n_threads, n_items));
-#pragma omp parallel num_threads(threads)
-  {
+  ComputePool& pool = ComputePool::Get();
+  pool.ParallelFor(n_items, threads, [&](int64_t i) {
     // Cache-line aligned: rows and blocks lie at multiples of hd * 4 bytes from
     // the start, so no full-register load or store of the vector paths splits a
     // line (a 16-byte aligned scratch cost the AVX-512 path ~10%).
-    std::vector<float> scratch_buf(static_cast<size_t>(scratch_floats) + 15);
+    thread_local std::vector<float> scratch_buf;
+    if (scratch_buf.size() < static_cast<size_t>(scratch_floats) + 15)
+      scratch_buf.resize(scratch_floats + 15);
     float* scratch =
         reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch_buf.data()) + 63) & ~uintptr_t{63});
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) run(ctx, items[i], scratch);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t g = 0; g < n_groups; ++g) MergeGroup(ctx, groups[g]);
-  }
+    run(ctx, items[i], scratch);
+  });
+  pool.ParallelFor(n_groups, threads, [&](int64_t g) { MergeGroup(ctx, groups[g]); });
   return absl::OkStatus();
 }
 

@@ -12,7 +12,7 @@
 // 128) the same design runs on blocks of 8 keys; other head_dims take the
 // scalar loop, which is also the reference.
 // Work is split over (sequence, kv head, query block, key range) items with
-// OpenMP (NumThreads() threads, dynamic, longest first); long key ranges are cut
+// ComputePool (NumThreads() threads, longest first); long key ranges are cut
 // into page-aligned splits whose partial softmax states are merged, so a batch of
 // very different lengths (or a single long decode) keeps every thread busy.
 //

@@ -1,7 +1,7 @@
 #include "worker/backend/cpu/cpu_features.h"
 
 #include <cpuid.h>
-#include <omp.h>
+#include <sched.h>
 
 #include <atomic>
 
@@ -79,7 +79,9 @@ absl::Status SetCpuKernelLevel(CpuKernelLevel level) {
 int NumThreads() {
   int n = g_threads.load(std::memory_order_relaxed);
   if (n <= 0) {
-    n = omp_get_max_threads();
+    cpu_set_t set;
+    n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    if (n < 1) n = 1;
     g_threads.store(n, std::memory_order_relaxed);
   }
   return n;

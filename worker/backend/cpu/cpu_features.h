@@ -38,8 +38,8 @@ CpuKernelLevel GetCpuKernelLevel();
 // INVALID_ARGUMENT when the CPU does not support `level`.
 absl::Status SetCpuKernelLevel(CpuKernelLevel level);
 
-// Threads each kernel call uses for its OpenMP parallel region. Defaults to
-// omp_get_max_threads() at first use (so OMP_NUM_THREADS is honoured).
+// Threads each kernel call may use (the caller and ComputePool helpers). Defaults
+// to the CPUs this process may run on (sched_getaffinity) at first use.
 int NumThreads();
 
 // REQUIRES: n >= 1. Values above the core count oversubscribe; don't.

@@ -2,7 +2,6 @@
 
 #include <cblas.h>
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/gguf/fp16.h"
+#include "worker/backend/cpu/compute_pool.h"
 #include "worker/backend/cpu/cpu_features.h"
 
 namespace kvcache::cpu {
@@ -261,8 +261,24 @@ const Kernels& KernelsFor(CpuKernelLevel level) {
 // dequantised sgemm tile (64 rows x cols f32 stays within L2 for cols <= 2048).
 constexpr int64_t kDotRowChunk = 16;
 constexpr int64_t kSgemmRowTile = 64;
-// Bytes of weight traffic below which one more thread costs more than it saves.
-constexpr int64_t kMinWorkPerThread = int64_t{1} << 20;
+// Rows per loop index of the dot path: a few contiguous parts per thread, so
+// that each thread streams long runs of rows (the hardware prefetcher and the
+// kernels' next-tile prefetch follow one run) while a thread that starts late
+// or stalls leaves its parts to the others. A multiple of kDotRowChunk.
+constexpr int64_t kPartsPerThread = 4;
+int64_t RowsPerPart(int64_t rows, int n_threads) {
+  const int64_t parts = int64_t{n_threads} * kPartsPerThread;
+  const int64_t per = (rows + parts - 1) / parts;
+  return std::max(kDotRowChunk, (per + kDotRowChunk - 1) / kDotRowChunk * kDotRowChunk);
+}
+
+// Bytes of weight traffic below which one more thread costs more than it saves
+// (a loop on the pool costs about a microsecond; 16 KiB of weights take one
+// thread about as long). Measured with engine_bench decode on SmolLM2 Q4_1
+// (2 threads, Intel Xeon, helpers on ComputePool): 16 KiB 182 tokens/s, 64 KiB
+// 174, 256 KiB 138; with OpenMP and 1 MiB (every per-layer matmul on one
+// thread) 111.
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 14;
 
 // 0 = the measured default of the current level (see SgemmMinTokens()).
 std::atomic<int> g_sgemm_min_tokens{0};
@@ -279,7 +295,7 @@ absl::Status DequantRow(const Kernels& k, GgmlType type, const void* src, float*
 }
 
 void SetOpenBlasSingleThreaded() {
-  // Each OpenMP thread calls sgemm on its own tile; OpenBLAS must not fan out again.
+  // Each pool thread calls sgemm on its own tile; OpenBLAS must not fan out again.
   // Checked per call: other code (a benchmark baseline) may have raised it.
   if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
 }
@@ -369,9 +385,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
   }
 
   const Kernels& k = KernelsFor(GetCpuKernelLevel());
-  // Waking a thread costs tens of microseconds when it sleeps (passive OpenMP wait
-  // policy, shared cores): small products (a decode step's q/k/v/o) run on one
-  // thread. Work ~ weight bytes x token tiles.
+  // Work ~ weight bytes x token tiles; tiny products stay on the calling thread.
   const int64_t work = w.rows * *row_bytes * ((n_tokens + 3) / 4);
   const int n_threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(NumThreads(), work / kMinWorkPerThread)));
@@ -380,6 +394,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
   const bool sgemm =
       path == MatMulPath::kSgemm || (path == MatMulPath::kAuto && n_tokens >= SgemmMinTokens());
   const bool quant = IsIntegerDotType(w.type);
+  ComputePool& pool = ComputePool::Get();
 
   std::atomic<bool> failed{false};
   absl::Status first_error;
@@ -393,8 +408,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
   if (sgemm) {
     SetOpenBlasSingleThreaded();
     const int64_t n_tiles = (rows + kSgemmRowTile - 1) / kSgemmRowTile;
-#pragma omp parallel for schedule(static) num_threads(n_threads)
-    for (int64_t tile = 0; tile < n_tiles; ++tile) {
+    pool.ParallelFor(n_tiles, n_threads, [&](int64_t tile) {
       const int64_t r0 = tile * kSgemmRowTile;
       const int64_t nr = std::min(kSgemmRowTile, rows - r0);
       const float* wt;  // wt: [nr][cols] f32
@@ -414,7 +428,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
                     static_cast<int>(cols), 1.0f, x, static_cast<int>(x_stride), wt, static_cast<int>(cols),
                     0.0f, y + r0, static_cast<int>(y_stride));
       }
-    }
+    });
     return failed.load() ? first_error : absl::OkStatus();
   }
 
@@ -426,42 +440,36 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
     std::vector<float>& ads = ThreadScratch(1);
     aq.resize(static_cast<size_t>(n_tokens * cols));
     ads.resize(static_cast<size_t>(2 * n_tokens * nb));
-    // Plain pointers: inside the parallel region `aq` would name each thread's own copy.
+    // Plain pointers: inside the loops `aq` would name each thread's own copy.
     int8_t* const q_ptr = aq.data();
     float* const d_ptr = ads.data();
     float* const s_ptr = ads.data() + n_tokens * nb;
     const QuantJob job{w.type, wbytes, rows, *row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, y, y_stride};
-#pragma omp parallel num_threads(n_threads)
-    {
-#pragma omp for schedule(static)
-      for (int t = 0; t < n_tokens; ++t) {
-        k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
-      }
+    pool.ParallelFor(n_tokens, n_threads, [&](int64_t t) {
+      k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
+    });
+    const int64_t part = RowsPerPart(rows, n_threads);
+    pool.ParallelFor((rows + part - 1) / part, n_threads, [&](int64_t c) {
       thread_local std::vector<float> scratch;
       scratch.resize(static_cast<size_t>(kQuantScratchPerBlock * nb));
-#pragma omp for schedule(static)
-      for (int64_t c = 0; c < n_chunks; ++c) {
-        const int64_t r0 = c * kDotRowChunk;
-        k.quant_rows(job, r0, std::min(rows, r0 + kDotRowChunk), scratch.data());
-      }
-    }
+      const int64_t r0 = c * part;
+      k.quant_rows(job, r0, std::min(rows, r0 + part), scratch.data());
+    });
     return absl::OkStatus();
   }
 
   if (w.type == GgmlType::kF32) {
     const auto* wf = reinterpret_cast<const float*>(wbytes);
-#pragma omp parallel for schedule(static) num_threads(n_threads)
-    for (int64_t c = 0; c < n_chunks; ++c) {
+    pool.ParallelFor(n_chunks, n_threads, [&](int64_t c) {
       const int64_t r0 = c * kDotRowChunk;
       k.f32_rows(wf + r0 * cols, cols, std::min(kDotRowChunk, rows - r0), cols, x, x_stride, n_tokens, y,
                  y_stride, r0);
-    }
+    });
     return absl::OkStatus();
   }
 
   // Generic: dequantise a chunk of rows to f32, then the f32 kernel.
-#pragma omp parallel for schedule(static) num_threads(n_threads)
-  for (int64_t c = 0; c < n_chunks; ++c) {
+  pool.ParallelFor(n_chunks, n_threads, [&](int64_t c) {
     const int64_t r0 = c * kDotRowChunk;
     const int64_t nr = std::min(kDotRowChunk, rows - r0);
     std::vector<float>& buf = ThreadScratch(0);
@@ -473,7 +481,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
       record(std::move(st));
     }
     if (ok) k.f32_rows(buf.data(), cols, nr, cols, x, x_stride, n_tokens, y, y_stride, r0);
-  }
+  });
   return failed.load() ? first_error : absl::OkStatus();
 }
 

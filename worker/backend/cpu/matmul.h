@@ -15,10 +15,11 @@
 // From `SgemmMinTokens()` tokens on (prefill), tiles of dequantised rows go to
 // OpenBLAS sgemm instead when that is faster (see MatMulPath).
 //
-// Work is split over output rows with OpenMP (NumThreads() threads, static).
-// Call from outside any OpenMP parallel region. The sgemm path calls OpenBLAS
-// from each OpenMP thread and so sets openblas_set_num_threads(1) (process-wide)
-// to avoid oversubscription.
+// Work is split over chunks of output rows on ComputePool (up to NumThreads()
+// threads; a product of under ~16 KiB of weight traffic per thread uses fewer).
+// Each row is computed by one thread whole, so results do not depend on the
+// split. The sgemm path calls OpenBLAS from each pool thread and so sets
+// openblas_set_num_threads(1) (process-wide) to avoid oversubscription.
 //
 // Thread-safety: reentrant; concurrent calls from different threads are safe
 // (each has its own scratch) but they then share the cores.

@@ -38,9 +38,9 @@
 #include "common/gguf/ggml_types.h"
 #include "tests/bench/mem_bandwidth.h"
 #include "worker/backend/cpu/attention.h"
+#include "worker/backend/cpu/compute_pool.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/matmul.h"
-#include "worker/backend/cpu/omp_env.h"
 
 ABSL_FLAG(std::string, sections, "bw,matvec,types,decode,prefill,prefilltypes,attention",
           "comma-separated parts to run (bw is always measured)");
@@ -115,14 +115,13 @@ __attribute__((target("avx2,fma"))) float DotF32Avx2(const float* a, const float
 // The route every quantised type but Q4_1/Q8_0 took before it had an integer kernel:
 // chunks of 16 rows DequantizeRow()d to f32 (per thread), then an AVX2 f32 dot
 // (the library's f32 kernel at one token is the same FMA loop). Rows split over
-// `threads` OpenMP threads, static, as MatMul does. REQUIRES: AVX2 + FMA.
+// `threads` ComputePool threads, as MatMul does. REQUIRES: AVX2 + FMA.
 void DequantMatVec(const WeightView& w, const float* x, float* y, int threads) {
   constexpr int64_t kChunk = 16;
   const int64_t row_bytes = *gguf::RowBytes(w.type, w.cols);
   const int64_t n_chunks = (w.rows + kChunk - 1) / kChunk;
   const auto* bytes = static_cast<const uint8_t*>(w.data);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t c = 0; c < n_chunks; ++c) {
+  ComputePool::Get().ParallelFor(n_chunks, threads, [&](int64_t c) {
     thread_local std::vector<float> buf;
     buf.resize(static_cast<size_t>(kChunk * w.cols));
     const int64_t r0 = c * kChunk, nr = std::min(kChunk, w.rows - r0);
@@ -130,7 +129,7 @@ void DequantMatVec(const WeightView& w, const float* x, float* y, int threads) {
       (void)gguf::DequantizeRow(w.type, bytes + (r0 + r) * row_bytes, buf.data() + r * w.cols, w.cols);
     }
     for (int64_t r = 0; r < nr; ++r) y[r0 + r] = DotF32Avx2(buf.data() + r * w.cols, x, w.cols);
-  }
+  });
 }
 
 struct Linear {
@@ -145,8 +144,6 @@ struct Linear {
 
 int main(int argc, char** argv) {
   using namespace kvcache::cpu;  // NOLINT
-  // Passive OpenMP waits, as the worker runs (see omp_env.h): re-execs once.
-  EnsureOmpWaitSettings(argv);
   absl::ParseCommandLine(argc, argv);
   kvcache::bench::BenchReport report;
   report.benchmark = "cpu_kernels";
@@ -157,7 +154,6 @@ int main(int argc, char** argv) {
   const int threads = NumThreads();
   report.metrics["threads"] = threads;
   report.notes["kernel_level"] = CpuKernelLevelName(GetCpuKernelLevel());
-  report.notes["omp_wait_policy"] = std::getenv("OMP_WAIT_POLICY");
 
   const std::string sections = absl::GetFlag(FLAGS_sections);
   auto want = [&](const char* name) { return sections.find(name) != std::string::npos; };
