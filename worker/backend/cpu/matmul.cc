@@ -30,10 +30,11 @@ struct QuantJob {
   int64_t w_stride;  // RowBytes(type, cols)
   int64_t nb;        // 32-blocks per row = cols / 32 (a multiple of 8 for k-quants)
   int n_tokens;
-  const int8_t* aq;  // [n_tokens][cols]
-  const float* ad;   // [n_tokens][nb]
-  const float* as;   // [n_tokens][nb]
-  float* y;          // [n_tokens][y_stride]
+  const int8_t* aq;   // [n_tokens][cols]
+  const float* ad;    // [n_tokens][nb]
+  const float* as;    // [n_tokens][nb]
+  const float* as_t;  // [nb][n_tokens]: `as` transposed (vector levels, types with an m)
+  float* y;           // [n_tokens][y_stride]
   int64_t y_stride;
 };
 
@@ -439,15 +440,20 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
     thread_local std::vector<int8_t> aq;
     std::vector<float>& ads = ThreadScratch(1);
     aq.resize(static_cast<size_t>(n_tokens * cols));
-    ads.resize(static_cast<size_t>(2 * n_tokens * nb));
+    ads.resize(static_cast<size_t>(3 * n_tokens * nb));
     // Plain pointers: inside the loops `aq` would name each thread's own copy.
     int8_t* const q_ptr = aq.data();
     float* const d_ptr = ads.data();
     float* const s_ptr = ads.data() + n_tokens * nb;
-    const QuantJob job{w.type, wbytes, rows, *row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, y, y_stride};
+    float* const st_ptr = ads.data() + 2 * n_tokens * nb;
+    const QuantJob job{w.type, wbytes, rows,  *row_bytes, nb, n_tokens,
+                       q_ptr,  d_ptr,  s_ptr, st_ptr,     y,  y_stride};
     pool.ParallelFor(n_tokens, n_threads, [&](int64_t t) {
       k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
     });
+    for (int t = 0; t < n_tokens; ++t) {
+      for (int64_t b = 0; b < nb; ++b) st_ptr[b * n_tokens + t] = s_ptr[t * nb + b];
+    }
     const int64_t part = RowsPerPart(rows, n_threads);
     pool.ParallelFor((rows + part - 1) / part, n_threads, [&](int64_t c) {
       thread_local std::vector<float> scratch;

@@ -284,6 +284,34 @@ TEST_P(CpuKernelsTest, MatMulSingleThreadEqualsMultiThread) {
   EXPECT_EQ(yk1, yk2);
 }
 
+// A token's outputs do not depend on the other tokens of the product: the engine
+// batches decodes of different sessions and chunks prompts as load allows, and a
+// seeded reply must come out the same either way. Every integer-dot type, odd
+// batch sizes (vector lanes and scalar tails of every kernel), bit for bit.
+TEST_P(CpuKernelsTest, IntegerDotTokenDoesNotDependOnTheBatch) {
+  std::mt19937 rng(21);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
+                        GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    const int64_t rows = 21, cols = 768;
+    const TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
+    const int n_tokens = 19;
+    const std::vector<float> x = RandomVec(rng, n_tokens * cols, -2.0f, 2.0f);
+    std::vector<float> all(static_cast<size_t>(n_tokens * rows));
+    ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, all.data(), rows, MatMulPath::kDot).ok());
+    for (int batch : {1, 3, 8, 11}) {
+      for (int t0 = 0; t0 < n_tokens; t0 += batch) {
+        const int n = std::min(batch, n_tokens - t0);
+        std::vector<float> part(static_cast<size_t>(n * rows));
+        ASSERT_TRUE(MatMul(w.view, x.data() + t0 * cols, cols, n, part.data(), rows, MatMulPath::kDot).ok());
+        for (int64_t i = 0; i < n * rows; ++i) {
+          ASSERT_EQ(part[i], all[t0 * rows + i]) << gguf::TypeName(type) << " batch " << batch << " token "
+                                                 << t0 + i / rows << " row " << i % rows;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(CpuKernelsTest, QuantizeActivationsQ8Bounds) {
   std::mt19937 rng(3);
   std::vector<float> x = RandomVec(rng, 2 * 96, -3.0f, 3.0f);
