@@ -101,9 +101,9 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     const model::LlamaLayer& L = model_->layers()[l];
     // Attention block.
     RmsNorm(x_.data(), L.attn_norm.data(), t, d, eps, xn_.data());
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wq, xn_.data(), t, q_.data()));  // q: [t][n_head][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wk, xn_.data(), t, k_.data()));  // k: [t][n_kv][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wv, xn_.data(), t, v_.data()));  // v: [t][n_kv][hd]
+    // q: [t][n_head][hd], k and v: [t][n_kv][hd]
+    const MatMulOutput qkv[] = {{L.wq, q_.data()}, {L.wk, k_.data()}, {L.wv, v_.data()}};
+    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(qkv, xn_.data(), t));
     if (hp.qkv_bias) {
       for (int i = 0; i < t; ++i) {
         Add(q_.data() + int64_t{i} * q_dim, L.bq.data(), q_dim, q_.data() + int64_t{i} * q_dim);
@@ -131,8 +131,8 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     Add(x_.data(), tmp_.data(), int64_t{t} * d, x_.data());
     // Feed-forward block (SwiGLU).
     RmsNorm(x_.data(), L.ffn_norm.data(), t, d, eps, xn_.data());
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.w_gate, xn_.data(), t, gate_.data()));  // [t][n_ff]
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.w_up, xn_.data(), t, up_.data()));      // [t][n_ff]
+    const MatMulOutput gate_up[] = {{L.w_gate, gate_.data()}, {L.w_up, up_.data()}};  // [t][n_ff] each
+    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(gate_up, xn_.data(), t));
     SwiGlu(gate_.data(), up_.data(), int64_t{t} * hp.n_ff, gate_.data());
     KVCACHE_RETURN_IF_ERROR(MatMul(L.w_down, gate_.data(), t, tmp_.data()));  // [t][d]
     Add(x_.data(), tmp_.data(), int64_t{t} * d, x_.data());

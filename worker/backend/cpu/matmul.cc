@@ -12,8 +12,10 @@
 #include <mutex>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "common/gguf/fp16.h"
+#include "common/status_macros.h"
 #include "worker/backend/cpu/compute_pool.h"
 #include "worker/backend/cpu/cpu_features.h"
 
@@ -295,6 +297,69 @@ absl::Status DequantRow(const Kernels& k, GgmlType type, const void* src, float*
   return gguf::DequantizeRow(type, src, dst, n);
 }
 
+// Threads for products of `weight_bytes` with n_tokens tokens: work ~ weight
+// bytes x token tiles; tiny products stay on the calling thread.
+int ThreadsFor(int64_t weight_bytes, int n_tokens) {
+  const int64_t work = weight_bytes * ((n_tokens + 3) / 4);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(NumThreads(), work / kMinWorkPerThread)));
+}
+
+// One product of RunQuantProducts: y [n_tokens][y_stride] = x · wᵀ.
+struct QuantOut {
+  GgmlType type;  // IsIntegerDotType(type)
+  const uint8_t* w;
+  int64_t rows;
+  int64_t row_bytes;
+  float* y;
+  int64_t y_stride;
+};
+
+// Products of the same activations x [n_tokens][x_stride] (cols used) with
+// integer-dot weights: x is quantised once, and one parallel loop covers every
+// product's rows (in parts of RowsPerPart each), so that the q/k/v or gate/up
+// projections of a layer cost one loop, not three or two.
+void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const float* x, int64_t x_stride,
+                      int64_t cols, int n_tokens, int n_threads) {
+  ComputePool& pool = ComputePool::Get();
+  // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32, as_t: [nb][n_tokens] —
+  // shared by all threads.
+  const int64_t nb = cols / 32;
+  thread_local std::vector<int8_t> aq;
+  std::vector<float>& ads = ThreadScratch(1);
+  aq.resize(static_cast<size_t>(n_tokens * cols));
+  ads.resize(static_cast<size_t>(3 * n_tokens * nb));
+  // Plain pointers: inside the loops `aq` would name each thread's own copy.
+  int8_t* const q_ptr = aq.data();
+  float* const d_ptr = ads.data();
+  float* const s_ptr = ads.data() + n_tokens * nb;
+  float* const st_ptr = ads.data() + 2 * n_tokens * nb;
+  pool.ParallelFor(n_tokens, n_threads, [&](int64_t t) {
+    k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
+  });
+  for (int t = 0; t < n_tokens; ++t) {
+    for (int64_t b = 0; b < nb; ++b) st_ptr[b * n_tokens + t] = s_ptr[t * nb + b];
+  }
+  struct Part {
+    int job;
+    int64_t r0, r1;
+  };
+  absl::InlinedVector<QuantJob, 3> jobs;
+  absl::InlinedVector<Part, 64> parts;
+  for (const QuantOut& o : outs) {
+    jobs.push_back(QuantJob{o.type, o.w, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, st_ptr, o.y,
+                            o.y_stride});
+    const int64_t part = RowsPerPart(o.rows, n_threads);
+    for (int64_t r0 = 0; r0 < o.rows; r0 += part) {
+      parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, std::min(o.rows, r0 + part)});
+    }
+  }
+  pool.ParallelFor(static_cast<int64_t>(parts.size()), n_threads, [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(kQuantScratchPerBlock * nb));
+    k.quant_rows(jobs[parts[i].job], parts[i].r0, parts[i].r1, scratch.data());
+  });
+}
+
 void SetOpenBlasSingleThreaded() {
   // Each pool thread calls sgemm on its own tile; OpenBLAS must not fan out again.
   // Checked per call: other code (a benchmark baseline) may have raised it.
@@ -386,10 +451,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
   }
 
   const Kernels& k = KernelsFor(GetCpuKernelLevel());
-  // Work ~ weight bytes x token tiles; tiny products stay on the calling thread.
-  const int64_t work = w.rows * *row_bytes * ((n_tokens + 3) / 4);
-  const int n_threads =
-      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(NumThreads(), work / kMinWorkPerThread)));
+  const int n_threads = ThreadsFor(w.rows * *row_bytes, n_tokens);
   const auto* wbytes = static_cast<const uint8_t*>(w.data);
   const int64_t rows = w.rows, cols = w.cols;
   const bool sgemm =
@@ -435,32 +497,8 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
 
   const int64_t n_chunks = (rows + kDotRowChunk - 1) / kDotRowChunk;
   if (quant) {
-    // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32 — shared by all threads.
-    const int64_t nb = cols / 32;
-    thread_local std::vector<int8_t> aq;
-    std::vector<float>& ads = ThreadScratch(1);
-    aq.resize(static_cast<size_t>(n_tokens * cols));
-    ads.resize(static_cast<size_t>(3 * n_tokens * nb));
-    // Plain pointers: inside the loops `aq` would name each thread's own copy.
-    int8_t* const q_ptr = aq.data();
-    float* const d_ptr = ads.data();
-    float* const s_ptr = ads.data() + n_tokens * nb;
-    float* const st_ptr = ads.data() + 2 * n_tokens * nb;
-    const QuantJob job{w.type, wbytes, rows,  *row_bytes, nb, n_tokens,
-                       q_ptr,  d_ptr,  s_ptr, st_ptr,     y,  y_stride};
-    pool.ParallelFor(n_tokens, n_threads, [&](int64_t t) {
-      k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
-    });
-    for (int t = 0; t < n_tokens; ++t) {
-      for (int64_t b = 0; b < nb; ++b) st_ptr[b * n_tokens + t] = s_ptr[t * nb + b];
-    }
-    const int64_t part = RowsPerPart(rows, n_threads);
-    pool.ParallelFor((rows + part - 1) / part, n_threads, [&](int64_t c) {
-      thread_local std::vector<float> scratch;
-      scratch.resize(static_cast<size_t>(kQuantScratchPerBlock * nb));
-      const int64_t r0 = c * part;
-      k.quant_rows(job, r0, std::min(rows, r0 + part), scratch.data());
-    });
+    const QuantOut out{w.type, wbytes, rows, *row_bytes, y, y_stride};
+    RunQuantProducts(k, {&out, 1}, x, x_stride, cols, n_tokens, n_threads);
     return absl::OkStatus();
   }
 
@@ -489,6 +527,37 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
     if (ok) k.f32_rows(buf.data(), cols, nr, cols, x, x_stride, n_tokens, y, y_stride, r0);
   });
   return failed.load() ? first_error : absl::OkStatus();
+}
+
+absl::Status MatMulSameInput(absl::Span<const MatMulOutput> outs, const float* x, int n_tokens) {
+  if (outs.empty()) return absl::OkStatus();
+  const int64_t cols = outs[0].w.cols;
+  bool fused = n_tokens > 0 && n_tokens < SgemmMinTokens() && cols > 0 && x != nullptr;
+  int64_t weight_bytes = 0;
+  absl::InlinedVector<QuantOut, 3> qouts;
+  for (const MatMulOutput& o : outs) {
+    if (o.w.cols != cols) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MatMulSameInput: cols ", o.w.cols, " differ from the first product's ", cols));
+    }
+  }
+  for (const MatMulOutput& o : outs) {
+    const absl::StatusOr<int64_t> row_bytes = gguf::RowBytes(o.w.type, o.w.cols);
+    fused = fused && IsIntegerDotType(o.w.type) && row_bytes.ok() && o.w.rows > 0 && o.w.data != nullptr &&
+            o.y != nullptr;
+    if (!fused) break;
+    weight_bytes += o.w.rows * *row_bytes;
+    qouts.push_back(
+        QuantOut{o.w.type, static_cast<const uint8_t*>(o.w.data), o.w.rows, *row_bytes, o.y, o.w.rows});
+  }
+  if (!fused) {
+    // The general route, with MatMul's own checks and errors.
+    for (const MatMulOutput& o : outs) KVCACHE_RETURN_IF_ERROR(MatMul(o.w, x, n_tokens, o.y));
+    return absl::OkStatus();
+  }
+  RunQuantProducts(KernelsFor(GetCpuKernelLevel()), qouts, x, cols, cols, n_tokens,
+                   ThreadsFor(weight_bytes, n_tokens));
+  return absl::OkStatus();
 }
 
 }  // namespace kvcache::cpu

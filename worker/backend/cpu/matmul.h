@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "common/gguf/ggml_types.h"
 #include "worker/model/weight_view.h"
 
@@ -57,6 +58,20 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
 inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, float* y) {
   return MatMul(w, x, w.cols, n_tokens, y, w.rows);
 }
+
+// One product of MatMulSameInput: y [n_tokens][w.rows] = x · wᵀ.
+struct MatMulOutput {
+  WeightView w;
+  float* y;
+};
+
+// Several products of the same activations x [n_tokens][cols], each equal bit for
+// bit to MatMul(out.w, x, n_tokens, out.y). When every weight has an integer-dot
+// type and the dot route applies, they share one quantisation of x and one
+// parallel loop (a layer's q/k/v or gate/up projections: fewer loops a step);
+// otherwise they run one by one. Errors as MatMul's.
+// REQUIRES: every out.w.cols equal.
+absl::Status MatMulSameInput(absl::Span<const MatMulOutput> outs, const float* x, int n_tokens);
 
 // True for the weight types with integer-dot kernels (see above): Q4_0, Q4_1,
 // Q5_0, Q8_0, Q4_K, Q5_K, Q6_K. Other decodable types take the f32 route.

@@ -312,6 +312,41 @@ TEST_P(CpuKernelsTest, IntegerDotTokenDoesNotDependOnTheBatch) {
   }
 }
 
+// Products sharing their input (a layer's q/k/v, gate/up) equal MatMul's bit for
+// bit, whether they run fused (integer-dot types) or one by one (f32 among them).
+TEST_P(CpuKernelsTest, MatMulSameInputEqualsMatMul) {
+  std::mt19937 rng(5);
+  const int64_t cols = 512;
+  const TestWeights a = MakeRandomBlockWeights(rng, GgmlType::kQ4_K, 40, cols);
+  const TestWeights b = MakeRandomBlockWeights(rng, GgmlType::kQ6_K, 17, cols);
+  const TestWeights c = MakeWeights(rng, GgmlType::kQ4_1, 9, cols);
+  const TestWeights f = MakeWeights(rng, GgmlType::kF32, 6, cols);
+  for (int n_tokens : {1, 5, 16}) {
+    SCOPED_TRACE(::testing::Message() << "n_tokens=" << n_tokens);
+    const std::vector<float> x = RandomVec(rng, n_tokens * cols, -2.0f, 2.0f);
+    for (bool with_f32 : {false, true}) {
+      std::vector<const TestWeights*> ws = {&a, &b, &c};
+      if (with_f32) ws.push_back(&f);
+      std::vector<std::vector<float>> fused(ws.size()), alone(ws.size());
+      std::vector<MatMulOutput> outs;
+      for (size_t i = 0; i < ws.size(); ++i) {
+        fused[i].assign(static_cast<size_t>(n_tokens * ws[i]->view.rows), -1.0f);
+        alone[i].resize(fused[i].size());
+        outs.push_back({ws[i]->view, fused[i].data()});
+        ASSERT_TRUE(MatMul(ws[i]->view, x.data(), n_tokens, alone[i].data()).ok());
+      }
+      ASSERT_TRUE(MatMulSameInput(outs, x.data(), n_tokens).ok());
+      for (size_t i = 0; i < ws.size(); ++i) EXPECT_EQ(fused[i], alone[i]) << "product " << i;
+    }
+  }
+  // Products of different widths cannot share an input.
+  const TestWeights narrow = MakeWeights(rng, GgmlType::kQ4_1, 4, 256);
+  std::vector<float> y1(40), y2(4);
+  const std::vector<float> x = RandomVec(rng, cols);
+  const MatMulOutput mixed[] = {{a.view, y1.data()}, {narrow.view, y2.data()}};
+  EXPECT_EQ(MatMulSameInput(mixed, x.data(), 1).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_P(CpuKernelsTest, QuantizeActivationsQ8Bounds) {
   std::mt19937 rng(3);
   std::vector<float> x = RandomVec(rng, 2 * 96, -3.0f, 3.0f);
