@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/gguf/tiny_llama.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -257,6 +258,7 @@ struct Conversation {
   std::string id;
   std::vector<std::string> texts;  // turn 0 FULL_CONTEXT, then APPEND
   std::vector<std::vector<int32_t>> replies;
+  int context_tokens = 0;  // after the last turn: prompt + generated
   int failed = 0;
   std::string first_error;
 };
@@ -278,9 +280,14 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
     Reply r = Turn(convs[i].id, convs[i].texts[0], v1::FULL_CONTEXT);
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
     convs[i].replies.push_back(r.tokens);
+    convs[i].context_tokens = r.final.usage().prompt_tokens() + r.final.usage().generated_tokens();
   }
 
-  std::atomic<bool> rollout_done{false};
+  // A conversation longer than this waits for the rollout to finish, so that
+  // every one still has room under the model's 4,096 tokens for its turns after
+  // it (how many turns fit before depends on how fast the workers decode).
+  constexpr int kParkTokens = 3200;
+  absl::Notification rollout_done;
   std::atomic<int64_t> recomputed{0};
   std::atomic<int64_t> longest_turn_us{0};
   std::vector<std::thread> clients;
@@ -288,9 +295,12 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
     clients.emplace_back([&, t] {
       int turns_after_rollout = 0;
       for (int k = 1; turns_after_rollout < 2 && k < 200; ++k) {
-        const bool after = rollout_done.load();
+        const bool after = rollout_done.HasBeenNotified();
+        bool all_parked = true;
         for (int i = t; i < kSessions; i += kThreads) {
           Conversation& c = convs[i];
+          if (!after && c.context_tokens > kParkTokens) continue;
+          all_parked = false;
           const std::string text = absl::StrCat(" and turn ", k, " asks more");
           const absl::Time start = absl::Now();
           Reply r = Turn(c.id, text, v1::APPEND);
@@ -304,8 +314,10 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
           }
           c.texts.push_back(text);
           c.replies.push_back(r.tokens);
+          c.context_tokens = r.final.usage().prompt_tokens() + r.final.usage().generated_tokens();
           recomputed += r.final.usage().recomputed_tokens();
         }
+        if (!after && all_parked) rollout_done.WaitForNotification();
         if (after) ++turns_after_rollout;
       }
     });
@@ -329,7 +341,7 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
     ASSERT_TRUE(exit.ok()) << "worker " << i << " did not finish its drain";
     EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << *exit;
   }
-  rollout_done = true;
+  rollout_done.Notify();
   for (auto& c : clients) c.join();
   EXPECT_TRUE(WaitUntil([&] { return ServingExactly(new_ips); })) << "the old workers are still listed";
 
