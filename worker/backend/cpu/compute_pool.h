@@ -12,8 +12,9 @@
 // costs nothing; on idle cores every thread takes part (the same engine_bench
 // decode ran 1.6x faster with every matmul on two threads than with one).
 //
-// Helpers spin briefly after a loop (back-to-back loops of a step find them
-// awake), then sleep on a mutex until the next loop.
+// Helpers poll for 100 us after a loop (back-to-back loops of a step find them
+// awake), yielding the core every few polls in case another process's thread
+// wants it, then sleep on a mutex until the next loop.
 //
 // Thread-safety: ParallelFor may be called from any thread. One loop runs on the
 // helpers at a time; a call that finds the pool busy (another thread's loop), or
