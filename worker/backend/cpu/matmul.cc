@@ -278,9 +278,9 @@ int64_t RowsPerPart(int64_t rows, int n_threads) {
 // Bytes of weight traffic below which one more thread costs more than it saves
 // (a loop on the pool costs about a microsecond; 16 KiB of weights take one
 // thread about as long). Measured with engine_bench decode on SmolLM2 Q4_1
-// (2 threads, Intel Xeon, helpers on ComputePool): 16 KiB 182 tokens/s, 64 KiB
-// 174, 256 KiB 138; with OpenMP and 1 MiB (every per-layer matmul on one
-// thread) 111.
+// (2 threads, Intel Xeon, still on OpenMP with one team in the process):
+// 16 KiB 182 tokens/s, 64 KiB 174, 256 KiB 138, 1 MiB (every per-layer matmul
+// on one thread) 111; on ComputePool at 16 KiB, 164-185 over four runs.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 14;
 
 // 0 = the measured default of the current level (see SgemmMinTokens()).
