@@ -40,7 +40,7 @@ ComputePool::~ComputePool() {
   std::vector<std::thread> helpers;
   {
     absl::MutexLock lock(&mu_);
-    stop_ = true;
+    // Sleeping helpers re-evaluate their condition when mu_ is released.
     stopping_.store(true);
     helpers.swap(helpers_);
   }
@@ -53,7 +53,7 @@ void ComputePool::EnsureHelpers(int count) {
   if (count > kMaxHelpers) count = kMaxHelpers;
   if (n_helpers_.load() >= count) return;
   absl::MutexLock lock(&mu_);
-  if (stop_) return;
+  if (stopping_.load()) return;
   while (static_cast<int>(helpers_.size()) < count) {
     const int index = static_cast<int>(helpers_.size()) + 1;  // the caller is thread 0
     const uint32_t seen = GenOf(ticket_.load());              // joins the next loop
@@ -62,8 +62,7 @@ void ComputePool::EnsureHelpers(int count) {
   n_helpers_.store(static_cast<int>(helpers_.size()));
 }
 
-int64_t ComputePool::RunChunks(uint32_t gen) {
-  int64_t ran = 0;
+void ComputePool::RunChunks(uint32_t gen) {
   for (;;) {
     uint64_t ticket = ticket_.load();
     if (GenOf(ticket) != gen) break;
@@ -76,9 +75,7 @@ int64_t ComputePool::RunChunks(uint32_t gen) {
     if (!ticket_.compare_exchange_weak(ticket, ticket + 1)) continue;
     (*fn)(i);
     done_.fetch_add(1);
-    ++ran;
   }
-  return ran;
 }
 
 void ComputePool::HelperLoop(int index, uint32_t seen) {
@@ -99,9 +96,7 @@ void ComputePool::HelperLoop(int index, uint32_t seen) {
           sleepers_.fetch_add(1);
           {
             absl::MutexLock lock(&mu_);
-            auto ready = [this, seen]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-              return stop_ || GenOf(ticket_.load()) != seen;
-            };
+            auto ready = [this, seen] { return stopping_.load() || GenOf(ticket_.load()) != seen; };
             mu_.Await(absl::Condition(&ready));
           }
           sleepers_.fetch_sub(1);

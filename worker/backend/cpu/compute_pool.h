@@ -56,8 +56,8 @@ class ComputePool {
   void EnsureHelpers(int count);
   // Helper `index` (1-based; the caller is 0); `seen`: the last loop it knows of.
   void HelperLoop(int index, uint32_t seen);
-  // Takes and runs chunks of loop `gen` until none is left. Returns chunks run.
-  int64_t RunChunks(uint32_t gen);
+  // Takes and runs chunks of loop `gen` until none is left.
+  void RunChunks(uint32_t gen);
 
   // gen (high 32 bits) | next unclaimed index of that loop (low 32 bits; all ones
   // once the loop has finished). A helper claims index i of loop g by
@@ -73,10 +73,9 @@ class ComputePool {
   std::atomic<int64_t> done_{0};       // indices of the current loop that have returned
   std::atomic<bool> busy_{false};      // a thread's loop owns the helpers
   std::atomic<int> sleepers_{0};       // helpers asleep (or going to sleep) on mu_
-  std::atomic<bool> stopping_{false};  // stop_ for polling helpers
+  std::atomic<bool> stopping_{false};  // set once, by the destructor
 
   mutable absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> helpers_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> n_helpers_{0};
 };
