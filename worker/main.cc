@@ -14,6 +14,7 @@
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "worker/backend/backend.h"
+#include "worker/backend/cpu/cpu_features.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
 #include "worker/sched/engine.h"
@@ -37,6 +38,9 @@ ABSL_FLAG(int64_t, tier1_bytes, int64_t{4} << 30,
 ABSL_FLAG(int32_t, page_tokens, 16, "Tokens per KV page");
 ABSL_FLAG(std::string, kv_dtype, "f16", "KV element type: f16, bf16 or f32");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
+ABSL_FLAG(std::string, cpu_kernel_level, "",
+          "CPU backend kernels: auto (the best this CPU supports), avx512, avx2 or scalar (default: "
+          "$KVCACHE_CPU_KERNEL_LEVEL, else auto)");
 ABSL_FLAG(int32_t, max_batch_tokens, 256, "New tokens per engine step (decode + chunked prefill)");
 ABSL_FLAG(double, max_step_ms, 0,
           "Step-time target while requests decode: prefill chunks are sized (from the engine's own step "
@@ -61,6 +65,9 @@ namespace kvcache {
 namespace {
 
 constexpr char kName[] = "kvcache-worker";
+// --cpu_kernel_level's default: one variable sets the level of every worker of a
+// pod or a test run (CI runs part of the suite at avx2 this way).
+constexpr char kCpuKernelLevelEnv[] = "KVCACHE_CPU_KERNEL_LEVEL";
 
 absl::StatusOr<kv::KvDtype> ParseDtype(const std::string& s) {
   if (s == "f16") return kv::KvDtype::kF16;
@@ -94,8 +101,24 @@ absl::StatusOr<ClusterToken> PeerAuthFromOptions(const ServerOptions& options) {
   return token;
 }
 
+// --cpu_kernel_level, else $KVCACHE_CPU_KERNEL_LEVEL, else auto; INVALID_ARGUMENT
+// (naming where the value came from) for a name this CPU cannot run.
+absl::StatusOr<cpu::CpuKernelLevel> CpuKernelLevelFromFlags() {
+  std::string name = absl::GetFlag(FLAGS_cpu_kernel_level);
+  std::string source = "--cpu_kernel_level";
+  if (name.empty()) {
+    const char* env = std::getenv(kCpuKernelLevelEnv);
+    name = env != nullptr && *env != '\0' ? env : "auto";
+    source = absl::StrCat("$", kCpuKernelLevelEnv);
+  }
+  absl::StatusOr<cpu::CpuKernelLevel> level = cpu::ParseCpuKernelLevel(name);
+  if (!level.ok()) return absl::InvalidArgumentError(absl::StrCat(source, ": ", level.status().message()));
+  return level;
+}
+
 absl::Status CheckFlags() {
   if (absl::Status st = backend::ParseDevice(absl::GetFlag(FLAGS_device)).status(); !st.ok()) return st;
+  if (absl::Status st = CpuKernelLevelFromFlags().status(); !st.ok()) return st;
   if (absl::GetFlag(FLAGS_tier0_bytes) <= 0)
     return absl::InvalidArgumentError("--tier0_bytes must be positive");
   if (absl::GetFlag(FLAGS_tier1_bytes) < 0)
@@ -149,6 +172,7 @@ int Run() {
   bo.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
   bo.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   bo.cpu_threads = absl::GetFlag(FLAGS_threads);
+  bo.cpu_kernel_level = *CpuKernelLevelFromFlags();
   auto backend = backend::OpenBackend(*backend::ParseDevice(absl::GetFlag(FLAGS_device)), bo);
   if (!backend.ok()) DieWith(kName, backend.status(), 1);
   KV_LOG_INFO("backend: {}", (*backend)->Describe());
@@ -192,6 +216,8 @@ int Run() {
   std::string worker_id = absl::GetFlag(FLAGS_worker_id);
   if (worker_id.empty()) worker_id = options->grpc_address;
   service::WorkerMetrics metrics((*process)->metrics());
+  metrics.SetInfo(backend::ParseDevice(absl::GetFlag(FLAGS_device))->ToString(),
+                  cpu::CpuKernelLevelName(cpu::GetCpuKernelLevel()));
 
   service::WorkerServiceOptions so;
   so.worker_id = worker_id;

@@ -8,9 +8,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
@@ -609,6 +611,76 @@ TEST_F(WorkerTest, DrainMovesSessionsAndExits) {
     EXPECT_TRUE(t.status.ok()) << t.status.error_message();
     EXPECT_GT(t.final.usage().cached_tokens(), 40);
   }
+}
+
+// The CPU kernel level comes from --cpu_kernel_level, else from
+// $KVCACHE_CPU_KERNEL_LEVEL, else the best the CPU has; kvcache_worker_info says
+// which one runs. A name that is not a level stops the worker at start (exit 2)
+// with an error naming where the value came from.
+TEST_F(WorkerTest, CpuKernelLevelComesFromTheFlagOrTheEnvironment) {
+  const char* inherited = std::getenv("KVCACHE_CPU_KERNEL_LEVEL");
+  const std::string saved = inherited != nullptr ? inherited : "";
+  auto info_line = [](testing::ServerUnderTest& w) {
+    auto body = testing::HttpGet(w.metrics_port(), "/metrics");
+    EXPECT_TRUE(body.ok()) << body.status();
+    for (absl::string_view line : absl::StrSplit(body.ok() ? *body : "", '\n')) {
+      if (absl::StartsWith(line, "kvcache_worker_info{")) return std::string(line);
+    }
+    return std::string("no kvcache_worker_info");
+  };
+  auto exit_and_output = [](const std::string& command) {
+    auto p = testing::ChildProcess::Start({"/bin/sh", "-c", command + " 2>&1"});
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return std::pair<int, std::string>{-1, ""};
+    auto status = (*p)->Wait(absl::Seconds(60));
+    EXPECT_TRUE(status.ok()) << status.status();
+    (void)(*p)->WaitForOutput(1 << 20, absl::Seconds(5));
+    return std::pair<int, std::string>{status.ok() && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1,
+                                       (*p)->output()};
+  };
+
+  // The flag wins over the environment (which is not even read).
+  ASSERT_EQ(setenv("KVCACHE_CPU_KERNEL_LEVEL", "no-such-level", 1), 0);
+  {
+    auto w = StartWorker({"--cpu_kernel_level=scalar"});
+    ASSERT_NE(w, nullptr);
+    EXPECT_EQ(info_line(*w), R"(kvcache_worker_info{cpu_kernel_level="scalar",device="cpu"} 1)");
+    auto stub = v1::Worker::NewStub(w->channel());
+    Turn t = Generate(stub.get(), Text("", "scalar kernels", 6));
+    ASSERT_TRUE(t.status.ok()) << t.status.error_message();
+    EXPECT_EQ(t.tokens.size(), 6u);
+  }
+  // An unusable environment value without the flag: refused at start.
+  const std::string worker = testing::BinaryPath("worker/kvcache-worker") + " --allow_unauthenticated";
+  auto [env_code, env_out] = exit_and_output(worker);
+  EXPECT_EQ(env_code, 2) << env_out;
+  EXPECT_THAT(env_out, HasSubstr("$KVCACHE_CPU_KERNEL_LEVEL"));
+  EXPECT_THAT(env_out, HasSubstr("want auto, avx512, avx2 or scalar"));
+  EXPECT_THAT(env_out, ::testing::Not(HasSubstr("listening")));
+  // The environment alone sets the level.
+  ASSERT_EQ(setenv("KVCACHE_CPU_KERNEL_LEVEL", "scalar", 1), 0);
+  {
+    auto w = StartWorker({});
+    ASSERT_NE(w, nullptr);
+    EXPECT_EQ(info_line(*w), R"(kvcache_worker_info{cpu_kernel_level="scalar",device="cpu"} 1)");
+  }
+  // auto: the best level this CPU has (never scalar on an x86-64 with AVX2).
+  ASSERT_EQ(setenv("KVCACHE_CPU_KERNEL_LEVEL", "auto", 1), 0);
+  {
+    auto w = StartWorker({});
+    ASSERT_NE(w, nullptr);
+    EXPECT_THAT(info_line(*w), ::testing::AnyOf(HasSubstr(R"(cpu_kernel_level="avx512")"),
+                                                HasSubstr(R"(cpu_kernel_level="avx2")"),
+                                                HasSubstr(R"(cpu_kernel_level="scalar")")));
+  }
+  if (saved.empty()) {
+    unsetenv("KVCACHE_CPU_KERNEL_LEVEL");
+  } else {
+    setenv("KVCACHE_CPU_KERNEL_LEVEL", saved.c_str(), 1);
+  }
+  auto [flag_code, flag_out] = exit_and_output(worker + " --cpu_kernel_level=sse4");
+  EXPECT_EQ(flag_code, 2) << flag_out;
+  EXPECT_THAT(flag_out, HasSubstr("--cpu_kernel_level: cpu kernel level 'sse4'"));
 }
 
 TEST_F(WorkerTest, MetricsPassPromtool) {

@@ -52,6 +52,9 @@ class CudaPluginBackend : public Backend {
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> OpenCpu(const DeviceSpec&, const BackendOptions& options) {
+  if (options.cpu_kernel_level.has_value()) {
+    if (absl::Status st = cpu::SetCpuKernelLevel(*options.cpu_kernel_level); !st.ok()) return st;
+  }
   return std::make_unique<CpuBackend>(options);
 }
 

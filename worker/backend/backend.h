@@ -15,10 +15,12 @@
 #define KVCACHE_WORKER_BACKEND_BACKEND_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "worker/backend/backend_loader.h"
+#include "worker/backend/cpu/cpu_features.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
 #include "worker/model/model_runner.h"
@@ -29,6 +31,8 @@ struct BackendOptions {
   std::string cuda_plugin;     // --cuda_plugin ("" = the default candidates)
   int max_batch_tokens = 512;  // new tokens per Forward (sizes scratch buffers)
   int cpu_threads = 0;         // CPU kernel threads (0: leave cpu::NumThreads() as it is)
+  // CPU kernel level (unset: leave cpu::GetCpuKernelLevel() as it is).
+  std::optional<cpu::CpuKernelLevel> cpu_kernel_level;
 };
 
 class Backend {

@@ -18,6 +18,10 @@ const char* TierName(int t) { return t == 0 ? "device" : "host"; }
 
 }  // namespace
 
+void WorkerMetrics::SetInfo(const std::string& device, const std::string& cpu_kernel_level) {
+  info_.Add({{"device", device}, {"cpu_kernel_level", cpu_kernel_level}}).Set(1);
+}
+
 WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
     : pages_(BuildGauge().Name("kvcache_kv_pages").Help("KV pages by tier and state").Register(r)),
       usage_(
@@ -37,6 +41,10 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                     .Add({})),
       waiting_(&BuildGauge().Name("kvcache_requests_waiting").Help("Requests queued").Register(r).Add({})),
       draining_(&BuildGauge().Name("kvcache_worker_draining").Help("1 while draining").Register(r).Add({})),
+      info_(BuildGauge()
+                .Name("kvcache_worker_info")
+                .Help("1, labelled with the backend device and the CPU kernel level this worker runs")
+                .Register(r)),
       prefix_query_(&BuildCounter()
                          .Name("kvcache_prefix_query_tokens_total")
                          .Help("Prompt tokens looked up in the prefix cache")

@@ -37,6 +37,9 @@ class WorkerMetrics {
   void OnOffload(absl::Duration d) { offload_seconds_->Observe(absl::ToDoubleSeconds(d)); }
   void OnRestore(absl::Duration d) { restore_seconds_->Observe(absl::ToDoubleSeconds(d)); }
   void OnUnauthenticated() { unauthenticated_->Increment(); }
+  // kvcache_worker_info{device, cpu_kernel_level} = 1: what this process runs
+  // on (set once at start-up).
+  void SetInfo(const std::string& device, const std::string& cpu_kernel_level);
 
  private:
   prometheus::Family<prometheus::Gauge>& pages_;
@@ -47,6 +50,7 @@ class WorkerMetrics {
   prometheus::Gauge* running_;
   prometheus::Gauge* waiting_;
   prometheus::Gauge* draining_;
+  prometheus::Family<prometheus::Gauge>& info_;
   prometheus::Counter* prefix_query_;
   prometheus::Counter* prefix_hit_;
   prometheus::Counter* offload_bytes_;

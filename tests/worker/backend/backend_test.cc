@@ -7,6 +7,7 @@
 #include "common/gguf/tiny_llama.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/backend/cpu/cpu_features.h"
 
 namespace kvcache::backend {
 namespace {
@@ -54,6 +55,34 @@ TEST(BackendTest, CpuBackendRunsTheModelOnHostPages) {
   ASSERT_TRUE((*runner)->Forward({step}, &logits).ok());
   EXPECT_EQ(static_cast<int64_t>(logits.size()), static_cast<int64_t>(hp.n_vocab));
   ASSERT_TRUE((*kv)->CommitStep("s", tokens).ok());
+}
+
+TEST(BackendTest, CpuKernelLevelIsParsedAndApplied) {
+  using cpu::CpuKernelLevel;
+  EXPECT_EQ(*cpu::ParseCpuKernelLevel("scalar"), CpuKernelLevel::kScalar);
+  EXPECT_EQ(*cpu::ParseCpuKernelLevel("auto"), cpu::MaxSupportedCpuKernelLevel());
+  for (CpuKernelLevel level : cpu::SupportedCpuKernelLevels()) {
+    EXPECT_EQ(*cpu::ParseCpuKernelLevel(cpu::CpuKernelLevelName(level)), level);
+  }
+  for (const char* bad : {"", "AVX2", "sse4", "avx512 ", "cuda"}) {
+    auto parsed = cpu::ParseCpuKernelLevel(bad);
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(parsed.status().message(), HasSubstr("want auto, avx512, avx2 or scalar")) << bad;
+  }
+  if (cpu::MaxSupportedCpuKernelLevel() < CpuKernelLevel::kAvx512) {
+    auto parsed = cpu::ParseCpuKernelLevel("avx512");
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr("not supported by this CPU"));
+  }
+
+  const CpuKernelLevel before = cpu::GetCpuKernelLevel();
+  BackendOptions options;
+  options.cpu_kernel_level = CpuKernelLevel::kScalar;
+  auto backend = OpenBackend(*ParseDevice("cpu"), options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_EQ(cpu::GetCpuKernelLevel(), CpuKernelLevel::kScalar);
+  EXPECT_THAT((*backend)->Describe(), HasSubstr("kernel level scalar"));
+  ASSERT_TRUE(cpu::SetCpuKernelLevel(before).ok());
 }
 
 TEST(BackendTest, CudaWithoutPluginIsNotFound) {

@@ -56,6 +56,21 @@ std::vector<CpuKernelLevel> SupportedCpuKernelLevels() {
   return out;
 }
 
+absl::StatusOr<CpuKernelLevel> ParseCpuKernelLevel(absl::string_view name) {
+  if (name == "auto") return MaxSupportedCpuKernelLevel();
+  for (CpuKernelLevel level : {CpuKernelLevel::kScalar, CpuKernelLevel::kAvx2, CpuKernelLevel::kAvx512}) {
+    if (name != CpuKernelLevelName(level)) continue;
+    if (static_cast<int>(level) > static_cast<int>(MaxSupportedCpuKernelLevel())) {
+      return absl::InvalidArgumentError(absl::StrCat("cpu kernel level ", name,
+                                                     " is not supported by this CPU (it has up to ",
+                                                     CpuKernelLevelName(MaxSupportedCpuKernelLevel()), ")"));
+    }
+    return level;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("cpu kernel level '", name, "': want auto, avx512, avx2 or scalar"));
+}
+
 CpuKernelLevel GetCpuKernelLevel() {
   int l = g_level.load(std::memory_order_relaxed);
   if (l < 0) {

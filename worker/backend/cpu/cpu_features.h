@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace kvcache::cpu {
 
@@ -30,6 +32,10 @@ CpuKernelLevel MaxSupportedCpuKernelLevel();
 
 // Every level this CPU supports, ascending (always starts with kScalar).
 std::vector<CpuKernelLevel> SupportedCpuKernelLevels();
+
+// "scalar", "avx2", "avx512", or "auto" (the best this CPU supports).
+// INVALID_ARGUMENT for any other name, and for a level this CPU lacks.
+absl::StatusOr<CpuKernelLevel> ParseCpuKernelLevel(absl::string_view name);
 
 // The level kernels use now; defaults to MaxSupportedCpuKernelLevel().
 CpuKernelLevel GetCpuKernelLevel();
