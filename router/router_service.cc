@@ -246,18 +246,25 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     const bool drain_refusal =
         st.error_code() == grpc::UNAVAILABLE && st.error_message() == kWorkerDrainingMessage;
     if (drain_refusal) router_->pool_->MarkDraining(placement_.worker);
-    // An APPEND that waited in the worker's queue while a drain migrated its
-    // session finds the session gone there (NOT_FOUND): it follows the session
-    // too, instead of telling the client its conversation does not exist.
-    const bool moved_away =
-        append_ && st.error_code() == grpc::NOT_FOUND &&
-        router_->SessionMovingFrom({request_.tenant(), request_.session_id()}, placement_.worker);
-    if (append_ && (drain_refusal || moved_away) && !lost_midstream &&
-        attempts_ < router_->options_.max_attempts) {
+    if (append_ && drain_refusal && !lost_midstream && attempts_ < router_->options_.max_attempts) {
       KV_LOG_INFO("session '{}' is on draining worker {}; waiting for it to move", request_.session_id(),
                   placement_.worker);
       tried_.pop_back();  // the session may come back to no worker but this one's successor
       return NextAttempt();
+    }
+    // An APPEND that waited in the worker's queue while a migration (a drain, a
+    // rebalance, an admin move) took its session away finds the session gone
+    // there (NOT_FOUND). The move's events reach the directory on other Watch
+    // streams, often after this reply: wait for the directory to show the
+    // session elsewhere and follow it, instead of telling the client its
+    // conversation does not exist. The wait blocks, so it runs on the executor.
+    if (append_ && st.error_code() == grpc::NOT_FOUND && !lost_midstream &&
+        attempts_ < router_->options_.max_attempts) {
+      const WorkerId from = placement_.worker;
+      const absl::Duration wait = router_->pool_->Draining(from) ? router_->options_.drain_move_wait
+                                                                 : router_->options_.session_lookup_wait;
+      if (router_->executor_.Schedule([this, from, wait] { FollowMovedSession(from, wait); })) return;
+      return Finish(st);
     }
     if (st.error_code() == grpc::UNAVAILABLE && !drain_refusal)
       router_->pool_->MarkSuspect(placement_.worker);
@@ -270,6 +277,20 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     if (!Retryable(st.error_code())) return Finish(st);
     KV_LOG_WARN("request on worker {} failed ({}); trying another worker", placement_.worker,
                 st.error_message());
+    NextAttempt();
+  }
+
+  // After `from` answered an APPEND NOT_FOUND: follows the session if the
+  // directory shows it on another worker within `wait`; else the client gets
+  // that NOT_FOUND (a session that is gone for good costs the client `wait`).
+  void FollowMovedSession(const WorkerId& from, absl::Duration wait) {
+    if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
+    std::optional<SessionLocation> loc =
+        router_->directory_->AwaitSessionOff({request_.tenant(), request_.session_id()}, from, wait);
+    if (!loc.has_value() || loc->worker == from) return Finish(last_);
+    KV_LOG_INFO("session '{}' moved from {} to {} while a request waited there; following it",
+                request_.session_id(), from, loc->worker);
+    tried_.pop_back();  // the session may come back to no worker but this one's successor
     NextAttempt();
   }
 
@@ -374,12 +395,6 @@ void RouterService::EndCall() {
 bool RouterService::MustWaitForSession(const SessionKey& key) const {
   auto loc = directory_->FindSession(key);
   return !loc.has_value() || pool_->Draining(loc->worker);
-}
-
-bool RouterService::SessionMovingFrom(const SessionKey& key, const WorkerId& worker) const {
-  if (pool_->Draining(worker)) return true;
-  auto loc = directory_->FindSession(key);
-  return loc.has_value() && loc->worker != worker;
 }
 
 absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, const std::string& tenant,

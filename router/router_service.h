@@ -147,9 +147,6 @@ class RouterService final : public v1::KvCache::CallbackService {
   // An APPEND on `key` must wait (on the executor) before placement: the
   // directory has not heard of the session yet, or its worker drains.
   bool MustWaitForSession(const SessionKey& key) const;
-  // True when `key` has left `worker` or is about to: the worker drains (its
-  // sessions are being migrated) or the directory places the session elsewhere.
-  bool SessionMovingFrom(const SessionKey& key, const WorkerId& worker) const;
   // The worker for a request, or why there is none. `exclude` holds workers
   // already tried. `wait`: how long an APPEND's session may take to appear in
   // the directory; anything but zero blocks, so only the executor passes it.
