@@ -169,18 +169,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' has ",
                                                      limits.max_requests, " requests in flight (its limit)"));
   }
-  if (!sid.empty() && !sessions_.contains(key) && limits.max_sessions > 0) {
-    auto known = tenant_sessions_.find(request.tenant);
-    int held = known == tenant_sessions_.end() ? 0 : known->second;
-    for (const auto& r : waiting_) {
-      held += r->req.tenant == request.tenant && !r->req.session_id.empty() &&
-              !sessions_.contains(kv::SessionKey(r->req.tenant, r->req.session_id));
-    }
-    if (held >= limits.max_sessions) {
-      return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' holds ", held,
-                                                       " sessions (its limit is ", limits.max_sessions, ")"));
-    }
-  }
+  if (!sid.empty() && !sessions_.contains(key)) KVCACHE_RETURN_IF_ERROR(CheckSessionQuota(request.tenant));
   if (request.pin) {
     const int64_t need = (context + max_tokens + page_tokens_ - 1) / page_tokens_;
     KVCACHE_RETURN_IF_ERROR(CheckPinQuota(request.tenant, need));
@@ -808,7 +797,7 @@ absl::Status Engine::ForkSession(const std::string& id, const std::string& new_i
     absl::MutexLock lock(&mu_);
     if (sessions_.contains(new_key) || busy_.contains(new_key)) {
       st = absl::AlreadyExistsError(absl::StrCat("session '", new_id, "' already exists"));
-    } else {
+    } else if (st = CheckSessionQuota(tenant); st.ok()) {
       context = sessions_.find(key)->second.context;
     }
   }
@@ -817,6 +806,23 @@ absl::Status Engine::ForkSession(const std::string& id, const std::string& new_i
   busy_.erase(key);
   if (st.ok()) AddSessionLocked(new_key, SessionState{tenant, std::move(context), absl::Now()});
   return st;
+}
+
+absl::Status Engine::CheckSessionQuota(const std::string& tenant) const {
+  const int limit = options_.tenant_limits.max_sessions;
+  if (limit <= 0) return absl::OkStatus();
+  auto known = tenant_sessions_.find(tenant);
+  int held = known == tenant_sessions_.end() ? 0 : known->second;
+  // Queued requests that will create a session count too.
+  for (const auto& r : waiting_) {
+    held += r->req.tenant == tenant && !r->req.session_id.empty() &&
+            !sessions_.contains(kv::SessionKey(r->req.tenant, r->req.session_id));
+  }
+  if (held >= limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", tenant, "' holds ", held, " sessions (its limit is ", limit, ")"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Engine::CheckPinQuota(const std::string& tenant, int64_t extra_pages) const {

@@ -195,6 +195,8 @@ class Engine {
   // ABORTED while a request runs on the session.
   // CloseSession: `pages_freed` (optional) gets the pages released for good.
   absl::Status CloseSession(const std::string& id, const std::string& tenant, int64_t* pages_freed = nullptr);
+  // ForkSession: ALREADY_EXISTS when `new_id` is taken, RESOURCE_EXHAUSTED over
+  // the tenant's session quota (the new session counts like a created one).
   absl::Status ForkSession(const std::string& id, const std::string& new_id, const std::string& tenant);
   absl::Status SetPinned(const std::string& id, const std::string& tenant, bool pinned);
   absl::Status Offload(const std::string& id, const std::string& tenant);
@@ -278,6 +280,10 @@ class Engine {
   // NOT_FOUND naming `id` unless `key` is a known session.
   absl::Status CheckKnown(const std::string& key, const std::string& id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when one more named session for `tenant` (a request that
+  // creates one, or a fork) would pass --tenant_max_sessions; sessions that
+  // queued requests will create count.
+  absl::Status CheckSessionQuota(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when pinning `extra_pages` more for `tenant` would pass
   // its quota.
   absl::Status CheckPinQuota(const std::string& tenant, int64_t extra_pages) const

@@ -445,6 +445,22 @@ TEST_F(EngineTest, TenantLimitsAnswerResourceExhausted) {
   Collector y;
   EXPECT_EQ(engine_->Submit(Req("s3", RequestMode::kFullContext, Prompt(20), 2, "t1"), &y).status().code(),
             absl::StatusCode::kResourceExhausted);
+  // A fork is a new session too: refused at the limit, and it leaves nothing.
+  const absl::Status fork = engine_->ForkSession("s1", "s1-fork", "t1");
+  EXPECT_EQ(fork.code(), absl::StatusCode::kResourceExhausted) << fork;
+  EXPECT_NE(fork.message().find("its limit is 2"), absl::string_view::npos) << fork;
+  EXPECT_EQ(engine_->Context("s1-fork", "t1").status().code(), absl::StatusCode::kNotFound);
+  // Another tenant's quota is its own; closing a session makes room for a fork.
+  ASSERT_TRUE(engine_->CloseSession("s2", "t1").ok());
+  ASSERT_TRUE(engine_->ForkSession("s1", "s2", "t1").ok());
+  EXPECT_EQ(engine_->ForkSession("s1", "s3", "t1").code(), absl::StatusCode::kResourceExhausted);
+  {
+    Collector z;
+    ASSERT_TRUE(engine_->Submit(Req("u1", RequestMode::kFullContext, Prompt(20), 2, "t2"), &z).ok());
+    z.Wait();
+    ASSERT_TRUE(z.status.ok()) << z.status;
+    EXPECT_TRUE(engine_->ForkSession("u1", "u2", "t2").ok());
+  }
   // Pinned pages: s1 holds 2 pages (21 tokens), pinning s2 too would make 4 > 3.
   ASSERT_TRUE(engine_->SetPinned("s1", "t1", true).ok());
   EXPECT_EQ(engine_->SetPinned("s2", "t1", true).code(), absl::StatusCode::kResourceExhausted);
