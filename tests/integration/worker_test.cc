@@ -203,6 +203,85 @@ TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {
   EXPECT_EQ(testing::HealthCheck(w->channel(), "readiness").value_or(""), "SERVING");
 }
 
+// worker.proto: once a drain began, calls that would create, change or bring in
+// a session get UNAVAILABLE ("worker is draining"), while reads, CloseSession
+// and the calls a drain needs are still served. A Watch subscriber (what a
+// router is) keeps the SIGTERMed worker waiting for its sessions to leave.
+TEST_F(WorkerTest, DrainingWorkerRefusesSessionChangesAndServesReadsAndClose) {
+  auto w = StartWorker({"--shutdown_deadline=60s"});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  for (const char* id : {"keep", "other"}) {
+    ASSERT_TRUE(Generate(stub.get(), Text(id, "a conversation before the drain", 3)).status.ok());
+  }
+  grpc::ClientContext wctx;
+  auto watch = stub->Watch(&wctx, v1::WatchRequest());
+  v1::WatchEvent ev;
+  ASSERT_TRUE(watch->Read(&ev));  // subscribed
+  w->process().Signal(SIGTERM);
+  bool draining = false;
+  while (!draining && watch->Read(&ev)) draining = ev.has_load() && ev.load().draining();
+  ASSERT_TRUE(draining) << "no draining load report";
+
+  auto session = [](const std::string& id) {
+    v1::SessionRequest r;
+    r.set_session_id(id);
+    return r;
+  };
+  auto expect_draining = [](const grpc::Status& st, const char* call) {
+    EXPECT_EQ(st.error_code(), grpc::UNAVAILABLE) << call << ": " << st.error_message();
+    EXPECT_EQ(st.error_message(), "worker is draining") << call;
+  };
+  {
+    grpc::ClientContext c;
+    v1::ForkSessionRequest fr;
+    fr.set_session_id("keep");
+    fr.set_new_session_id("keep-fork");
+    v1::SessionInfo info;
+    expect_draining(stub->ForkSession(&c, fr, &info), "ForkSession");
+  }
+  {
+    grpc::ClientContext c;
+    v1::PinSessionRequest pr;
+    pr.set_session_id("keep");
+    pr.set_pinned(true);
+    v1::SessionInfo info;
+    expect_draining(stub->PinSession(&c, pr, &info), "PinSession");
+  }
+  {
+    grpc::ClientContext c;
+    v1::SessionInfo info;
+    expect_draining(stub->OffloadSession(&c, session("keep"), &info), "OffloadSession");
+  }
+  {
+    grpc::ClientContext c;
+    v1::SessionInfo info;
+    expect_draining(stub->RestoreSession(&c, session("keep"), &info), "RestoreSession");
+  }
+  expect_draining(Generate(stub.get(), Text("keep", " more", 2, v1::APPEND)).status, "Generate");
+  // Nothing changed: the session is as it was, unpinned, and no fork exists.
+  {
+    grpc::ClientContext c;
+    v1::SessionInfo info;
+    ASSERT_TRUE(stub->GetSession(&c, session("keep"), &info).ok());
+    EXPECT_FALSE(info.pinned());
+    EXPECT_EQ(info.state(), v1::SESSION_IDLE);
+    grpc::ClientContext c2;
+    EXPECT_EQ(stub->GetSession(&c2, session("keep-fork"), &info).error_code(), grpc::NOT_FOUND);
+  }
+  // Closing is still served; once no session is left the worker exits 0.
+  for (const char* id : {"keep", "other"}) {
+    grpc::ClientContext c;
+    v1::CloseSessionResponse closed;
+    EXPECT_TRUE(stub->CloseSession(&c, session(id), &closed).ok()) << id;
+  }
+  auto status = w->process().Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.ok()) << "the drained worker did not exit";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+  wctx.TryCancel();
+  watch->Finish();
+}
+
 TEST_F(WorkerTest, ConcurrentRequestOnOneSessionIsAborted) {
   auto w = StartWorker({});
   ASSERT_NE(w, nullptr);
@@ -242,6 +321,27 @@ TEST_F(WorkerTest, CancelAndDeadlineFreePages) {
   ASSERT_TRUE(after.status.ok());
   const int64_t deadline_free = Snapshot(stub.get()).load().pages_free_device();
   EXPECT_EQ(deadline_free, free_before);
+}
+
+// A deadline that passes mid-stream reaches the engine as gRPC's cancellation
+// of the call; kvcache_requests_total still counts it as DEADLINE_EXCEEDED, the
+// code the client saw, not as a client's CANCELLED.
+TEST_F(WorkerTest, DeadlinePassedMidStreamIsCountedAsDeadlineExceeded) {
+  auto w = StartWorker({}, /*tiny=*/false);  // SmolLM2: 500 tokens take seconds
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  Turn t =
+      testing::Generate(stub.get(), Text("", "Tell me a very long story.", 500), absl::Milliseconds(1500));
+  EXPECT_EQ(t.status.error_code(), grpc::DEADLINE_EXCEEDED);
+  EXPECT_FALSE(t.tokens.empty()) << "the deadline passed before generation started";
+  auto counted = [&](const std::string& code) {
+    auto body = testing::HttpGet(w->metrics_port(), "/metrics");
+    return body.ok() && body->find("kvcache_requests_total{code=\"" + code + "\"} 1") != std::string::npos;
+  };
+  const absl::Time until = absl::Now() + absl::Seconds(15);
+  while (!counted("DEADLINE_EXCEEDED") && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE(counted("DEADLINE_EXCEEDED"));
+  EXPECT_FALSE(counted("CANCELLED"));
 }
 
 TEST_F(WorkerTest, SessionCallsAndWatchEvents) {

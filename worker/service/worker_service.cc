@@ -58,7 +58,10 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
   }
 
   void OnDone(const absl::Status& status, const sched::GenerateResult& result) override {
-    service_->metrics_->OnRequestDone(CodeName(status), &result);
+    // A call whose deadline passed reaches the engine as a cancellation (gRPC
+    // ends the call, OnClientGone cancels): count it as the client saw it.
+    const bool deadline_passed = status.code() == absl::StatusCode::kCancelled && absl::Now() >= deadline_;
+    service_->metrics_->OnRequestDone(deadline_passed ? "DEADLINE_EXCEEDED" : CodeName(status), &result);
     service_->hub_->Flush();  // routers hear of this request's pages before its client does
     if (status.ok()) {
       v1::GenerateResponse msg;
@@ -84,8 +87,9 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
 
  private:
   void Submit(absl::StatusOr<sched::GenerateRequest> request, absl::Time deadline) {
+    deadline_ = deadline;
     if (!request.ok()) return Fail(request.status());
-    if (service_->draining()) return Fail(absl::UnavailableError(kWorkerDrainingMessage));
+    if (absl::Status st = service_->RefuseWhileDraining(); !st.ok()) return Fail(st);
     request->deadline = deadline;
     auto id = service_->engine_->Submit(std::move(*request), this);
     if (!id.ok()) return Fail(id.status());
@@ -112,6 +116,7 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
   WorkerService* const service_;
   const bool stream_text_;
   const absl::Time started_;
+  absl::Time deadline_ = absl::InfiniteFuture();  // the call's, set before the engine sees the request
   absl::Time last_token_ = absl::InfinitePast();  // engine thread only
   absl::Mutex mu_;
   uint64_t request_id_ ABSL_GUARDED_BY(mu_) = 0;
@@ -185,7 +190,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
   ImportReactor(WorkerService* service, v1::SessionInfo* response) : service_(service), response_(response) {}
 
   void Start() {
-    if (service_->draining()) return Done(absl::UnavailableError(kWorkerDrainingMessage));
+    if (absl::Status st = service_->RefuseWhileDraining(); !st.ok()) return Done(st);
     auto importer = service_->engine_->BeginImport();
     if (!importer.ok()) return Done(importer.status());
     importer_ = std::move(*importer);
@@ -397,6 +402,7 @@ grpc::ServerUnaryReactor* WorkerService::ForkSession(grpc::CallbackServerContext
                                                      const v1::ForkSessionRequest* request,
                                                      v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   absl::Status st = ValidateSessionId(request->new_session_id());
   if (st.ok()) st = engine_->ForkSession(request->session_id(), request->new_session_id(), tenant);
@@ -412,6 +418,7 @@ grpc::ServerUnaryReactor* WorkerService::PinSession(grpc::CallbackServerContext*
                                                     const v1::PinSessionRequest* request,
                                                     v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   absl::Status st = engine_->SetPinned(request->session_id(), tenant, request->pinned());
   if (st.ok()) {
@@ -426,6 +433,7 @@ grpc::ServerUnaryReactor* WorkerService::OffloadSession(grpc::CallbackServerCont
                                                         const v1::SessionRequest* request,
                                                         v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   const absl::Time start = absl::Now();
   absl::Status st = engine_->Offload(request->session_id(), tenant);
@@ -442,6 +450,7 @@ grpc::ServerUnaryReactor* WorkerService::RestoreSession(grpc::CallbackServerCont
                                                         const v1::SessionRequest* request,
                                                         v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   const absl::Time start = absl::Now();
   absl::Status st = engine_->Restore(request->session_id(), tenant);
@@ -591,6 +600,10 @@ grpc::ServerUnaryReactor* WorkerService::MigrateSession(grpc::CallbackServerCont
     reactor->Finish(ToGrpcStatus(resp.status()));
   });
   return reactor;
+}
+
+absl::Status WorkerService::RefuseWhileDraining() const {
+  return draining() ? absl::UnavailableError(kWorkerDrainingMessage) : absl::OkStatus();
 }
 
 void WorkerService::BeginDrain() {

@@ -58,6 +58,12 @@ class WorkerService : public v1::Worker::CallbackService {
   ~WorkerService() override;  // waits for background migrations
 
   bool draining() const { return draining_.load(); }
+  // UNAVAILABLE (kWorkerDrainingMessage) while draining, else OK: the answer of
+  // every call that would create, change or move in a session (Generate,
+  // ForkSession, PinSession, OffloadSession, RestoreSession, ImportSession) once
+  // the drain began. The calls the drain itself needs (MigrateSession,
+  // ExportSession), reads, CloseSession and Watch are still served.
+  absl::Status RefuseWhileDraining() const;
   // Stops taking new work: readiness NOT_SERVING, Generate answers UNAVAILABLE.
   void BeginDrain();
   // Drains: waits for running requests (bounded by `deadline`), then migrates idle
