@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/session_id.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -322,15 +323,10 @@ OJson Envelope(const ResponseMeta& meta, const char* chat_object, const char* co
   return j;
 }
 
-bool IsSessionIdChar(char c) {
-  return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == ':' || c == '-';
-}
-
 }  // namespace
 
 std::string SessionIdForKey(absl::string_view key) {
-  if (!key.empty() && key.size() <= 128 && std::all_of(key.begin(), key.end(), IsSessionIdChar))
-    return std::string(key);
+  if (IsValidSessionId(key)) return std::string(key);
   unsigned char digest[SHA256_DIGEST_LENGTH];
   SHA256(reinterpret_cast<const unsigned char*>(key.data()), key.size(), digest);
   return absl::StrCat("k-", absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(digest), 16)));

@@ -9,6 +9,7 @@
 #include "common/block_hash.h"
 #include "common/input_tokens.h"
 #include "common/logging.h"
+#include "common/session_id.h"
 #include "common/status.h"
 #include "common/stream_writer.h"
 #include "kvcache/v1/worker.grpc.pb.h"
@@ -546,6 +547,8 @@ class RouterService::SessionForward final : public grpc::ServerUnaryReactor {
 
   // REQUIRES: the caller counted the call (BeginCall()); Answer ends it.
   void Start() {
+    // A malformed id names no session: INVALID_ARGUMENT, as the worker says.
+    if (absl::Status st = ValidateSessionId(request_.session_id()); !st.ok()) return Answer(ToGrpcStatus(st));
     // The caller's own session only (the request carries its tenant).
     const SessionKey key{request_.tenant(), request_.session_id()};
     auto loc = router_->directory_->Lookup(key, absl::ZeroDuration());

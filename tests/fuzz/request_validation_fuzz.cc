@@ -107,7 +107,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             "stop string length");
     }
     Check(out->session_id.empty() ? out->mode != kvcache::sched::RequestMode::kAppend
-                                  : kvcache::service::ValidateSessionId(out->session_id).ok(),
+                                  : kvcache::ValidateSessionId(out->session_id).ok(),
           "accepted a bad session id");
     Check(!out->tenant.empty(), "empty tenant");
     Check(out->sampling.seed != 0, "zero seed");

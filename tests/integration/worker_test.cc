@@ -282,6 +282,123 @@ TEST_F(WorkerTest, DrainingWorkerRefusesSessionChangesAndServesReadsAndClose) {
   watch->Finish();
 }
 
+// worker.proto: a malformed session id is INVALID_ARGUMENT on every session
+// call (not NOT_FOUND), and an import stream whose chunks are out of order or
+// whose Begin names a malformed id is INVALID_ARGUMENT and leaves no trace.
+TEST_F(WorkerTest, MalformedSessionIdsAndImportStreamsAreInvalidArgument) {
+  auto w = StartWorker({});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  const int64_t free_before = Snapshot(stub.get()).load().pages_free_device();
+  for (const std::string& bad :
+       {std::string("a/b"), std::string("bad id"), std::string(129, 'a'), std::string()}) {
+    auto code = [&](auto call) {
+      grpc::ClientContext c;
+      return call(&c).error_code();
+    };
+    v1::SessionRequest sr;
+    sr.set_session_id(bad);
+    v1::SessionInfo info;
+    EXPECT_EQ(code([&](grpc::ClientContext* c) { return stub->GetSession(c, sr, &info); }),
+              grpc::INVALID_ARGUMENT)
+        << "GetSession '" << bad << "'";
+    v1::CloseSessionResponse closed;
+    EXPECT_EQ(code([&](grpc::ClientContext* c) { return stub->CloseSession(c, sr, &closed); }),
+              grpc::INVALID_ARGUMENT)
+        << "CloseSession '" << bad << "'";
+    EXPECT_EQ(code([&](grpc::ClientContext* c) { return stub->OffloadSession(c, sr, &info); }),
+              grpc::INVALID_ARGUMENT)
+        << "OffloadSession '" << bad << "'";
+    EXPECT_EQ(code([&](grpc::ClientContext* c) { return stub->RestoreSession(c, sr, &info); }),
+              grpc::INVALID_ARGUMENT)
+        << "RestoreSession '" << bad << "'";
+    v1::PinSessionRequest pr;
+    pr.set_session_id(bad);
+    pr.set_pinned(true);
+    EXPECT_EQ(code([&](grpc::ClientContext* c) { return stub->PinSession(c, pr, &info); }),
+              grpc::INVALID_ARGUMENT)
+        << "PinSession '" << bad << "'";
+    v1::ForkSessionRequest fr;
+    fr.set_session_id(bad);
+    fr.set_new_session_id("fine");
+    EXPECT_EQ(code([&](grpc::ClientContext* c) { return stub->ForkSession(c, fr, &info); }),
+              grpc::INVALID_ARGUMENT)
+        << "ForkSession '" << bad << "'";
+    v1::MigrateSessionRequest mr;
+    mr.set_session_id(bad);
+    mr.set_target_address("127.0.0.1:1");
+    v1::MigrateSessionResponse moved;
+    EXPECT_EQ(code([&](grpc::ClientContext* c) { return stub->MigrateSession(c, mr, &moved); }),
+              grpc::INVALID_ARGUMENT)
+        << "MigrateSession '" << bad << "'";
+    v1::ExportSessionRequest er;
+    er.set_session_id(bad);
+    EXPECT_EQ(code([&](grpc::ClientContext* c) {
+                auto reader = stub->ExportSession(c, er);
+                v1::SessionChunk chunk;
+                while (reader->Read(&chunk)) {
+                }
+                return reader->Finish();
+              }),
+              grpc::INVALID_ARGUMENT)
+        << "ExportSession '" << bad << "'";
+  }
+
+  // A real session's export, then imports of altered copies of it.
+  ASSERT_TRUE(Generate(stub.get(), Text("src", std::string(100, 'm'), 4)).status.ok());
+  std::vector<v1::SessionChunk> chunks;
+  {
+    grpc::ClientContext c;
+    v1::ExportSessionRequest er;
+    er.set_session_id("src");
+    er.set_max_chunk_bytes(1 << 10);  // several chunks
+    auto reader = stub->ExportSession(&c, er);
+    v1::SessionChunk chunk;
+    while (reader->Read(&chunk)) chunks.push_back(chunk);
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  ASSERT_GE(chunks.size(), 4u);
+  {
+    grpc::ClientContext c;
+    v1::SessionRequest sr;
+    sr.set_session_id("src");
+    v1::CloseSessionResponse closed;
+    ASSERT_TRUE(stub->CloseSession(&c, sr, &closed).ok());
+  }
+  auto import = [&](const std::vector<v1::SessionChunk>& stream) {
+    grpc::ClientContext c;
+    v1::SessionInfo info;
+    auto writer = stub->ImportSession(&c, &info);
+    for (const auto& chunk : stream) {
+      if (!writer->Write(chunk)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  std::vector<v1::SessionChunk> swapped = chunks;
+  std::swap(swapped[1], swapped[2]);
+  grpc::Status st = import(swapped);
+  EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT) << st.error_message();
+  std::vector<v1::SessionChunk> bad_id = chunks;
+  ASSERT_TRUE(bad_id[0].has_begin());
+  bad_id[0].mutable_begin()->set_session_id("bad id/x");
+  st = import(bad_id);
+  EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_EQ(Snapshot(stub.get()).sessions_size(), 0) << "a refused import left a session";
+  // The unaltered stream imports, and continues.
+  st = import(chunks);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_TRUE(Generate(stub.get(), Text("src", " more", 2, v1::APPEND)).status.ok());
+  {
+    grpc::ClientContext c;
+    v1::SessionRequest sr;
+    sr.set_session_id("src");
+    v1::CloseSessionResponse closed;
+    ASSERT_TRUE(stub->CloseSession(&c, sr, &closed).ok());
+  }
+  EXPECT_EQ(Snapshot(stub.get()).load().pages_free_device(), free_before);
+}
+
 TEST_F(WorkerTest, ConcurrentRequestOnOneSessionIsAborted) {
   auto w = StartWorker({});
   ASSERT_NE(w, nullptr);

@@ -7,19 +7,6 @@
 
 namespace kvcache::service {
 
-absl::Status ValidateSessionId(const std::string& id) {
-  if (id.empty() || id.size() > kMaxSessionIdBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session_id must be 1..", kMaxSessionIdBytes, " bytes, got ", id.size()));
-  }
-  for (char c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                    c == '_' || c == ':' || c == '-';
-    if (!ok) return absl::InvalidArgumentError("session_id may only hold [A-Za-z0-9._:-]");
-  }
-  return absl::OkStatus();
-}
-
 v1::FinishReason ToProto(sched::FinishReason reason) {
   switch (reason) {
     case sched::FinishReason::kStop:

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/session_id.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kvcache/v1/common.pb.h"
@@ -18,12 +19,8 @@ namespace kvcache::service {
 // Tenant used when a request carries none (no router, no auth).
 inline constexpr char kDefaultTenant[] = "default";
 
-inline constexpr int kMaxSessionIdBytes = 128;
 inline constexpr int kMaxStopStrings = 16;
 inline constexpr int kMaxStopStringBytes = 256;
-
-// INVALID_ARGUMENT unless `id` is 1..128 bytes of [A-Za-z0-9._:-].
-absl::Status ValidateSessionId(const std::string& id);
 
 // The engine request for `request`: tokenised input (text with special tokens
 // recognised; chat rendered with `chat_template`, which may be null when the

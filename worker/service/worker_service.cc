@@ -59,8 +59,13 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
 
   void OnDone(const absl::Status& status, const sched::GenerateResult& result) override {
     // A call whose deadline passed reaches the engine as a cancellation (gRPC
-    // ends the call, OnClientGone cancels): count it as the client saw it.
-    const bool deadline_passed = status.code() == absl::StatusCode::kCancelled && absl::Now() >= deadline_;
+    // ends the call, OnClientGone cancels): count it as the client saw it. The
+    // client's deadline timer fires a little before this server's (its
+    // deadline is the client's plus the time the call took to arrive), so a
+    // cancellation within kDeadlineSlack of the deadline is the deadline.
+    constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(100);
+    const bool deadline_passed =
+        status.code() == absl::StatusCode::kCancelled && absl::Now() >= deadline_ - kDeadlineSlack;
     service_->metrics_->OnRequestDone(deadline_passed ? "DEADLINE_EXCEEDED" : CodeName(status), &result);
     service_->hub_->Flush();  // routers hear of this request's pages before its client does
     if (status.ok()) {
@@ -204,6 +209,15 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
       return Done(absl::InvalidArgumentError("import stream ended before its commit chunk"));
     }
     if (importer_->committed()) return Done(absl::InvalidArgumentError("chunks after the commit chunk"));
+    // Chunks are numbered from 0 in stream order; a Begin names a valid session.
+    if (chunk_.index() != next_index_) {
+      return Done(absl::InvalidArgumentError(
+          absl::StrCat("import chunk ", next_index_, " carries index ", chunk_.index())));
+    }
+    ++next_index_;
+    if (chunk_.has_begin()) {
+      if (absl::Status st = ValidateSessionId(chunk_.begin().session_id()); !st.ok()) return Done(st);
+    }
     bytes_ += chunk_.ByteSizeLong();
     std::vector<int32_t> context;
     auto c = FromWire(chunk_, &context);
@@ -234,6 +248,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
   v1::SessionInfo* const response_;
   std::unique_ptr<kv::SessionImporter> importer_;
   v1::SessionChunk chunk_;
+  int32_t next_index_ = 0;  // index the next chunk must carry
   size_t bytes_ = 0;
   absl::Time started_;
 };
@@ -370,6 +385,7 @@ grpc::ServerUnaryReactor* WorkerService::GetSession(grpc::CallbackServerContext*
                                                     const v1::SessionRequest* request,
                                                     v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) return Answer(context, st);
   auto info = Describe(request->session_id(), TenantOf(request->tenant()));
   if (info.ok()) *response = *info;
   return Answer(context, info.status());
@@ -391,6 +407,7 @@ grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContex
                                                       const v1::SessionRequest* request,
                                                       v1::CloseSessionResponse* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   int64_t freed = 0;
   absl::Status st = engine_->CloseSession(request->session_id(), tenant, &freed);
@@ -403,6 +420,7 @@ grpc::ServerUnaryReactor* WorkerService::ForkSession(grpc::CallbackServerContext
                                                      v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   absl::Status st = ValidateSessionId(request->new_session_id());
   if (st.ok()) st = engine_->ForkSession(request->session_id(), request->new_session_id(), tenant);
@@ -419,6 +437,7 @@ grpc::ServerUnaryReactor* WorkerService::PinSession(grpc::CallbackServerContext*
                                                     v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   absl::Status st = engine_->SetPinned(request->session_id(), tenant, request->pinned());
   if (st.ok()) {
@@ -434,6 +453,7 @@ grpc::ServerUnaryReactor* WorkerService::OffloadSession(grpc::CallbackServerCont
                                                         v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   const absl::Time start = absl::Now();
   absl::Status st = engine_->Offload(request->session_id(), tenant);
@@ -451,6 +471,7 @@ grpc::ServerUnaryReactor* WorkerService::RestoreSession(grpc::CallbackServerCont
                                                         v1::SessionInfo* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
   if (absl::Status st = RefuseWhileDraining(); !st.ok()) return Answer(context, st);
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) return Answer(context, st);
   const std::string tenant = TenantOf(request->tenant());
   const absl::Time start = absl::Now();
   absl::Status st = engine_->Restore(request->session_id(), tenant);
@@ -475,6 +496,9 @@ grpc::ServerWriteReactor<v1::SessionChunk>* WorkerService::ExportSession(
     grpc::CallbackServerContext* context, const v1::ExportSessionRequest* request) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) {
     return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(auth);
+  }
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) {
+    return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(st);
   }
   auto* reactor = new ExportReactor(this, request->session_id(), TenantOf(request->tenant()));
   int64_t max_chunk = request->max_chunk_bytes() == 0 ? options_.max_chunk_bytes : request->max_chunk_bytes();
@@ -588,6 +612,7 @@ grpc::ServerUnaryReactor* WorkerService::MigrateSession(grpc::CallbackServerCont
                                                         const v1::MigrateSessionRequest* request,
                                                         v1::MigrateSessionResponse* response) {
   if (absl::Status auth = Authorize(*context); !auth.ok()) return Answer(context, auth);
+  if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) return Answer(context, st);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (request->target_address().empty()) {
     reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError("target_address is empty")));
