@@ -766,6 +766,16 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   v1::MigrateSessionResponse unused;
   EXPECT_FALSE(s->MigrateSession(&c, bad, &unused).ok());
   EXPECT_TRUE(Generate(s.get(), Text("reference", " still here", 2, v1::APPEND)).status.ok());
+  // A target that already holds the id (here: the source itself) refuses the
+  // import, and the caller hears the target's reason, not a CANCELLED.
+  grpc::ClientContext self_ctx;
+  v1::MigrateSessionRequest to_self;
+  to_self.set_session_id("reference");
+  to_self.set_target_address(src->grpc_address());
+  const grpc::Status self_st = s->MigrateSession(&self_ctx, to_self, &unused);
+  EXPECT_EQ(self_st.error_code(), grpc::ALREADY_EXISTS) << self_st.error_message();
+  EXPECT_THAT(self_st.error_message(), HasSubstr("the session stays here"));
+  EXPECT_TRUE(Generate(s.get(), Text("reference", " and still", 2, v1::APPEND)).status.ok());
 }
 
 // Every MigrateSession runs on a background thread of the source, and every

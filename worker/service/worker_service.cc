@@ -539,17 +539,22 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   eo.max_chunk_bytes = options_.max_chunk_bytes;
   KVCACHE_ASSIGN_OR_RETURN(std::unique_ptr<kv::SessionExporter> exporter,
                            engine_->BeginExport(session_id, tenant, eo));
+  bool write_failed = false;  // the target ended the import stream
   auto send = [&](const kv::KvChunk& chunk, const std::vector<int32_t>& context) {
     v1::SessionChunk msg = ToWire(chunk, index++, context);
     bytes += static_cast<int64_t>(msg.ByteSizeLong());
-    return writer->Write(msg);
+    write_failed = !writer->Write(msg);
+    return !write_failed;
   };
   auto fail = [&](absl::Status why) -> absl::Status {
     exporter.reset();
     engine_->EndExport(session_id, tenant, /*handed_over=*/false);
-    ctx.TryCancel();
+    // After a failed write the target has ended the import: its status says
+    // why (ALREADY_EXISTS, RESOURCE_EXHAUSTED, ...), and cancelling first would
+    // replace that with our own CANCELLED.
+    if (!write_failed) ctx.TryCancel();
     grpc::Status remote = writer->Finish();
-    if (!remote.ok() && why.code() == absl::StatusCode::kUnavailable) why = FromGrpcStatus(remote);
+    if (!remote.ok() && write_failed) why = FromGrpcStatus(remote);
     return absl::Status(why.code(), absl::StrCat("migration of '", session_id, "' to ", target,
                                                  " failed: ", why.message(), "; the session stays here"));
   };
