@@ -67,17 +67,6 @@ int FreePort(const std::vector<std::string>& ips) {
   return 0;
 }
 
-// Polls `done` until it holds or `timeout` passes (a condition, not a sleep).
-template <typename F>
-bool WaitUntil(F done, absl::Duration timeout = absl::Seconds(30)) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (done()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return done();
-}
-
 class DnsLifecycleTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -192,7 +181,7 @@ TEST_F(DnsLifecycleTest, DiscoveryFollowsDnsAndKeepsMembershipThroughOutages) {
   ASSERT_TRUE(w0 && w1);
   dns_->SetAddresses(kName, {"127.0.0.2"});
   StartRouter();
-  ASSERT_TRUE(WaitUntil([&] { return ServingExactly({"127.0.0.2"}); })) << Workers().size();
+  ASSERT_TRUE(testing::WaitUntil([&] { return ServingExactly({"127.0.0.2"}); })) << Workers().size();
   for (int i = 0; i < 3; ++i) {
     Reply r = Turn("old-" + std::to_string(i), "hello number " + std::to_string(i), v1::FULL_CONTEXT);
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
@@ -201,7 +190,7 @@ TEST_F(DnsLifecycleTest, DiscoveryFollowsDnsAndKeepsMembershipThroughOutages) {
 
   // A worker added to the answer joins, and new sessions start going there.
   dns_->SetAddresses(kName, {"127.0.0.2", "127.0.0.3"});
-  ASSERT_TRUE(WaitUntil([&] { return ServingExactly({"127.0.0.2", "127.0.0.3"}); }));
+  ASSERT_TRUE(testing::WaitUntil([&] { return ServingExactly({"127.0.0.2", "127.0.0.3"}); }));
   int on_w1 = 0;
   for (int i = 0; i < 3; ++i) {
     Reply r = Turn("new-" + std::to_string(i), "greetings " + std::to_string(i), v1::FULL_CONTEXT);
@@ -215,7 +204,7 @@ TEST_F(DnsLifecycleTest, DiscoveryFollowsDnsAndKeepsMembershipThroughOutages) {
     const std::string result = mode == testing::DnsServer::Mode::kServFail ? "failed" : "empty";
     const int before = DnsResults(result);
     dns_->SetMode(mode);
-    ASSERT_TRUE(WaitUntil([&] { return DnsResults(result) >= before + 3; })) << result;
+    ASSERT_TRUE(testing::WaitUntil([&] { return DnsResults(result) >= before + 3; })) << result;
     EXPECT_TRUE(ServingExactly({"127.0.0.2", "127.0.0.3"})) << "lookup " << result << " changed membership";
     Reply r = Turn("old-0", " still there?", v1::APPEND);
     EXPECT_TRUE(r.status.ok()) << result << ": " << r.status.error_message();
@@ -228,7 +217,7 @@ TEST_F(DnsLifecycleTest, DiscoveryFollowsDnsAndKeepsMembershipThroughOutages) {
   // new ones, and is removed once it holds none.
   const int ok_before = DnsResults("ok");
   dns_->SetAddresses(kName, {"127.0.0.3"});
-  ASSERT_TRUE(WaitUntil([&] { return DnsResults("ok") >= ok_before + 3; }));
+  ASSERT_TRUE(testing::WaitUntil([&] { return DnsResults("ok") >= ok_before + 3; }));
   EXPECT_EQ(Workers().size(), 2u);
   Reply kept = Turn("old-1", " are you there?", v1::APPEND);
   ASSERT_TRUE(kept.status.ok()) << kept.status.error_message();
@@ -249,7 +238,7 @@ TEST_F(DnsLifecycleTest, DiscoveryFollowsDnsAndKeepsMembershipThroughOutages) {
     v1::CloseSessionResponse resp;
     ASSERT_TRUE(api_->CloseSession(&ctx, req, &resp).ok()) << s.session_id();
   }
-  EXPECT_TRUE(WaitUntil([&] { return ServingExactly({"127.0.0.3"}); }))
+  EXPECT_TRUE(testing::WaitUntil([&] { return ServingExactly({"127.0.0.3"}); }))
       << "w0 left DNS, holds nothing, and is still in the pool";
 }
 
@@ -270,7 +259,7 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
   ASSERT_TRUE(old[0] && old[1]);
   dns_->SetAddresses(kName, {"127.0.0.2", "127.0.0.3"});
   StartRouter();
-  ASSERT_TRUE(WaitUntil([&] { return ServingExactly({"127.0.0.2", "127.0.0.3"}); }));
+  ASSERT_TRUE(testing::WaitUntil([&] { return ServingExactly({"127.0.0.2", "127.0.0.3"}); }));
 
   constexpr int kSessions = 20, kThreads = 4;
   std::vector<Conversation> convs(kSessions);
@@ -333,7 +322,8 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
     ASSERT_NE(fresh.back(), nullptr);
     answer.push_back(new_ips[i]);
     dns_->SetAddresses(kName, answer);
-    ASSERT_TRUE(WaitUntil([&] { return Workers()[new_ips[i] + ":" + std::to_string(port_)] == "SERVING"; }));
+    ASSERT_TRUE(
+        testing::WaitUntil([&] { return Workers()[new_ips[i] + ":" + std::to_string(port_)] == "SERVING"; }));
     answer.erase(answer.begin());
     dns_->SetAddresses(kName, answer);
     old[i]->process().Signal(SIGTERM);
@@ -343,7 +333,8 @@ TEST_F(DnsLifecycleTest, RollingReplacementUnderLoadLosesNothing) {
   }
   rollout_done.Notify();
   for (auto& c : clients) c.join();
-  EXPECT_TRUE(WaitUntil([&] { return ServingExactly(new_ips); })) << "the old workers are still listed";
+  EXPECT_TRUE(testing::WaitUntil([&] { return ServingExactly(new_ips); }))
+      << "the old workers are still listed";
 
   int failed = 0, turns = 0;
   for (const Conversation& c : convs) {
@@ -383,7 +374,7 @@ TEST_F(DnsLifecycleTest, RebalancerRelievesAFullWorkerAndSettles) {
   ASSERT_TRUE(w0 && w1);
   dns_->SetAddresses(kName, {"127.0.0.2"});
   StartRouter({"--rebalance_interval=200ms", "--rebalance_batch=2", "--rebalance_min_tokens=64"});
-  ASSERT_TRUE(WaitUntil([&] { return ServingExactly({"127.0.0.2"}); }));
+  ASSERT_TRUE(testing::WaitUntil([&] { return ServingExactly({"127.0.0.2"}); }));
 
   // 24 conversations of 150 + 4 tokens (10 pages each): 240 of w0's 256 pages.
   constexpr int kSessions = 24;
@@ -400,14 +391,15 @@ TEST_F(DnsLifecycleTest, RebalancerRelievesAFullWorkerAndSettles) {
     ASSERT_EQ(r.final.worker_id(), "w0");
     first[i] = r.tokens;
   }
-  ASSERT_TRUE(WaitUntil([&] { return FreeFraction("127.0.0.2") >= 0 && FreeFraction("127.0.0.2") < 0.10; }))
-      << FreeFraction("127.0.0.2");
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    return FreeFraction("127.0.0.2") >= 0 && FreeFraction("127.0.0.2") < 0.10;
+  })) << FreeFraction("127.0.0.2");
   EXPECT_EQ(RouterCounter("migrations", "reason", "rebalance"), 0) << "one worker: nothing to balance";
 
   // w1 joins. Within a bounded number of periods w0 is relieved.
   dns_->SetAddresses(kName, {"127.0.0.2", "127.0.0.3"});
   const absl::Time joined = absl::Now();
-  ASSERT_TRUE(WaitUntil([&] { return FreeFraction("127.0.0.2") >= 0.10; }, absl::Seconds(20)))
+  ASSERT_TRUE(testing::WaitUntil([&] { return FreeFraction("127.0.0.2") >= 0.10; }, absl::Seconds(20)))
       << "w0 still at " << FreeFraction("127.0.0.2");
   const int moved = RouterCounter("migrations", "reason", "rebalance");
   std::printf("rebalance: %d sessions moved in %.1f s after the join (200 ms periods)\n", moved,

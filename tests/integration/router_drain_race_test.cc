@@ -392,17 +392,6 @@ class BackgroundGenerate {
   std::thread thread_;
 };
 
-// Polls `done` until it holds or `timeout` passes (a condition, not a sleep).
-template <typename F>
-bool WaitUntil(F done, absl::Duration timeout = absl::Seconds(15)) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (done()) return true;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return done();
-}
-
 const std::vector<int32_t> kTokensA = {101, 102, 103};
 const std::vector<int32_t> kTokensB = {201, 202, 203, 204};
 
@@ -446,7 +435,7 @@ class RouterDrainRaceTest : public ::testing::Test {
     router_ = std::move(*r);
     api_ = v1::KvCache::NewStub(router_->channel());
     admin_ = v1::KvCacheAdmin::NewStub(router_->admin_channel());
-    ASSERT_TRUE(WaitUntil([&] { return SessionsOn("fake-a") == 1 && SessionsOn("fake-b") == 0; }));
+    ASSERT_TRUE(testing::WaitUntil([&] { return SessionsOn("fake-a") == 1 && SessionsOn("fake-b") == 0; }));
   }
 
   void TearDown() override {
@@ -491,6 +480,16 @@ class RouterDrainRaceTest : public ::testing::Test {
     EXPECT_THAT(calls[0].input().tokens().ids(), ElementsAre(10, 11, 12));
   }
 
+  // The client got B's answer to its APPEND: A was tried once, then the router
+  // followed the session to B, which got the APPEND once.
+  void ExpectFollowedToB(const Reply& r) {
+    ASSERT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message();
+    EXPECT_THAT(r.tokens, ElementsAreArray(kTokensB));
+    EXPECT_EQ(r.final.worker_id(), "fake-b");
+    EXPECT_EQ(a_->GenerateCalls().size(), 1u);
+    ExpectOneAppendOn(*b_);
+  }
+
   static grpc::Status SessionGone() {
     return grpc::Status(grpc::NOT_FOUND, absl::StrCat("session '", kSession, "' not found"));
   }
@@ -514,16 +513,12 @@ TEST_F(RouterDrainRaceTest, AppendWaitingWhileItsSessionMovesFollowsItToTheNewWo
   BackgroundGenerate call(api_.get(), Append());
   ASSERT_TRUE(a_->AwaitHeldCall(absl::Seconds(10))) << "the APPEND never reached the session's worker";
   b_->PlaceSession(kTenant, kSession, kSessionTokens);
-  ASSERT_TRUE(WaitUntil([&] { return SessionsOn("fake-b") == 1 && SessionsOn("fake-a") == 0; }));
+  ASSERT_TRUE(testing::WaitUntil([&] { return SessionsOn("fake-b") == 1 && SessionsOn("fake-a") == 0; }));
   EXPECT_EQ(HealthOf("fake-a"), "SERVING");  // not draining: the directory is what says "moved"
   a_->ReleaseHeld(SessionGone());
 
   const Reply r = call.Join();
-  ASSERT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message();
-  EXPECT_THAT(r.tokens, ElementsAreArray(kTokensB));
-  EXPECT_EQ(r.final.worker_id(), "fake-b");
-  EXPECT_EQ(a_->GenerateCalls().size(), 1u);
-  ExpectOneAppendOn(*b_);
+  ExpectFollowedToB(r);
 }
 
 // The real drain: A (SIGTERMed) reports draining while the APPEND waits on it;
@@ -535,7 +530,7 @@ TEST_F(RouterDrainRaceTest, AppendWaitingOnADrainingWorkerFollowsTheEvacuatedSes
   BackgroundGenerate call(api_.get(), Append());
   ASSERT_TRUE(a_->AwaitHeldCall(absl::Seconds(10))) << "the APPEND never reached the session's worker";
   a_->AnnounceDraining();
-  ASSERT_TRUE(WaitUntil([&] {
+  ASSERT_TRUE(testing::WaitUntil([&] {
     return HealthOf("fake-a") == "DRAINING" && SessionsOn("fake-a") == 0 && SessionsOn("fake-b") == 1;
   })) << "the router did not evacuate the draining worker";
   const std::vector<v1::MigrateSessionRequest> moves = a_->Migrations();
@@ -546,11 +541,7 @@ TEST_F(RouterDrainRaceTest, AppendWaitingOnADrainingWorkerFollowsTheEvacuatedSes
   a_->ReleaseHeld(SessionGone());
 
   const Reply r = call.Join();
-  ASSERT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message();
-  EXPECT_THAT(r.tokens, ElementsAreArray(kTokensB));
-  EXPECT_EQ(r.final.worker_id(), "fake-b");
-  EXPECT_EQ(a_->GenerateCalls().size(), 1u);
-  ExpectOneAppendOn(*b_);
+  ExpectFollowedToB(r);
 }
 
 // The order a rebalance or an admin move often shows: A drops the session and
@@ -567,11 +558,7 @@ TEST_F(RouterDrainRaceTest, NotFoundBeforeTheMoveIsSeenFollowsTheSessionWhenItAp
   a_->DropSession(kTenant, kSession);
 
   const Reply r = call.Join();
-  ASSERT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message();
-  EXPECT_THAT(r.tokens, ElementsAreArray(kTokensB));
-  EXPECT_EQ(r.final.worker_id(), "fake-b");
-  EXPECT_EQ(a_->GenerateCalls().size(), 1u);
-  ExpectOneAppendOn(*b_);
+  ExpectFollowedToB(r);
   EXPECT_EQ(HealthOf("fake-a"), "SERVING");
 }
 
@@ -596,11 +583,7 @@ TEST_F(RouterDrainRaceTest, NotFoundFromTheSessionsOwnWorkerReachesTheClient) {
 TEST_F(RouterDrainRaceTest, DrainRefusalWaitsForTheSessionToMoveAndFollowsIt) {
   a_->RefuseWith(grpc::Status(grpc::UNAVAILABLE, kWorkerDrainingMessage));
   const Reply r = testing::Generate(api_.get(), Append(), absl::Seconds(30));
-  ASSERT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message();
-  EXPECT_THAT(r.tokens, ElementsAreArray(kTokensB));
-  EXPECT_EQ(r.final.worker_id(), "fake-b");
-  EXPECT_EQ(a_->GenerateCalls().size(), 1u);
-  ExpectOneAppendOn(*b_);
+  ExpectFollowedToB(r);
   const std::vector<v1::MigrateSessionRequest> moves = a_->Migrations();
   ASSERT_EQ(moves.size(), 1u);
   EXPECT_EQ(moves[0].target_address(), b_->address());

@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
@@ -106,6 +107,20 @@ absl::StatusOr<std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& ch
 // for the channel to connect, so no sleeps are involved.
 absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                             absl::Duration timeout);
+
+// Polls `done` every 10 ms until it holds or `timeout` passes; returns its last
+// value. For state a test can only observe from outside (a router's view over
+// ListWorkers, a metric): a bounded wait on a condition, not a sleep to order
+// events.
+template <typename F>
+bool WaitUntil(F done, absl::Duration timeout = absl::Seconds(30)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return done();
+}
 
 // Service names listed by server reflection (v1alpha).
 absl::StatusOr<std::vector<std::string>> ReflectionListServices(
