@@ -78,19 +78,20 @@ void ScaleMinK4Scalar(int j, const uint8_t* q, int* scale, int* min) {
 
 // Block b (32 values) of a row of an integer-dot type, written as
 //   w[i] = dw[i / 16] * q[i] + mw
-// (the plain reference: symmetric offsets are folded into q here; the SIMD
-// kernels move them into mw instead, see matmul_x86.inc).
+// as the SIMD kernels see it (matmul_x86.inc): Q4_0 and Q5_0 keep q unsigned and
+// their offsets in mw, so that this reference rounds as the AVX2 kernels do.
 void WeightBlockScalar(GgmlType type, const uint8_t* row, int64_t b, int q[32], float dw[2], float* mw) {
   *mw = 0.0f;
   dw[0] = 0.0f;
   switch (type) {
-    case GgmlType::kQ4_0: {  // x = (nibble - 8) d; low nibbles are values 0..15
+    case GgmlType::kQ4_0: {  // x = nibble d - 8 d; low nibbles are values 0..15
       const auto& blk = reinterpret_cast<const gguf::BlockQ4_0*>(row)[b];
       for (int i = 0; i < 16; ++i) {
-        q[i] = (blk.qs[i] & 0xF) - 8;
-        q[i + 16] = (blk.qs[i] >> 4) - 8;
+        q[i] = blk.qs[i] & 0xF;
+        q[i + 16] = blk.qs[i] >> 4;
       }
       dw[0] = gguf::Fp16ToFp32(blk.d);
+      *mw = -8.0f * dw[0];
       break;
     }
     case GgmlType::kQ4_1: {  // x = nibble d + m
@@ -103,15 +104,16 @@ void WeightBlockScalar(GgmlType type, const uint8_t* row, int64_t b, int q[32], 
       *mw = gguf::Fp16ToFp32(blk.m);
       break;
     }
-    case GgmlType::kQ5_0: {  // x = ((nibble | bit i of qh << 4) - 16) d
+    case GgmlType::kQ5_0: {  // x = (nibble | bit i of qh << 4) d - 16 d
       const auto& blk = reinterpret_cast<const gguf::BlockQ5_0*>(row)[b];
       uint32_t qh;
       std::memcpy(&qh, blk.qh, sizeof(qh));
       for (int i = 0; i < 16; ++i) {
-        q[i] = ((blk.qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - 16;
-        q[i + 16] = ((blk.qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
+        q[i] = (blk.qs[i] & 0xF) | (((qh >> i) & 1) << 4);
+        q[i + 16] = (blk.qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
       }
       dw[0] = gguf::Fp16ToFp32(blk.d);
+      *mw = -16.0f * dw[0];
       break;
     }
     case GgmlType::kQ8_0: {
@@ -166,24 +168,35 @@ void WeightBlockScalar(GgmlType type, const uint8_t* row, int64_t b, int q[32], 
   dw[1] = dw[0];
 }
 
+// The arithmetic that defines a product (the AVX2 kernels compute it bit for bit;
+// see matmul_x86.inc): per block b in order, from acc = 0,
+//   acc = fma(float(<q, qa>), dw * da, acc);  acc = fma(mw, s, acc)  (types with an m)
+// or, for Q6_K, one fma per half of 16 values with that half's scale.
 void RunQuantRowsScalar(const QuantJob& job, int64_t r_begin, int64_t r_end) {
   const int64_t cols = job.nb * 32;
+  const bool two_scales = job.type == GgmlType::kQ6_K;
+  const bool has_m = !two_scales && job.type != GgmlType::kQ8_0;
   int q[32];
   for (int64_t r = r_begin; r < r_end; ++r) {
     const uint8_t* row = job.w + r * job.w_stride;
     for (int t = 0; t < job.n_tokens; ++t) {
       const int8_t* aq = job.aq + t * cols;
-      float sum = 0.0f;
+      float acc = 0.0f;
       for (int64_t b = 0; b < job.nb; ++b) {
         float dw[2], mw;
         WeightBlockScalar(job.type, row, b, q, dw, &mw);
         int32_t dot[2] = {0, 0};
         for (int i = 0; i < 32; ++i) dot[i / 16] += q[i] * aq[b * 32 + i];
-        sum += job.ad[t * job.nb + b] *
-                   (dw[0] * static_cast<float>(dot[0]) + dw[1] * static_cast<float>(dot[1])) +
-               mw * job.as[t * job.nb + b];
+        const float da = job.ad[t * job.nb + b];
+        if (two_scales) {
+          acc = std::fma(static_cast<float>(dot[0]), dw[0] * da, acc);
+          acc = std::fma(static_cast<float>(dot[1]), dw[1] * da, acc);
+        } else {
+          acc = std::fma(static_cast<float>(dot[0] + dot[1]), dw[0] * da, acc);
+          if (has_m) acc = std::fma(mw, job.as[t * job.nb + b], acc);
+        }
       }
-      job.y[t * job.y_stride + r] = sum;
+      job.y[t * job.y_stride + r] = acc;
     }
   }
 }
@@ -394,8 +407,10 @@ int SgemmMinTokens() {
   // integer kernels, and the speed this leaves is measured instead. With
   // cpu_kernels_bench prefill_types_* (2 threads, Intel Xeon) the VNNI kernel
   // wins up to 64 tokens and a 512-token prefill through sgemm ran 25% (Q4_1)
-  // to 50% (Q4_K_M) faster (engine_bench --sgemm_min_tokens=256); the AVX2
-  // maddubs kernel loses from 64 tokens on (sgemm 1.2-1.6x faster at 256).
+  // to 50% (Q4_K_M) faster (engine_bench --sgemm_min_tokens=256). The AVX2
+  // 8-row group kernels beat sgemm at every count for every 4-6 bit type
+  // (AMD EPYC Zen 3, 2 threads, medians of 3: 1.4-1.8x at 256 tokens, 2.5-3.0x
+  // at 16); Q8_0 is 1.14x at 16 and 0.79x at 256.
   // Scalar dots always lose to OpenBLAS, and the scalar level always uses it.
   switch (GetCpuKernelLevel()) {
     case CpuKernelLevel::kAvx512:

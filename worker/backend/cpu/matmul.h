@@ -10,7 +10,11 @@
 // vpdpbusd). K-quant super-blocks of 256 are read as 8 blocks of 32, each with its
 // sub-block scale(s) and min, against the same Q8 activations. Each weight row is
 // dotted against all tokens while it is in L1, so a decode step of 16 sessions
-// reads the weights once. F32 weights use an FMA kernel; every other type
+// reads the weights once. At the AVX2 level rows go in groups of 8, one per f32
+// lane; from 4 tokens on, a group is first re-laid in per-thread scratch so that
+// one maddubs covers 4 values of all 8 rows (see matmul_x86.inc), and every route
+// rounds exactly as the scalar reference kernel does (cpu_kernels_test,
+// IntegerDotAvx2EqualsScalarBitForBit). F32 weights use an FMA kernel; every other type
 // DequantizeRow()s tiles of rows to f32.
 // From `SgemmMinTokens()` tokens on (prefill), tiles of dequantised rows go to
 // OpenBLAS sgemm instead when that is faster (see MatMulPath).

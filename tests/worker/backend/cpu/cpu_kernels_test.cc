@@ -254,6 +254,39 @@ TEST_P(CpuKernelsTest, IntegerDotLevelsAgreeWithScalar) {
   }
 }
 
+// The AVX2 kernels compute the scalar reference's arithmetic bit for bit (the
+// integer dots are exact, the f32 steps the same fmas in the same order; see
+// RunQuantRowsScalar), whichever of their paths a shape takes: 8-row groups and
+// the rows after the last group, the stored-layout tiles of 1-3 tokens and the
+// packed tiles of 4 with their token tails, super-block and odd block counts.
+TEST_P(CpuKernelsTest, IntegerDotAvx2EqualsScalarBitForBit) {
+  if (GetParam() != CpuKernelLevel::kAvx2) GTEST_SKIP() << "the AVX2 level's property";
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> rows_dist(1, 41);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
+                        GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    const int64_t block = gguf::GetTypeTraits(static_cast<uint32_t>(type))->block_size;
+    for (int shape = 0; shape < 3; ++shape) {
+      const int64_t rows = shape == 0 ? 8 : rows_dist(rng);
+      const int64_t cols = block * std::array<int64_t, 3>{1, 3, 5}[shape];
+      const TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
+      for (int n_tokens : {1, 2, 3, 4, 5, 7, 16, 19}) {
+        SCOPED_TRACE(::testing::Message()
+                     << gguf::TypeName(type) << " " << rows << "x" << cols << " n_tokens=" << n_tokens);
+        const std::vector<float> x = RandomVec(rng, n_tokens * cols, -3.0f, 3.0f);
+        std::vector<float> y(static_cast<size_t>(n_tokens * rows)), y_ref(y.size());
+        ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y.data(), rows, MatMulPath::kDot).ok());
+        ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
+        ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y_ref.data(), rows, MatMulPath::kDot).ok());
+        ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok());
+        for (size_t i = 0; i < y.size(); ++i) {
+          ASSERT_EQ(y[i], y_ref[i]) << "t=" << i / rows << " r=" << i % rows;
+        }
+      }
+    }
+  }
+}
+
 TEST(MatMulTypesTest, IntegerDotTypesAreTheDeployedQuants) {
   for (GgmlType t : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
                      GgmlType::kQ5_K, GgmlType::kQ6_K}) {
