@@ -733,6 +733,12 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
     v1::SessionInfo info;
     ASSERT_TRUE(s->ForkSession(&c, fr, &info).ok());
   }
+  // The source's Watch, from before the move.
+  grpc::ClientContext wctx;
+  wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto watch = s->Watch(&wctx, v1::WatchRequest());
+  v1::WatchEvent ev;
+  ASSERT_TRUE(watch->Read(&ev));  // the snapshot
   v1::MigrateSessionResponse mr;
   {
     grpc::ClientContext c;
@@ -744,6 +750,18 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   }
   EXPECT_GT(mr.bytes_moved(), 0);
   EXPECT_EQ(mr.session().worker_id(), "dst");
+  // The source announces the move as worker.proto says: SESSION_EXPORTED naming
+  // the new holder, not SESSION_DROPPED.
+  bool exported = false;
+  while (!exported && watch->Read(&ev)) {
+    if (!ev.has_event() || ev.event().session_id() != "moving") continue;
+    EXPECT_NE(ev.event().kind(), v1::CacheEvent::SESSION_DROPPED);
+    exported = ev.event().kind() == v1::CacheEvent::SESSION_EXPORTED;
+    if (exported) EXPECT_EQ(ev.event().target_worker(), "dst");
+  }
+  EXPECT_TRUE(exported);
+  wctx.TryCancel();
+  watch->Finish();
   EXPECT_GE(mr.total_us(), mr.pause_us());
   // Gone from the source, present on the target.
   EXPECT_EQ(Generate(s.get(), Text("moving", " next", 3, v1::APPEND)).status.error_code(), grpc::NOT_FOUND);

@@ -77,7 +77,8 @@ absl::StatusOr<const KvCacheManager::Session*> KvCacheManager::Find(const std::s
   return absl::NotFoundError(QuoteSession(id) + " not found");
 }
 
-void KvCacheManager::Emit(KvEventType type, const Session* s, int64_t pages, std::vector<BlockHash> hashes) {
+void KvCacheManager::Emit(KvEventType type, const Session* s, int64_t pages, std::vector<BlockHash> hashes,
+                          std::string target) {
   KvEvent e;
   e.type = type;
   if (s != nullptr) {
@@ -87,6 +88,7 @@ void KvCacheManager::Emit(KvEventType type, const Session* s, int64_t pages, std
   }
   e.pages = pages;
   e.hashes = std::move(hashes);
+  e.target = std::move(target);
   events_.Append(std::move(e));
 }
 
@@ -160,11 +162,15 @@ absl::Status KvCacheManager::CreateSession(const std::string& id, const std::str
   return absl::OkStatus();
 }
 
-void KvCacheManager::CloseLocked(Session& s) {
+void KvCacheManager::CloseLocked(Session& s, const std::string& moved_to) {
   for (int64_t i = s.first_live; i < static_cast<int64_t>(s.pages.size()); ++i) ReleaseLoc(s, i);
   s.pages.clear();
   FlushHostRemovedLocked();
-  Emit(KvEventType::kSessionClosed, &s, 0);
+  if (moved_to.empty()) {
+    Emit(KvEventType::kSessionClosed, &s, 0);
+  } else {
+    Emit(KvEventType::kSessionMigrated, &s, 0, {}, moved_to);
+  }
   const std::string id = s.id;
   sessions_.erase(id);  // destroys s
   if (options_.closed_ids_remembered > 0 && closed_ids_.insert(id).second) {
@@ -176,7 +182,8 @@ void KvCacheManager::CloseLocked(Session& s) {
   }
 }
 
-absl::Status KvCacheManager::CloseSession(const std::string& id, int64_t* pages_freed) {
+absl::Status KvCacheManager::CloseSession(const std::string& id, int64_t* pages_freed,
+                                          const std::string& moved_to) {
   absl::MutexLock l(&mu_);
   KVCACHE_ASSIGN_OR_RETURN(Session * s, Find(id));
   if (s->in_step || s->export_frozen) {
@@ -192,7 +199,7 @@ absl::Status KvCacheManager::CloseSession(const std::string& id, int64_t* pages_
     }
     *pages_freed = freed;
   }
-  CloseLocked(*s);
+  CloseLocked(*s, moved_to);
   return absl::OkStatus();
 }
 

@@ -135,8 +135,11 @@ class KvCacheManager {
   absl::Status CreateSession(const std::string& id, const std::string& tenant);
   // Releases every page; `pages_freed` (optional) gets the pages whose last
   // reference this was (shared pages still referenced elsewhere are not counted).
-  // FAILED_PRECONDITION while a step or export holds the session.
-  absl::Status CloseSession(const std::string& id, int64_t* pages_freed = nullptr);
+  // FAILED_PRECONDITION while a step or export holds the session. A non-empty
+  // `moved_to` (the worker that holds the session now, after a migration) is
+  // announced with kSessionMigrated instead of kSessionClosed.
+  absl::Status CloseSession(const std::string& id, int64_t* pages_freed = nullptr,
+                            const std::string& moved_to = "");
   // Extends the session with the cached pages (whole pages, same tenant and model,
   // either tier) that continue it along `prompt`, and returns the tokens attached by
   // this call (a multiple of page_tokens). Pages found only in tier 1 are copied into
@@ -292,8 +295,8 @@ class KvCacheManager {
   absl::StatusOr<const Session*> Find(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Touch(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { s.last_use = ++clock_; }
   bool Pinned(const Session& s) const { return s.in_step || s.user_pinned || s.export_frozen || s.restoring; }
-  void Emit(KvEventType type, const Session* s, int64_t pages, std::vector<BlockHash> hashes = {})
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Emit(KvEventType type, const Session* s, int64_t pages, std::vector<BlockHash> hashes = {},
+            std::string target = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Frees a page-table entry (decref tier 0, free tier 1) and marks it released.
   void ReleaseLoc(Session& s, int64_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -325,7 +328,7 @@ class KvCacheManager {
   void ApplyWindow(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hashes full committed pages not hashed yet and registers those in tier 0.
   void PublishFullPages(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CloseLocked(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseLocked(Session& s, const std::string& moved_to = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // GetSession's fields without the per-page lists (what Snapshot reports).
   SessionInfo SummaryLocked(const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -16,6 +16,8 @@ const char* EventTypeName(KvEventType t) {
       return "session_exported";
     case KvEventType::kSessionClosed:
       return "session_closed";
+    case KvEventType::kSessionMigrated:
+      return "session_migrated";
     case KvEventType::kPrefixStored:
       return "prefix_stored";
     case KvEventType::kPrefixRemoved:

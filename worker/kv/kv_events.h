@@ -25,8 +25,9 @@ enum class KvEventType : uint8_t {
   kSessionDropped,    // cache lost (tier-1 drop, checksum failure); `num_tokens` = what is left
   kSessionExported,   // a full export finished (the session stays here)
   kSessionClosed,
-  kPrefixStored,   // `hashes` became available in the prefix cache, in `tier`
-  kPrefixRemoved,  // `hashes` left the prefix cache of `tier`
+  kSessionMigrated,  // closed here because `target` holds it now (a finished migration)
+  kPrefixStored,     // `hashes` became available in the prefix cache, in `tier`
+  kPrefixRemoved,    // `hashes` left the prefix cache of `tier`
 };
 const char* EventTypeName(KvEventType t);
 
@@ -39,6 +40,7 @@ struct KvEvent {
   int64_t pages = 0;              // pages involved
   std::vector<BlockHash> hashes;  // prefix events
   int8_t tier = 0;                // prefix events: 0 (backend memory) or 1 (host RAM)
+  std::string target;             // kSessionMigrated: the worker that holds the session now
 };
 
 struct EventBatch {

@@ -937,9 +937,10 @@ absl::StatusOr<std::unique_ptr<kv::SessionExporter>> Engine::BeginExport(const s
   return exporter;
 }
 
-void Engine::EndExport(const std::string& id, const std::string& tenant, bool handed_over) {
+void Engine::EndExport(const std::string& id, const std::string& tenant, bool handed_over,
+                       const std::string& target) {
   const std::string key = kv::SessionKey(tenant, id);
-  if (handed_over) (void)kv_->CloseSession(key);  // the target holds it now
+  if (handed_over) (void)kv_->CloseSession(key, nullptr, target);  // the target holds it now
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key);
   if (it == sessions_.end()) return;

@@ -34,6 +34,10 @@ bool ToCacheEvent(const kv::KvEvent& in, v1::CacheEvent* out) {
     case kv::KvEventType::kSessionClosed:
       out->set_kind(v1::CacheEvent::SESSION_DROPPED);
       break;
+    case kv::KvEventType::kSessionMigrated:
+      out->set_kind(v1::CacheEvent::SESSION_EXPORTED);
+      out->set_target_worker(in.target);
+      break;
     case kv::KvEventType::kPrefixStored:
     case kv::KvEventType::kPrefixRemoved:
       out->set_kind(in.type == kv::KvEventType::kPrefixStored ? v1::CacheEvent::PREFIX_STORED

@@ -597,8 +597,10 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
                         absl::StrCat("target ", target, " refused session '", session_id,
                                      "': ", remote.error_message(), "; the session stays here"));
   }
-  // The target holds it now: drop our copy.
-  engine_->EndExport(session_id, tenant, /*handed_over=*/true);
+  // The target holds it now: drop our copy, announcing where it went (its worker
+  // id, as the router's directory names workers; the address if it sent none).
+  engine_->EndExport(session_id, tenant, /*handed_over=*/true,
+                     imported.worker_id().empty() ? target : imported.worker_id());
   engine_->Release(session_id, tenant);
   const absl::Time end = absl::Now();
   hub_->Flush();
