@@ -933,14 +933,14 @@ absl::StatusOr<std::unique_ptr<kv::SessionExporter>> Engine::BeginExport(const s
     ++sessions_.find(key)->second.exports;
   }
   auto exporter = kv::SessionExporter::Create(kv_, key, options);
-  if (!exporter.ok()) EndExport(id, tenant, /*handed_over=*/false);
+  if (!exporter.ok()) EndExport(id, tenant, /*handed_to=*/"");
   return exporter;
 }
 
-void Engine::EndExport(const std::string& id, const std::string& tenant, bool handed_over,
-                       const std::string& target) {
+void Engine::EndExport(const std::string& id, const std::string& tenant, const std::string& handed_to) {
   const std::string key = kv::SessionKey(tenant, id);
-  if (handed_over) (void)kv_->CloseSession(key, nullptr, target);  // the target holds it now
+  const bool handed_over = !handed_to.empty();
+  if (handed_over) (void)kv_->CloseSession(key, nullptr, handed_to);  // the target holds it now
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key);
   if (it == sessions_.end()) return;

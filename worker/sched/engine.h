@@ -226,14 +226,14 @@ class Engine {
                                                std::vector<int32_t> context);
   // Export: BeginExport marks the session exporting (reported as migrating; it
   // never expires meanwhile) and returns an exporter over its pages. EndExport
-  // ends that; with `handed_over` the target (worker `target`, named in the
-  // close's kSessionMigrated event) holds the session now, and it is closed here.
-  // REQUIRES for handed_over: the caller holds it (Reserve); target non-empty.
+  // ends that; a non-empty `handed_to` names the worker that holds the session
+  // now (in the close's kSessionMigrated event), and it is closed here; empty:
+  // the export failed or was a copy, and the session stays.
+  // REQUIRES for handed_to: the caller holds it (Reserve).
   absl::StatusOr<std::unique_ptr<kv::SessionExporter>> BeginExport(const std::string& id,
                                                                    const std::string& tenant,
                                                                    kv::ExportOptions options);
-  void EndExport(const std::string& id, const std::string& tenant, bool handed_over,
-                 const std::string& target = "");
+  void EndExport(const std::string& id, const std::string& tenant, const std::string& handed_to);
   // Every named session (tenant, id), in no particular order.
   std::vector<kv::SessionName> Sessions() const;
   // Closes named sessions idle for session_idle_ttl (the engine thread calls it

@@ -171,7 +171,7 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
   }
 
   void Done(const absl::Status& st) {
-    if (exporter_ != nullptr) service_->engine_->EndExport(session_id_, tenant_, /*handed_over=*/false);
+    if (exporter_ != nullptr) service_->engine_->EndExport(session_id_, tenant_, /*handed_to=*/"");
     exporter_.reset();
     if (reserved_) service_->engine_->Release(session_id_, tenant_);
     reserved_ = false;
@@ -548,7 +548,7 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   };
   auto fail = [&](absl::Status why) -> absl::Status {
     exporter.reset();
-    engine_->EndExport(session_id, tenant, /*handed_over=*/false);
+    engine_->EndExport(session_id, tenant, /*handed_to=*/"");
     // After a failed write the target has ended the import: its status says
     // why (ALREADY_EXISTS, RESOURCE_EXHAUSTED, ...), and cancelling first would
     // replace that with our own CANCELLED.
@@ -591,7 +591,7 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   grpc::Status remote = writer->Finish();
   exporter.reset();
   if (!remote.ok()) {
-    engine_->EndExport(session_id, tenant, /*handed_over=*/false);
+    engine_->EndExport(session_id, tenant, /*handed_to=*/"");
     engine_->Release(session_id, tenant);
     return absl::Status(static_cast<absl::StatusCode>(remote.error_code()),
                         absl::StrCat("target ", target, " refused session '", session_id,
@@ -599,8 +599,7 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   }
   // The target holds it now: drop our copy, announcing where it went (its worker
   // id, as the router's directory names workers; the address if it sent none).
-  engine_->EndExport(session_id, tenant, /*handed_over=*/true,
-                     imported.worker_id().empty() ? target : imported.worker_id());
+  engine_->EndExport(session_id, tenant, imported.worker_id().empty() ? target : imported.worker_id());
   engine_->Release(session_id, tenant);
   const absl::Time end = absl::Now();
   hub_->Flush();

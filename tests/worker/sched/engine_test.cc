@@ -547,10 +547,10 @@ TEST_F(EngineTest, ExportMarksTheSessionAndHandingOverForgetsIt) {
   EXPECT_TRUE(engine_->View("m", "t")->exporting);
   EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Hours(100)), 0);  // never while exported
   exporter->reset();
-  engine_->EndExport("m", "t", /*handed_over=*/false);
+  engine_->EndExport("m", "t", /*handed_to=*/"");
   EXPECT_FALSE(engine_->View("m", "t")->exporting);
   ASSERT_TRUE(engine_->Reserve("m", "t").ok());
-  engine_->EndExport("m", "t", /*handed_over=*/true);
+  engine_->EndExport("m", "t", /*handed_to=*/"w2");
   engine_->Release("m", "t");
   EXPECT_EQ(engine_->View("m", "t").status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(kv_->GetSession(kv::SessionKey("t", "m")).ok());

@@ -14,8 +14,8 @@
 // lane; from 4 tokens on, a group is first re-laid in per-thread scratch so that
 // one maddubs covers 4 values of all 8 rows (see matmul_x86.inc), and every route
 // rounds exactly as the scalar reference kernel does (cpu_kernels_test,
-// IntegerDotAvx2EqualsScalarBitForBit). F32 weights use an FMA kernel; every other type
-// DequantizeRow()s tiles of rows to f32.
+// MatMulAvx2Test.IntegerDotEqualsScalarBitForBit). F32 weights use an FMA
+// kernel; every other type DequantizeRow()s tiles of rows to f32.
 // From `SgemmMinTokens()` tokens on (prefill), tiles of dequantised rows go to
 // OpenBLAS sgemm instead when that is faster (see MatMulPath).
 //

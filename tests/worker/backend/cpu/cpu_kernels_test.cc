@@ -226,6 +226,20 @@ TEST_P(CpuKernelsTest, IntegerDotMatMulMatchesReferenceForEveryType) {
   }
 }
 
+// y = MatMul's integer-dot route at `level`, y_ref the same at kScalar (then back
+// at `level`): x [n_tokens][cols] against w.
+void DotAtLevelAndScalar(CpuKernelLevel level, const TestWeights& w, const std::vector<float>& x,
+                         int n_tokens, std::vector<float>* y, std::vector<float>* y_ref) {
+  const int64_t rows = w.view.rows, cols = w.view.cols;
+  y->assign(static_cast<size_t>(n_tokens * rows), 0.0f);
+  y_ref->assign(y->size(), 0.0f);
+  ASSERT_TRUE(SetCpuKernelLevel(level).ok());
+  ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y->data(), rows, MatMulPath::kDot).ok());
+  ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
+  ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y_ref->data(), rows, MatMulPath::kDot).ok());
+  ASSERT_TRUE(SetCpuKernelLevel(level).ok());
+}
+
 // Every level's integer kernel against the scalar one on the same inputs (both use
 // the same Q8 activations, so they differ only by f32 summation order).
 TEST_P(CpuKernelsTest, IntegerDotLevelsAgreeWithScalar) {
@@ -237,11 +251,8 @@ TEST_P(CpuKernelsTest, IntegerDotLevelsAgreeWithScalar) {
     for (int n_tokens : {1, 5, 16}) {
       SCOPED_TRACE(::testing::Message() << gguf::TypeName(type) << " n_tokens=" << n_tokens);
       const std::vector<float> x = RandomVec(rng, n_tokens * cols, -2.0f, 2.0f);
-      std::vector<float> y(static_cast<size_t>(n_tokens * rows)), y_ref(y.size());
-      ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y.data(), rows, MatMulPath::kDot).ok());
-      ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
-      ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y_ref.data(), rows, MatMulPath::kDot).ok());
-      ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok());
+      std::vector<float> y, y_ref;
+      ASSERT_NO_FATAL_FAILURE(DotAtLevelAndScalar(GetParam(), w, x, n_tokens, &y, &y_ref));
       for (int64_t i = 0; i < n_tokens * rows; ++i) {
         double abs_sum = 0;  // sum |w x| of this output, the scale of f32 rounding
         const int t = static_cast<int>(i / rows);
@@ -259,8 +270,8 @@ TEST_P(CpuKernelsTest, IntegerDotLevelsAgreeWithScalar) {
 // RunQuantRowsScalar), whichever of their paths a shape takes: 8-row groups and
 // the rows after the last group, the stored-layout tiles of 1-3 tokens and the
 // packed tiles of 4 with their token tails, super-block and odd block counts.
-TEST_P(CpuKernelsTest, IntegerDotAvx2EqualsScalarBitForBit) {
-  if (GetParam() != CpuKernelLevel::kAvx2) GTEST_SKIP() << "the AVX2 level's property";
+TEST(MatMulAvx2Test, IntegerDotEqualsScalarBitForBit) {
+  if (MaxSupportedCpuKernelLevel() < CpuKernelLevel::kAvx2) GTEST_SKIP() << "this CPU has no AVX2";
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> rows_dist(1, 41);
   for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
@@ -274,17 +285,15 @@ TEST_P(CpuKernelsTest, IntegerDotAvx2EqualsScalarBitForBit) {
         SCOPED_TRACE(::testing::Message()
                      << gguf::TypeName(type) << " " << rows << "x" << cols << " n_tokens=" << n_tokens);
         const std::vector<float> x = RandomVec(rng, n_tokens * cols, -3.0f, 3.0f);
-        std::vector<float> y(static_cast<size_t>(n_tokens * rows)), y_ref(y.size());
-        ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y.data(), rows, MatMulPath::kDot).ok());
-        ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
-        ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y_ref.data(), rows, MatMulPath::kDot).ok());
-        ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok());
+        std::vector<float> y, y_ref;
+        ASSERT_NO_FATAL_FAILURE(DotAtLevelAndScalar(CpuKernelLevel::kAvx2, w, x, n_tokens, &y, &y_ref));
         for (size_t i = 0; i < y.size(); ++i) {
           ASSERT_EQ(y[i], y_ref[i]) << "t=" << i / rows << " r=" << i % rows;
         }
       }
     }
   }
+  ASSERT_TRUE(SetCpuKernelLevel(MaxSupportedCpuKernelLevel()).ok());
 }
 
 TEST(MatMulTypesTest, IntegerDotTypesAreTheDeployedQuants) {
