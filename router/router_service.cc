@@ -821,14 +821,25 @@ void RouterService::Rebalance() {
   if (free_fraction(*cold) < options_.rebalance_high_free) return;
   for (const WorkerView& hot : healthy) {
     if (free_fraction(hot) >= options_.rebalance_low_free || &hot == cold) continue;
+    // The pass stops once the pages it moved lift the worker to --rebalance_low_free:
+    // a session's pages (shared prefix pages may stay, so this is an upper bound)
+    // are counted as freed, instead of moving the whole batch on a load report
+    // that predates the first move.
+    const int64_t total = hot.load.pages_total_device();
+    const int32_t page_tokens = hot.kv_shape.page_tokens();  // 0 before the first snapshot
+    int64_t free_pages = hot.load.pages_free_device();
     int moved = 0;
     for (const SessionLocation& s : directory_->SessionsOn(hot.address)) {
-      if (moved >= options_.rebalance_batch) break;
+      if (moved >= options_.rebalance_batch ||
+          double(free_pages) >= options_.rebalance_low_free * double(total)) {
+        break;
+      }
       // Moving bytes beats recomputing only for sessions of some length.
       if (s.tier != v1::TIER_DEVICE || s.tokens < options_.rebalance_min_tokens) continue;
       auto r = Migrate(s.key(), cold->address, "rebalance");
       if (r.ok()) {
         ++moved;
+        if (page_tokens > 0) free_pages += (s.tokens + page_tokens - 1) / page_tokens;
         KV_LOG_INFO("rebalance: moved session '{}' ({} tokens) {} -> {}", s.session_id, s.tokens, hot.address,
                     cold->address);
       }
