@@ -46,6 +46,10 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
     Unref();
   }
 
+  // gRPC's OnDone() (the call is over) and the engine's OnDone(status, result)
+  // (the request is over) are different events that share a name.
+  using StreamWriter<v1::GenerateResponse>::OnDone;
+
   // GenerateObserver (engine thread).
   void OnToken(int32_t id, absl::string_view text) override {
     const absl::Time now = absl::Now();
