@@ -43,15 +43,40 @@ SKIP=${KVCACHE_SANITIZER_SKIP:-"python_chat_client|python_openai_api|deploy_live
 log "unit and integration tests under ASan/UBSan (skipping: $SKIP)"
 (cd "$BUILD" && ctest --output-on-failure --parallel "$(nproc)" -L "unit|integration" -E "$SKIP")
 
+# The harnesses run side by side, a core each, for FUZZ_SECONDS each; a crash,
+# leak or timeout in any fails the script after all have finished.
+# The harnesses run side by side, a core each, for FUZZ_SECONDS each; a crash,
+# leak or timeout in any fails the script once all have finished.
 shopt -s nullglob
-for fuzzer in "$BUILD"/tests/fuzz/*_fuzz; do
+fuzz_logs=$(mktemp -d)
+run_fuzzer() {  # writes $fuzz_logs/NAME.log and NAME.rc
+  local fuzzer=$1 name work corpus_seed seeds=() rc=0
   name=$(basename "$fuzzer")
   corpus_seed="tests/fuzz/corpus/${name%%_*}"
   work=$(mktemp -d)
-  seeds=()
   [ -d "$corpus_seed" ] && seeds=("$corpus_seed")
-  log "fuzzing $name for ${FUZZ_SECONDS}s"
   "$fuzzer" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 -timeout=10 \
-    -artifact_prefix="$work/" "$work" "${seeds[@]}" 2>&1 | tail -n 3
+    -artifact_prefix="$work/" "$work" "${seeds[@]}" >"$fuzz_logs/$name.log" 2>&1 || rc=$?
   rm -rf "$work"
+  echo "$rc" >"$fuzz_logs/$name.rc"
+}
+names=()
+for fuzzer in "$BUILD"/tests/fuzz/*_fuzz; do
+  while [ "$(jobs -rp | wc -l)" -ge "$(nproc)" ]; do wait -n || true; done
+  names+=("$(basename "$fuzzer")")
+  log "fuzzing ${names[-1]} for ${FUZZ_SECONDS}s"
+  run_fuzzer "$fuzzer" &
 done
+wait
+failed=0
+for name in "${names[@]}"; do
+  if [ "$(cat "$fuzz_logs/$name.rc" 2>/dev/null)" = 0 ]; then
+    log "$name: $(tail -n 1 "$fuzz_logs/$name.log")"
+  else
+    log "$name FAILED:"
+    tail -n 40 "$fuzz_logs/$name.log" >&2
+    failed=1
+  fi
+done
+rm -rf "$fuzz_logs"
+exit "$failed"
