@@ -63,7 +63,7 @@ constexpr int kSessionTokens = 48;
 //
 // Watch: every stream opens with a snapshot of the sessions the fake holds
 // (sequence 1) and then carries, numbered, each event the test causes
-// (PlaceSession, ExportSession, AnnounceDraining). Generate: by default answers
+// (PlaceSession, AnnounceExported, AnnounceDraining). Generate: by default answers
 // at once with the fake's own tokens; RefuseWith answers every call with a
 // status; HoldCalls keeps each call open until ReleaseHeld. MigrateSession
 // hands the session to the peer named by its target address.
@@ -147,7 +147,7 @@ class FakeWorker final : public v1::Worker::CallbackService {
   }
   // The session left for worker `to` (SESSION_EXPORTED naming it: what a real
   // migration source emits when it drops its copy, see WorkerService::Migrate).
-  void ExportSession(const std::string& tenant, const std::string& id, const std::string& to) {
+  void AnnounceExported(const std::string& tenant, const std::string& id, const std::string& to) {
     absl::MutexLock lock(&mu_);
     sessions_.erase({tenant, id});
     v1::WatchEvent ev = SessionEvent(v1::CacheEvent::SESSION_EXPORTED, tenant, id, 0);
@@ -280,7 +280,7 @@ class FakeWorker final : public v1::Worker::CallbackService {
       // As WorkerService::Migrate: the target commits the import (and its
       // stream says SESSION_PLACED), then the source drops its copy.
       peer->PlaceSession(request->tenant(), request->session_id(), tokens);
-      ExportSession(request->tenant(), request->session_id(), peer->worker_id());
+      AnnounceExported(request->tenant(), request->session_id(), peer->worker_id());
       v1::SessionInfo* s = response->mutable_session();
       s->set_session_id(request->session_id());
       s->set_tenant(request->tenant());
@@ -557,7 +557,7 @@ TEST_F(RouterDrainRaceTest, NotFoundBeforeTheMoveIsSeenFollowsTheSessionWhenItAp
   a_->ReleaseHeld(SessionGone());
   // Only now does the move reach the router: B placed, A exported.
   b_->PlaceSession(kTenant, kSession, kSessionTokens);
-  a_->ExportSession(kTenant, kSession, "fake-b");
+  a_->AnnounceExported(kTenant, kSession, "fake-b");
 
   const Reply r = call.Join();
   ExpectFollowedToB(r);

@@ -765,7 +765,9 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
     if (!ev.has_event() || ev.event().session_id() != "moving") continue;
     EXPECT_NE(ev.event().kind(), v1::CacheEvent::SESSION_DROPPED);
     exported = ev.event().kind() == v1::CacheEvent::SESSION_EXPORTED;
-    if (exported) EXPECT_EQ(ev.event().target_worker(), "dst");
+    if (exported) {
+      EXPECT_EQ(ev.event().target_worker(), "dst");
+    }
   }
   EXPECT_TRUE(exported);
   wctx.TryCancel();
