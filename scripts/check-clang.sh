@@ -44,8 +44,6 @@ log "unit and integration tests under ASan/UBSan (skipping: $SKIP)"
 (cd "$BUILD" && ctest --output-on-failure --parallel "$(nproc)" -L "unit|integration" -E "$SKIP")
 
 # The harnesses run side by side, a core each, for FUZZ_SECONDS each; a crash,
-# leak or timeout in any fails the script after all have finished.
-# The harnesses run side by side, a core each, for FUZZ_SECONDS each; a crash,
 # leak or timeout in any fails the script once all have finished.
 shopt -s nullglob
 fuzz_logs=$(mktemp -d)
