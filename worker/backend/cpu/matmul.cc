@@ -40,10 +40,6 @@ struct QuantJob {
   int64_t y_stride;
 };
 
-// Floats of per-thread kernel scratch per 32-block of a row (decoded scales of
-// the rows in a register tile; see RunQuantRows in matmul_x86.inc).
-constexpr int64_t kQuantScratchPerBlock = 12;
-
 // ---- Scalar reference kernels (level kScalar) ----
 
 void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, float* s) {
@@ -245,19 +241,15 @@ namespace {
 
 struct Kernels {
   void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s);
-  // Rows [r_begin, r_end); scratch: kQuantScratchPerBlock * nb floats.
-  void (*quant_rows)(const QuantJob& job, int64_t r_begin, int64_t r_end, float* scratch);
+  // Rows [r_begin, r_end) of the job.
+  void (*quant_rows)(const QuantJob& job, int64_t r_begin, int64_t r_end);
   void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
                    int64_t x_stride, int n_tokens, float* y, int64_t y_stride, int64_t r0);
   bool (*dequant_row_fast)(GgmlType type, const void* src, float* dst, int64_t n);
 };
 
-void QuantRowsScalarAdapter(const QuantJob& job, int64_t b, int64_t e, float*) {
-  RunQuantRowsScalar(job, b, e);
-}
-
 const Kernels& KernelsFor(CpuKernelLevel level) {
-  static const Kernels kScalar = {QuantizeRowQ8Scalar, QuantRowsScalarAdapter, RunF32RowsScalar,
+  static const Kernels kScalar = {QuantizeRowQ8Scalar, RunQuantRowsScalar, RunF32RowsScalar,
                                   DequantRowFastScalar};
   static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::RunQuantRows, avx2::RunF32Rows,
                                 avx2::DequantRowFast};
@@ -366,11 +358,8 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
       parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, std::min(o.rows, r0 + part)});
     }
   }
-  pool.ParallelFor(static_cast<int64_t>(parts.size()), n_threads, [&](int64_t i) {
-    thread_local std::vector<float> scratch;
-    scratch.resize(static_cast<size_t>(kQuantScratchPerBlock * nb));
-    k.quant_rows(jobs[parts[i].job], parts[i].r0, parts[i].r1, scratch.data());
-  });
+  pool.ParallelFor(static_cast<int64_t>(parts.size()), n_threads,
+                   [&](int64_t i) { k.quant_rows(jobs[parts[i].job], parts[i].r0, parts[i].r1); });
 }
 
 void SetOpenBlasSingleThreaded() {

@@ -10,11 +10,13 @@
 // vpdpbusd). K-quant super-blocks of 256 are read as 8 blocks of 32, each with its
 // sub-block scale(s) and min, against the same Q8 activations. Each weight row is
 // dotted against all tokens while it is in L1, so a decode step of 16 sessions
-// reads the weights once. At the AVX2 level rows go in groups of 8, one per f32
-// lane; from 4 tokens on, a group is first re-laid in per-thread scratch so that
-// one maddubs covers 4 values of all 8 rows (see matmul_x86.inc), and every route
-// rounds exactly as the scalar reference kernel does (cpu_kernels_test,
-// MatMulAvx2Test.IntegerDotEqualsScalarBitForBit). F32 weights use an FMA
+// reads the weights once. Rows go in groups of 8, one per f32 lane; from 4 tokens
+// on, a group is first re-laid in per-thread scratch so that one instruction
+// covers 4 values of every row of the group (maddubs, 8 rows; at the AVX-512
+// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Every route of both
+// vector levels rounds exactly as the scalar reference kernel does, so a token's
+// result does not depend on the batch, the route or the machine's level
+// (cpu_kernels_test, IntegerDotEqualsScalarBitForBit). F32 weights use an FMA
 // kernel; every other type DequantizeRow()s tiles of rows to f32.
 // From `SgemmMinTokens()` tokens on (prefill), tiles of dequantised rows go to
 // OpenBLAS sgemm instead when that is faster (see MatMulPath).

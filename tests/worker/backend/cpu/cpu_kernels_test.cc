@@ -265,35 +265,36 @@ TEST_P(CpuKernelsTest, IntegerDotLevelsAgreeWithScalar) {
   }
 }
 
-// The AVX2 kernels compute the scalar reference's arithmetic bit for bit (the
+// Every level's kernels compute the scalar reference's arithmetic bit for bit (the
 // integer dots are exact, the f32 steps the same fmas in the same order; see
-// RunQuantRowsScalar), whichever of their paths a shape takes: 8-row groups and
-// the rows after the last group, the stored-layout tiles of 1-3 tokens and the
-// packed tiles of 4 with their token tails, super-block and odd block counts.
-TEST(MatMulAvx2Test, IntegerDotEqualsScalarBitForBit) {
-  if (MaxSupportedCpuKernelLevel() < CpuKernelLevel::kAvx2) GTEST_SKIP() << "this CPU has no AVX2";
+// RunQuantRowsScalar), whichever of their paths a shape takes: wide 16-row groups
+// (AVX-512), 8-row groups and the rows after the last group, the stored-layout
+// tiles of 1-3 tokens and the packed tiles of 4 with their token tails,
+// super-block and odd block counts. So a reply does not depend on whether the
+// worker runs on an AVX2 or an AVX-512 machine.
+TEST_P(CpuKernelsTest, IntegerDotEqualsScalarBitForBit) {
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> rows_dist(1, 41);
   for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
                         GgmlType::kQ5_K, GgmlType::kQ6_K}) {
     const int64_t block = gguf::GetTypeTraits(static_cast<uint32_t>(type))->block_size;
-    for (int shape = 0; shape < 3; ++shape) {
-      const int64_t rows = shape == 0 ? 8 : rows_dist(rng);
-      const int64_t cols = block * std::array<int64_t, 3>{1, 3, 5}[shape];
+    for (int shape = 0; shape < 4; ++shape) {
+      // 8: one group; 27: a wide group, a group of 8 and 3 single rows.
+      const int64_t rows = std::array<int64_t, 4>{8, 27, rows_dist(rng), rows_dist(rng)}[shape];
+      const int64_t cols = block * std::array<int64_t, 4>{1, 3, 5, 2}[shape];
       const TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
       for (int n_tokens : {1, 2, 3, 4, 5, 7, 16, 19}) {
         SCOPED_TRACE(::testing::Message()
                      << gguf::TypeName(type) << " " << rows << "x" << cols << " n_tokens=" << n_tokens);
         const std::vector<float> x = RandomVec(rng, n_tokens * cols, -3.0f, 3.0f);
         std::vector<float> y, y_ref;
-        ASSERT_NO_FATAL_FAILURE(DotAtLevelAndScalar(CpuKernelLevel::kAvx2, w, x, n_tokens, &y, &y_ref));
+        ASSERT_NO_FATAL_FAILURE(DotAtLevelAndScalar(GetParam(), w, x, n_tokens, &y, &y_ref));
         for (size_t i = 0; i < y.size(); ++i) {
           ASSERT_EQ(y[i], y_ref[i]) << "t=" << i / rows << " r=" << i % rows;
         }
       }
     }
   }
-  ASSERT_TRUE(SetCpuKernelLevel(MaxSupportedCpuKernelLevel()).ok());
 }
 
 TEST(MatMulTypesTest, IntegerDotTypesAreTheDeployedQuants) {
