@@ -32,11 +32,10 @@ struct QuantJob {
   int64_t w_stride;  // RowBytes(type, cols)
   int64_t nb;        // 32-blocks per row = cols / 32 (a multiple of 8 for k-quants)
   int n_tokens;
-  const int8_t* aq;   // [n_tokens][cols]
-  const float* ad;    // [n_tokens][nb]
-  const float* as;    // [n_tokens][nb]
-  const float* as_t;  // [nb][n_tokens]: `as` transposed (vector levels, types with an m)
-  float* y;           // [n_tokens][y_stride]
+  const int8_t* aq;  // [n_tokens][cols]
+  const float* ad;   // [n_tokens][nb]
+  const float* as;   // [n_tokens][nb]
+  float* y;          // [n_tokens][y_stride]
   int64_t y_stride;
 };
 
@@ -326,24 +325,19 @@ struct QuantOut {
 void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const float* x, int64_t x_stride,
                       int64_t cols, int n_tokens, int n_threads) {
   ComputePool& pool = ComputePool::Get();
-  // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32, as_t: [nb][n_tokens] —
-  // shared by all threads.
+  // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32 — shared by all threads.
   const int64_t nb = cols / 32;
   thread_local std::vector<int8_t> aq;
   std::vector<float>& ads = ThreadScratch(1);
   aq.resize(static_cast<size_t>(n_tokens * cols));
-  ads.resize(static_cast<size_t>(3 * n_tokens * nb));
+  ads.resize(static_cast<size_t>(2 * n_tokens * nb));
   // Plain pointers: inside the loops `aq` would name each thread's own copy.
   int8_t* const q_ptr = aq.data();
   float* const d_ptr = ads.data();
   float* const s_ptr = ads.data() + n_tokens * nb;
-  float* const st_ptr = ads.data() + 2 * n_tokens * nb;
   pool.ParallelFor(n_tokens, n_threads, [&](int64_t t) {
     k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
   });
-  for (int t = 0; t < n_tokens; ++t) {
-    for (int64_t b = 0; b < nb; ++b) st_ptr[b * n_tokens + t] = s_ptr[t * nb + b];
-  }
   struct Part {
     int job;
     int64_t r0, r1;
@@ -351,8 +345,8 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   absl::InlinedVector<QuantJob, 3> jobs;
   absl::InlinedVector<Part, 64> parts;
   for (const QuantOut& o : outs) {
-    jobs.push_back(QuantJob{o.type, o.w, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, st_ptr, o.y,
-                            o.y_stride});
+    jobs.push_back(
+        QuantJob{o.type, o.w, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, o.y, o.y_stride});
     const int64_t part = RowsPerPart(o.rows, n_threads);
     for (int64_t r0 = 0; r0 < o.rows; r0 += part) {
       parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, std::min(o.rows, r0 + part)});
