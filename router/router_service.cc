@@ -1,5 +1,6 @@
 #include "router/router_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <optional>
@@ -213,9 +214,13 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       f->set_predicted_cached_tokens(placement_.predicted_cached_tokens);
       router_->metrics_->OnCachedTokens(placement_.predicted_cached_tokens, f->usage().cached_tokens());
       // Report the client's view: after a continuation elsewhere, the worker's
-      // prompt included the tokens the client had already received.
-      f->mutable_usage()->set_prompt_tokens(f->usage().prompt_tokens() -
-                                            static_cast<int32_t>(continued_from_));
+      // prompt included the tokens the client had already received, and its
+      // cache may have held some of them too; of the client's prompt, at most
+      // all of it was cached (restored_tokens <= cached_tokens <= prompt_tokens).
+      v1::Usage* usage = f->mutable_usage();
+      usage->set_prompt_tokens(usage->prompt_tokens() - static_cast<int32_t>(continued_from_));
+      usage->set_cached_tokens(std::min(usage->cached_tokens(), usage->prompt_tokens()));
+      usage->set_restored_tokens(std::min(usage->restored_tokens(), usage->cached_tokens()));
       f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(emitted_.size()));
       if (!f->session_id().empty()) {
         router_->directory_->NoteSessionTokens({request_.tenant(), f->session_id()}, placement_.worker,

@@ -233,20 +233,29 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   const v1::GenerateRequest req = Text("victim", "tell me a long story about the sea", 300);
-  // Reference: the same greedy request on a worker directly.
-  auto direct = v1::Worker::NewStub(workers_[0]->channel());
+  // Reference: the same greedy request on each worker directly, so that the
+  // survivor's cache holds the prompt and the tokens after it.
   v1::GenerateRequest ref_req = req;
   ref_req.set_session_id("");
-  Reply ref = Generate(direct.get(), ref_req);
-  ASSERT_TRUE(ref.status.ok());
+  Reply ref;
+  for (int w = 0; w < 2; ++w) {
+    auto direct = v1::Worker::NewStub(workers_[w]->channel());
+    ref = Generate(direct.get(), ref_req);
+    ASSERT_TRUE(ref.status.ok());
+  }
 
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto reader = stub->Generate(&ctx, req);
   std::vector<int32_t> got;
   v1::GenerateResponse msg;
-  ASSERT_TRUE(reader->Read(&msg));
-  got.push_back(msg.token().id());
+  // 40 tokens in: the continuation's context (prompt and these) then reaches
+  // pages past the prompt in the survivor's cache.
+  while (got.size() < 40) {
+    ASSERT_TRUE(reader->Read(&msg));
+    ASSERT_TRUE(msg.has_token());
+    got.push_back(msg.token().id());
+  }
   // Find and kill the worker serving it.
   int victim = -1;
   {
@@ -268,6 +277,11 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(got, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
   EXPECT_EQ(final.usage().generated_tokens(), 300);
+  // Usage is the client's view: its own prompt, of which at most all was cached
+  // (the survivor's cache may hold the reference run's tokens beyond the prompt).
+  EXPECT_EQ(final.usage().prompt_tokens(), ref.final.usage().prompt_tokens());
+  EXPECT_LE(final.usage().cached_tokens(), final.usage().prompt_tokens());
+  EXPECT_LE(final.usage().restored_tokens(), final.usage().cached_tokens());
 
   EXPECT_EQ(final.worker_id(), victim == 0 ? "w1" : "w0");
 
