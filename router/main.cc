@@ -44,6 +44,11 @@ ABSL_FLAG(double, rebalance_high_free, 0.50,
 ABSL_FLAG(int32_t, rebalance_batch, 4, "Sessions one hot worker gives away per rebalancing period");
 ABSL_FLAG(int32_t, rebalance_min_tokens, 64, "Smaller sessions are not moved (recomputing them is cheaper)");
 ABSL_FLAG(int32_t, max_attempts, 3, "Workers tried per request");
+ABSL_FLAG(absl::Duration, session_lookup_wait, absl::Seconds(1),
+          "How long an APPEND waits for the directory to show its session (new, or moved after its worker "
+          "answered NOT_FOUND)");
+ABSL_FLAG(absl::Duration, drain_move_wait, absl::Seconds(10),
+          "How long an APPEND to a session on a draining worker waits for the session to move elsewhere");
 ABSL_FLAG(int32_t, min_ready_workers, 1, "Readiness is SERVING while at least this many workers are healthy");
 ABSL_FLAG(std::string, worker_tls_ca, "",
           "PEM CA that signs the workers' certificates (enables TLS to workers)");
@@ -112,6 +117,10 @@ int Run() {
   }
   if (absl::GetFlag(FLAGS_max_attempts) < 1)
     DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
+  if (absl::GetFlag(FLAGS_session_lookup_wait) < absl::ZeroDuration() ||
+      absl::GetFlag(FLAGS_drain_move_wait) < absl::ZeroDuration()) {
+    DieWith(kName, absl::InvalidArgumentError("--session_lookup_wait and --drain_move_wait must be >= 0"));
+  }
   for (const auto& a : workers) {
     if (a.rfind(':') == std::string::npos) {
       DieWith(kName, absl::InvalidArgumentError(absl::StrCat("worker address '", a, "' needs host:port")));
@@ -179,6 +188,8 @@ int Run() {
   router::RouterOptions ro;
   ro.mode = *mode;
   ro.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  ro.session_lookup_wait = absl::GetFlag(FLAGS_session_lookup_wait);
+  ro.drain_move_wait = absl::GetFlag(FLAGS_drain_move_wait);
   ro.rebalance_interval = absl::GetFlag(FLAGS_rebalance_interval);
   ro.rebalance_low_free = absl::GetFlag(FLAGS_rebalance_low_free);
   ro.rebalance_high_free = absl::GetFlag(FLAGS_rebalance_high_free);
