@@ -8,6 +8,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/status.h"
 
@@ -47,7 +48,7 @@ absl::Status ValidateAddress(const std::string& flag, const std::string& address
 }  // namespace
 
 void InitProcess(int argc, char** argv, const std::string& name, const std::string& usage) {
-  absl::SetProgramUsageMessage(usage);
+  SetFlagsUsage(usage);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "%s: unexpected argument '%s' (flags are --name=value; see --help)\n", name.c_str(),

@@ -14,6 +14,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/flags_usage.h"
 #include "common/gguf/ggml_types.h"
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/llama_hparams.h"
@@ -58,7 +59,7 @@ std::string Escape(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  kvcache::SetFlagsUsage(
       "Prints a GGUF model's hyper-parameters, tensor types and KV bytes per token.\n"
       "Usage: kvcache-model-info [--model PATH] [--tokenize TEXT]");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);

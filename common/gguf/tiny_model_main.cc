@@ -7,6 +7,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "common/flags_usage.h"
 #include "common/gguf/tiny_llama.h"
 
 ABSL_FLAG(std::string, out_dir, "", "Folder to write NAME.gguf into (must exist).");
@@ -14,7 +15,7 @@ ABSL_FLAG(std::string, llamacpp_src, "",
           "llama.cpp source folder whose models/ggml-vocab-*.gguf give the real vocabularies.");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Writes the tiny reference models: kvcache-tiny-model --out_dir=DIR");
+  kvcache::SetFlagsUsage("Writes the tiny reference models: kvcache-tiny-model --out_dir=DIR");
   absl::ParseCommandLine(argc, argv);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) {

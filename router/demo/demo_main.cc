@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/flags_usage.h"
 #include "common/peer_auth.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/router.grpc.pb.h"
@@ -257,8 +258,7 @@ int Run() {
 }  // namespace kvcache
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "kvcache-demo --router=HOST:PORT: the scripted multi-user chat of scripts/run.sh");
+  kvcache::SetFlagsUsage("kvcache-demo --router=HOST:PORT: the scripted multi-user chat of scripts/run.sh");
   absl::ParseCommandLine(argc, argv);
   return kvcache::Run();
 }

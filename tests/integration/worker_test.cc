@@ -870,7 +870,7 @@ TEST_F(WorkerTest, DrainMovesSessionsAndExits) {
 // $KVCACHE_CPU_KERNEL_LEVEL, else the best the CPU has; kvcache_worker_info says
 // which one runs. A name that is not a level stops the worker at start (exit 2)
 // with an error naming where the value came from.
-TEST_F(WorkerTest, CpuKernelLevelComesFromTheFlagOrTheEnvironment) {
+TEST_F(WorkerTest, StartFlagsKernelLevelFromFlagOrEnvironmentAndHelp) {
   const char* inherited = std::getenv("KVCACHE_CPU_KERNEL_LEVEL");
   const std::string saved = inherited != nullptr ? inherited : "";
   auto info_line = [](testing::ServerUnderTest& w) {
@@ -934,6 +934,13 @@ TEST_F(WorkerTest, CpuKernelLevelComesFromTheFlagOrTheEnvironment) {
   auto [flag_code, flag_out] = exit_and_output(worker + " --cpu_kernel_level=sse4");
   EXPECT_EQ(flag_code, 2) << flag_out;
   EXPECT_THAT(flag_out, HasSubstr("--cpu_kernel_level: cpu kernel level 'sse4'"));
+  // --help lists the worker's own flags and the shared server ones (Abseil's
+  // default listed none: no source file is named like the binary).
+  auto [help_code, help_out] = exit_and_output(worker + " --help");
+  EXPECT_THAT(help_out, HasSubstr("--cpu_kernel_level"));
+  EXPECT_THAT(help_out, HasSubstr("--tier0_bytes"));
+  EXPECT_THAT(help_out, HasSubstr("--listen"));
+  EXPECT_THAT(help_out, ::testing::Not(HasSubstr("listening")));
 }
 
 TEST_F(WorkerTest, MetricsPassPromtool) {
