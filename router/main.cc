@@ -117,6 +117,12 @@ int Run() {
   }
   if (absl::GetFlag(FLAGS_max_attempts) < 1)
     DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
+  if (absl::GetFlag(FLAGS_http_request_timeout) <= absl::ZeroDuration() ||
+      absl::GetFlag(FLAGS_health_timeout) <= absl::ZeroDuration()) {
+    // Zero would answer every HTTP request 504, or keep every worker unhealthy.
+    DieWith(kName,
+            absl::InvalidArgumentError("--http_request_timeout and --health_timeout must be positive"));
+  }
   if (absl::GetFlag(FLAGS_session_lookup_wait) < absl::ZeroDuration() ||
       absl::GetFlag(FLAGS_drain_move_wait) < absl::ZeroDuration()) {
     DieWith(kName, absl::InvalidArgumentError("--session_lookup_wait and --drain_move_wait must be >= 0"));
@@ -233,6 +239,9 @@ int Run() {
     stop_readiness.Notify();
     pool.Stop();
   });
+  // Serve runs the hook above only once it has started; when it fails to start
+  // (an --http_listen it cannot bind, say) the readiness loop must stop too.
+  if (!stop_readiness.HasBeenNotified()) stop_readiness.Notify();
   readiness.join();
   (*process)->SetCollectHook(nullptr);
   service.Shutdown();

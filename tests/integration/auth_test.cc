@@ -115,6 +115,19 @@ TEST_F(AuthTest, ServersWithoutCredentialsRefuseToStart) {
   std::remove(Path("short").c_str());
 }
 
+// A router whose HTTP API cannot listen stops at start with the reason (it hung
+// before, waiting for a readiness loop that only a served router stops).
+TEST_F(AuthTest, RouterThatCannotListenForHttpExitsWithTheReason) {
+  auto [code, out] =
+      RunToExit(testing::BinaryPath("router/kvcache-router") +
+                " --listen=127.0.0.1:0 --metrics_listen= --allow_unauthenticated --workers=127.0.0.1:1"
+                " --http_listen=bad --model=" +
+                Path("auth_tiny.gguf"));
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, HasSubstr("--http_listen='bad'"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+}
+
 TEST_F(AuthTest, WorkerServesOnlyHoldersOfTheClusterToken) {
   auto w = StartWorker("w-auth", "--cluster_token_file=" + Path("token"));
   ASSERT_NE(w, nullptr);  // readiness answered without a token: probes stay open
