@@ -162,7 +162,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   if (pages > kv_->tier_capacity_pages(0)) {
     return absl::ResourceExhaustedError(absl::StrCat("context of ", context, " tokens needs ", pages,
                                                      " KV pages; tier 0 holds ",
-                                                     kv_->tier_capacity_pages(0)));
+                                                     kv_->tier_capacity_pages(0), " (--tier0_bytes)"));
   }
   const TenantLimits& limits = options_.tenant_limits;
   if (limits.max_requests > 0 && inflight_[request.tenant] >= limits.max_requests) {
@@ -666,9 +666,9 @@ void Engine::Loop() {
     if (!stopping) {
       const bool progressed = Step();
       if (!progressed) {
-        // Nothing fits (user-pinned sessions hold tier 0): fail the newest request
-        // that has not sent a token yet, else the newest, so that the others (and
-        // future requests) can make progress.
+        // Nothing fits (running requests and user-pinned sessions hold tier 0):
+        // fail the newest request that has not sent a token yet, else the newest,
+        // so that the others (and future requests) can make progress.
         Request* victim = nullptr;
         for (auto it = active_.rbegin(); it != active_.rend(); ++it) {
           if ((*it)->done) continue;
@@ -678,11 +678,22 @@ void Engine::Loop() {
             break;
           }
         }
-        if (victim != nullptr) {
+        const bool alone = std::count_if(active_.begin(), active_.end(), [](const auto& r) {
+                             return !r->done;
+                           }) == 1;
+        if (victim != nullptr && alone && !victim->result.output.empty()) {
+          // Its context outgrew what tier 0 can give it: that is this worker's
+          // context limit, reached as --max_context is (the client keeps its text).
+          KV_LOG_WARN("session '{}': its context of {} tokens no longer fits in tier 0 ({} pages); ending it",
+                      victim->req.session_id, victim->context.size(), kv_->tier_capacity_pages(0));
+          Finish(*victim, absl::OkStatus(), FinishReason::kContextFull);
+        } else if (victim != nullptr) {
           Finish(*victim,
                  absl::ResourceExhaustedError(absl::StrCat(
-                     "no KV cache memory to run the request: tier 0 holds ", kv_->tier_capacity_pages(0),
-                     " pages (--tier0_bytes) and the rest are pinned or in use")),
+                     victim->result.output.empty() ? "no KV cache memory to start the request"
+                                                   : "no KV cache memory for the context to grow",
+                     ": tier 0 holds ", kv_->tier_capacity_pages(0),
+                     " pages (--tier0_bytes), all held by running requests and pinned sessions")),
                  std::nullopt);
         }
       }

@@ -218,6 +218,30 @@ TEST_F(EngineTest, PromptLargerThanTier0IsResourceExhausted) {
             absl::StatusCode::kResourceExhausted);
 }
 
+// A request alone whose context outgrows tier 0 ends as at --max_context: OK,
+// CONTEXT_FULL, its tokens kept by the client and by the session alike.
+TEST_F(EngineTest, ContextOutgrowingTier0EndsAtContextFullWhenAlone) {
+  Build(/*tier0_pages=*/4, /*tier1_pages=*/4);  // 64 tokens of 16-token pages
+  Collector c;
+  const auto prompt = Prompt(40);
+  ASSERT_TRUE(engine_->Submit(Req("long", RequestMode::kFullContext, prompt, 100), &c).ok());
+  const GenerateResult& r = c.Wait();
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  EXPECT_EQ(r.finish, FinishReason::kContextFull);
+  // 64 tokens fill the 4 pages; the last token sampled needs a fifth.
+  EXPECT_EQ(c.tokens.size(), 25u);
+  EXPECT_EQ(c.tokens, Expected(prompt, static_cast<int>(c.tokens.size())));
+  auto context = engine_->Context("long", "t");
+  ASSERT_TRUE(context.ok()) << context.status();
+  EXPECT_EQ(context->size(), prompt.size() + c.tokens.size());
+
+  // The session goes on from there in a later turn only as far as tier 0 allows:
+  // an APPEND that does not fit is refused before it starts.
+  Collector more;
+  EXPECT_EQ(engine_->Submit(Req("long", RequestMode::kAppend, Prompt(3), 5), &more).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 TEST_F(EngineTest, CancelFreesPages) {
   absl::Notification gate;
   runner_->gate_ = &gate;
