@@ -689,6 +689,7 @@ absl::StatusOr<v1::ListWorkersResponse> RouterService::ListWorkers() const {
 
 void RouterService::MigrateByIdAsync(const std::string& session_id, const std::string& target,
                                      Done<v1::MigrateSessionResponse> done) {
+  if (absl::Status st = ValidateSessionId(session_id); !st.ok()) return std::move(done)(st);
   const std::vector<SessionLocation> named = directory_->SessionsNamed(session_id);
   if (named.empty()) {
     return std::move(done)(absl::NotFoundError(absl::StrCat("session '", session_id, "' not found")));

@@ -306,6 +306,12 @@ TEST_F(PublicApiErrorsTest, SessionAndAdminCallsRejectBadRequestsWithTheirCodes)
       {"MigrateSession of an unknown session",
        [&](auto* c) { return admin_->MigrateSession(c, migrate("ghost", "w0"), &migrated); }, grpc::NOT_FOUND,
        Auth::kAdmin, "ghost"},
+      {"MigrateSession without a session id",
+       [&](auto* c) { return admin_->MigrateSession(c, migrate("", "w0"), &migrated); },
+       grpc::INVALID_ARGUMENT, Auth::kAdmin, "session_id"},
+      {"MigrateSession of a malformed session id",
+       [&](auto* c) { return admin_->MigrateSession(c, migrate("a b/c", ""), &migrated); },
+       grpc::INVALID_ARGUMENT, Auth::kAdmin, "session_id"},
       {"DrainWorker of an unknown worker",
        [&](auto* c) { return admin_->DrainWorker(c, drain("nowhere"), &drained); }, grpc::NOT_FOUND,
        Auth::kAdmin, "nowhere"},
@@ -325,6 +331,12 @@ TEST_F(PublicApiErrorsTest, SessionAndAdminCallsRejectBadRequestsWithTheirCodes)
     ASSERT_TRUE(stub_->GetSession(&ctx, session(id), &info).ok()) << id;
     EXPECT_FALSE(info.pinned()) << id;
     EXPECT_EQ(info.worker_id(), "w0");
+  }
+  {
+    // The scheme is case-insensitive, as HTTP's is.
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", absl::StrCat("bearer ", kUser));
+    EXPECT_TRUE(stub_->GetSession(&ctx, session("alpha"), &info).ok()) << "lower-case 'bearer' refused";
   }
   EXPECT_EQ(FreeDevicePages(worker_->channel()), free_before);
   ExpectHealthy();
