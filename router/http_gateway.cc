@@ -382,6 +382,11 @@ absl::StatusOr<std::string> HttpGateway::Start(std::shared_ptr<grpc::Channel> ch
   evhttp_set_max_headers_size(http_, 64 << 10);
   evhttp_set_timeout(http_,
                      static_cast<int>(std::max<int64_t>(1, absl::ToInt64Seconds(options_.idle_timeout))));
+  // Every method reaches OnRequest, which answers the ones a path does not take
+  // with a JSON 405 (libevent's own answer to the rest is an HTML 501).
+  evhttp_set_allowed_methods(http_, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD | EVHTTP_REQ_PUT |
+                                        EVHTTP_REQ_DELETE | EVHTTP_REQ_OPTIONS | EVHTTP_REQ_TRACE |
+                                        EVHTTP_REQ_PATCH);
   evhttp_set_gencb(http_, &HttpGateway::OnRequestCallback, this);
   bound_ = Listen(host, port);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

@@ -116,6 +116,12 @@ TEST_F(HttpGatewayTest, RoutesAndStatuses) {
   HttpResult wrong_method = HttpFetch(port_, "GET", "/v1/chat/completions");
   EXPECT_EQ(wrong_method.status, 405);
   EXPECT_THAT(wrong_method.body, HasSubstr("\"error\""));
+  // Methods libevent does not take by default get the same JSON answer.
+  for (const char* method : {"OPTIONS", "PATCH", "TRACE", "PUT", "DELETE"}) {
+    HttpResult r = HttpFetch(port_, method, "/v1/chat/completions", method[0] == 'P' ? "{}" : "");
+    EXPECT_EQ(r.status, 405) << method << ": " << r.body;
+    EXPECT_EQ(Json::parse(r.body, nullptr, false)["error"]["code"], "method_not_allowed") << method;
+  }
   EXPECT_EQ(HttpFetch(port_, "GET", "/nowhere").status, 404);
 
   // A request without a model gets the first name; the alias is echoed.

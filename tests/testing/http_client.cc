@@ -4,6 +4,7 @@
 #include <event2/event.h>
 #include <event2/http.h>
 
+#include <map>
 #include <memory>
 #include <utility>
 
@@ -68,8 +69,13 @@ void HttpConnection::Send(const std::string& method, const std::string& path, co
     evbuffer_add(evhttp_request_get_output_buffer(req), body.data(), body.size());
   }
   // On failure evhttp_make_request frees the request and runs no callback.
-  if (evhttp_make_request(evcon_, req, method == "POST" ? EVHTTP_REQ_POST : EVHTTP_REQ_GET, path.c_str()) !=
-      0) {
+  static const auto* const kMethods = new std::map<std::string, evhttp_cmd_type>{
+      {"GET", EVHTTP_REQ_GET},         {"POST", EVHTTP_REQ_POST},   {"HEAD", EVHTTP_REQ_HEAD},
+      {"PUT", EVHTTP_REQ_PUT},         {"DELETE", EVHTTP_REQ_DELETE}, {"OPTIONS", EVHTTP_REQ_OPTIONS},
+      {"TRACE", EVHTTP_REQ_TRACE},     {"PATCH", EVHTTP_REQ_PATCH}};
+  const auto m = kMethods->find(method);
+  if (m == kMethods->end()) evhttp_request_free(req);
+  if (m == kMethods->end() || evhttp_make_request(evcon_, req, m->second, path.c_str()) != 0) {
     std::unique_ptr<Call> failed(call);
     failed->result.done = absl::Now();
     failed->done(failed->result);
