@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/support/client_interceptor.h"
@@ -82,7 +83,10 @@ std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& cont
   auto it = md.find("authorization");
   if (it == md.end()) return std::nullopt;
   absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::ConsumePrefix(&value, "Bearer ")) return absl::string_view();
+  // The scheme is case-insensitive (RFC 7235 section 2.1): "bearer x" is "Bearer x".
+  constexpr absl::string_view kScheme = "bearer ";
+  if (!absl::StartsWithIgnoreCase(value, kScheme)) return absl::string_view();
+  value.remove_prefix(kScheme.size());
   return absl::StripAsciiWhitespace(value);
 }
 
