@@ -69,13 +69,6 @@ constexpr char kName[] = "kvcache-worker";
 // pod or a test run (CI runs part of the suite at avx2 this way).
 constexpr char kCpuKernelLevelEnv[] = "KVCACHE_CPU_KERNEL_LEVEL";
 
-absl::StatusOr<kv::KvDtype> ParseDtype(const std::string& s) {
-  if (s == "f16") return kv::KvDtype::kF16;
-  if (s == "bf16") return kv::KvDtype::kBF16;
-  if (s == "f32") return kv::KvDtype::kF32;
-  return absl::InvalidArgumentError(absl::StrCat("--kv_dtype='", s, "': want f16, bf16 or f32"));
-}
-
 // Who may call this worker (see common/peer_auth.h): holders of the cluster
 // token, peers with a client certificate the TLS handshake verified, or, only
 // when asked for explicitly, anyone.
@@ -119,12 +112,8 @@ absl::StatusOr<cpu::CpuKernelLevel> CpuKernelLevelFromFlags() {
 absl::Status CheckFlags() {
   if (absl::Status st = backend::ParseDevice(absl::GetFlag(FLAGS_device)).status(); !st.ok()) return st;
   if (absl::Status st = CpuKernelLevelFromFlags().status(); !st.ok()) return st;
-  if (absl::GetFlag(FLAGS_tier0_bytes) <= 0)
-    return absl::InvalidArgumentError("--tier0_bytes must be positive");
-  if (absl::GetFlag(FLAGS_tier1_bytes) < 0)
-    return absl::InvalidArgumentError("--tier1_bytes must not be negative");
-  const int pt = absl::GetFlag(FLAGS_page_tokens);
-  if (pt < 1 || pt > 1024) return absl::InvalidArgumentError("--page_tokens must be in [1, 1024]");
+  KVCACHE_RETURN_IF_ERROR(kv::ValidateBudgetFlags(
+      absl::GetFlag(FLAGS_tier0_bytes), absl::GetFlag(FLAGS_tier1_bytes), absl::GetFlag(FLAGS_page_tokens)));
   if (absl::GetFlag(FLAGS_threads) < 0) return absl::InvalidArgumentError("--threads must not be negative");
   if (absl::GetFlag(FLAGS_max_batch_tokens) < 1 || absl::GetFlag(FLAGS_max_batch_tokens) > 8192) {
     return absl::InvalidArgumentError("--max_batch_tokens must be in [1, 8192]");
@@ -143,7 +132,7 @@ absl::Status CheckFlags() {
   if (absl::GetFlag(FLAGS_load_report_interval) <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--load_report_interval must be positive");
   }
-  return ParseDtype(absl::GetFlag(FLAGS_kv_dtype)).status();
+  return kv::ParseDtype(absl::GetFlag(FLAGS_kv_dtype)).status();
 }
 
 int Run() {
@@ -179,7 +168,7 @@ int Run() {
 
   kv::KvCacheOptions ko;
   ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),     static_cast<int>(hp.n_head_kv),
-                         static_cast<int>(hp.head_dim),    *ParseDtype(absl::GetFlag(FLAGS_kv_dtype)),
+                         static_cast<int>(hp.head_dim),    *kv::ParseDtype(absl::GetFlag(FLAGS_kv_dtype)),
                          absl::GetFlag(FLAGS_page_tokens), static_cast<int>(hp.sliding_window)};
   ko.model_id = (*model)->model_id();
   ko.tier0_bytes = absl::GetFlag(FLAGS_tier0_bytes);

@@ -5,7 +5,6 @@
 //
 //   kvcache-model-info [--model PATH] [--tokenize "text"] [--parse_special]
 //                      [--tier0_bytes N] [--tier1_bytes N] [--page_tokens N] [--kv_dtype T]
-#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -22,6 +21,7 @@
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "worker/backend/cpu/matmul.h"
+#include "worker/kv/kv_shape.h"
 
 ABSL_FLAG(std::string, model, "", "GGUF model file (default: $KVCACHE_MODEL or the set-up cache)");
 ABSL_FLAG(std::string, tokenize, "", "text to tokenise with the model's tokenizer");
@@ -67,6 +67,15 @@ int main(int argc, char** argv) {
     fprintf(stderr, "kvcache-model-info: unexpected argument '%s' (see --help)\n", rest[1]);
     return 2;
   }
+  // The worker's own rules for the flags it sizes against.
+  if (absl::Status st = kvcache::kv::ValidateBudgetFlags(absl::GetFlag(FLAGS_tier0_bytes),
+                                                         absl::GetFlag(FLAGS_tier1_bytes),
+                                                         absl::GetFlag(FLAGS_page_tokens));
+      !st.ok()) {
+    return Fail(st);
+  }
+  const absl::StatusOr<kvcache::kv::KvDtype> dtype = kvcache::kv::ParseDtype(absl::GetFlag(FLAGS_kv_dtype));
+  if (!dtype.ok()) return Fail(dtype.status());
   std::string path = absl::GetFlag(FLAGS_model);
   if (path.empty()) path = kvcache::gguf::DefaultModelPath();
 
@@ -127,15 +136,14 @@ int main(int argc, char** argv) {
     printf("  %-5s %lld\n", name, static_cast<long long>(hp->KvBytesPerToken(size)));
   }
   // What the worker's budgets hold: whole pages of page_tokens tokens.
-  const std::string dtype = absl::GetFlag(FLAGS_kv_dtype);
-  const int64_t elt = dtype == "f32" ? 4 : 2;
-  const int64_t page_tokens = std::max(1, absl::GetFlag(FLAGS_page_tokens));
+  const int64_t elt = kvcache::kv::DtypeSize(*dtype);
+  const int64_t page_tokens = absl::GetFlag(FLAGS_page_tokens);
   const int64_t page_bytes = hp->KvBytesPerToken(elt) * page_tokens;
   const int64_t window = hp->sliding_window > 0 ? hp->sliding_window : hp->n_ctx_train;
   printf("with --tier0_bytes=%lld --tier1_bytes=%lld --page_tokens=%lld --kv_dtype=%s (%lld bytes a page):\n",
          static_cast<long long>(absl::GetFlag(FLAGS_tier0_bytes)),
          static_cast<long long>(absl::GetFlag(FLAGS_tier1_bytes)), static_cast<long long>(page_tokens),
-         dtype.c_str(), static_cast<long long>(page_bytes));
+         kvcache::kv::DtypeName(*dtype), static_cast<long long>(page_bytes));
   for (const auto& [tier, bytes] :
        {std::pair<const char*, int64_t>{"tier 0", absl::GetFlag(FLAGS_tier0_bytes)},
         {"tier 1", absl::GetFlag(FLAGS_tier1_bytes)}}) {

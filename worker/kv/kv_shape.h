@@ -18,6 +18,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "worker/kv/page_layout.h"
 
 namespace kvcache::kv {
@@ -35,6 +37,13 @@ inline int64_t DtypeSize(KvDtype d) {
   return 0;
 }
 const char* DtypeName(KvDtype d);
+// "f16", "bf16" or "f32" (--kv_dtype); INVALID_ARGUMENT naming the choices.
+absl::StatusOr<KvDtype> ParseDtype(absl::string_view name);
+
+// The KV budget flags one rule for the worker and the tools that size against
+// them: --tier0_bytes > 0, --tier1_bytes >= 0, --page_tokens in [1, 1024].
+// INVALID_ARGUMENT naming the flag.
+absl::Status ValidateBudgetFlags(int64_t tier0_bytes, int64_t tier1_bytes, int64_t page_tokens);
 
 struct KvShape {
   int layers = 0;
