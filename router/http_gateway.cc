@@ -34,6 +34,8 @@ namespace kvcache::router {
 namespace {
 
 constexpr char kModelsPath[] = "/v1/models";
+// The longest deadline a request may ask for (x-request-timeout-ms).
+constexpr int64_t kMaxRequestTimeoutMs = int64_t{24} * 3600 * 1000;
 
 const char* ReasonPhrase(int code) {
   switch (code) {
@@ -571,12 +573,18 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
     return SendError(req, st, "model_not_found");
   }
   meta.id = openai::NewResponseId(endpoint, rng_(), rng_());
+  // Without a seed, sampling is random per request, as OpenAI's is (the wire's
+  // seed 0 would derive it from the session id: the same text on every retry).
+  v1::SamplingParams* sampling = parsed->generate.mutable_sampling();
+  if (sampling->seed() == 0) sampling->set_seed(rng_() | 1);
 
   absl::Duration timeout = options_.request_timeout;
   if (const char* t = Header(req, "x-request-timeout-ms"); t != nullptr) {
     int64_t ms = 0;
-    if (!absl::SimpleAtoi(t, &ms) || ms <= 0) {
-      return SendError(req, absl::InvalidArgumentError("x-request-timeout-ms must be a positive integer"));
+    if (!absl::SimpleAtoi(t, &ms) || ms <= 0 || ms > kMaxRequestTimeoutMs) {
+      return SendError(req, absl::InvalidArgumentError(absl::StrCat(
+                                "x-request-timeout-ms must be a whole number of milliseconds in [1, ",
+                                kMaxRequestTimeoutMs, "] (24 hours), got '", t, "'")));
     }
     timeout = absl::Milliseconds(ms);
   }

@@ -257,8 +257,9 @@ absl::Status ParseSampling(const Json& body, v1::SamplingParams* s) {
   for (const char* field : {"max_tokens", "max_completion_tokens"}) {
     if (const Json* v = Member(body, field)) {
       KVCACHE_ASSIGN_OR_RETURN(int64_t max_tokens, Integer(*v, field));
-      if (max_tokens < 1 || max_tokens > std::numeric_limits<int32_t>::max())
-        return FieldError(field, "must be at least 1");
+      if (max_tokens < 1) return FieldError(field, "must be at least 1");
+      if (max_tokens > std::numeric_limits<int32_t>::max())
+        return FieldError(field, absl::StrCat("must be at most ", std::numeric_limits<int32_t>::max()));
       s->set_max_tokens(static_cast<int32_t>(max_tokens));
     }
   }

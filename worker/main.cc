@@ -120,10 +120,14 @@ absl::Status CheckFlags() {
   }
   if (absl::GetFlag(FLAGS_max_context) < 2)
     return absl::InvalidArgumentError("--max_context must be at least 2");
-  if (absl::GetFlag(FLAGS_max_running) < 1 || absl::GetFlag(FLAGS_max_waiting) < 0 ||
-      absl::GetFlag(FLAGS_default_max_tokens) < 1 || absl::GetFlag(FLAGS_max_tokens_per_request) < 1) {
+  for (const auto& [name, value] : {std::pair<const char*, int32_t>{"max_running", absl::GetFlag(FLAGS_max_running)},
+                                     {"default_max_tokens", absl::GetFlag(FLAGS_default_max_tokens)},
+                                     {"max_tokens_per_request", absl::GetFlag(FLAGS_max_tokens_per_request)}}) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": must be positive"));
+  }
+  if (absl::GetFlag(FLAGS_max_waiting) < 0) {
     return absl::InvalidArgumentError(
-        "--max_running, --default_max_tokens, --max_tokens_per_request must be positive");
+        absl::StrCat("--max_waiting=", absl::GetFlag(FLAGS_max_waiting), ": must not be negative"));
   }
   if (absl::GetFlag(FLAGS_tenant_max_sessions) < 0 || absl::GetFlag(FLAGS_tenant_max_pinned_pages) < 0 ||
       absl::GetFlag(FLAGS_tenant_max_requests) < 0) {

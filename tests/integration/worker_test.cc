@@ -101,6 +101,19 @@ TEST_F(WorkerTest, StreamsTokensAndUsage) {
   // Same request, same greedy tokens.
   Turn again = Generate(stub.get(), Text("", "hello there, worker", 12));
   EXPECT_EQ(again.tokens, t.tokens);
+  // Sampling: a seed repeats the text; without a seed or session it does not.
+  auto sampled = [&](uint64_t seed) {
+    v1::GenerateRequest req = Text("", "hello there, worker", 12);
+    req.mutable_sampling()->set_temperature(1.0f);
+    req.mutable_sampling()->set_seed(seed);
+    Turn s = Generate(stub.get(), req);
+    EXPECT_TRUE(s.status.ok()) << s.status.error_message();
+    return s.tokens;
+  };
+  EXPECT_EQ(sampled(77), sampled(77));
+  std::set<std::vector<int32_t>> unseeded;
+  for (int i = 0; i < 4; ++i) unseeded.insert(sampled(0));
+  EXPECT_GE(unseeded.size(), 2u) << "four unseeded requests without a session sampled one text";
 }
 
 TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {

@@ -170,6 +170,9 @@ def run_tests(base, no_worker_base, worker_metrics):
     check(a == b == d, f"seed 1234 gave {a!r}, {b!r}, {d!r}")
     others = {sample(s) for s in (1, 2, 3)}
     check(len(others | {a}) >= 2, "four seeds, one text: sampling ignores the seed?")
+    # Without a seed, each request samples anew (as OpenAI's does), with or without a session.
+    unseeded = {sample(None) for _ in range(4)} | {sample(None, "unseeded") for _ in range(2)}
+    check(len(unseeded) >= 2, f"six unseeded requests at temperature 1 gave one text: {unseeded}")
 
     print("/v1/models, /health, /ready", flush=True)
     models = [m.id for m in c.models.list()]

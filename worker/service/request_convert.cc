@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include "absl/random/distributions.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "common/input_tokens.h"
 
@@ -50,9 +52,11 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
   out.sampling.top_p = s.top_p() == 0.0f ? 1.0f : s.top_p();
   out.sampling.seed = s.seed();
   if (out.sampling.seed == 0) {
-    // Reproducible per session: derived from the id (or fixed for ephemeral ones).
+    // Reproducible per session: derived from the id. A request without a
+    // session samples at random, as an unseeded request does elsewhere.
     const std::string& id = request.session_id();
-    out.sampling.seed = XXH3_64bits(id.data(), id.size()) | 1;
+    out.sampling.seed = id.empty() ? absl::Uniform<uint64_t>(absl::BitGen()) | 1
+                                   : XXH3_64bits(id.data(), id.size()) | 1;
   }
   out.max_tokens = s.max_tokens();
   if (s.stop_size() > kMaxStopStrings) {
