@@ -577,7 +577,18 @@ class RouterService::SessionForward final : public grpc::ServerUnaryReactor {
           grpc::Status(grpc::NOT_FOUND, absl::StrCat("session '", request_.session_id(), "' not found")));
     }
     stub_ = v1::Worker::NewStub(channel);
-    (stub_->async()->*method_)(&ctx_, &request_, response_, [this](grpc::Status st) { Answer(st); });
+    (stub_->async()->*method_)(&ctx_, &request_, response_, [this, worker = loc->worker](grpc::Status st) {
+      // The transport's words alone ("failed to connect to all addresses") do
+      // not say which session's worker is gone, or what the client can do.
+      if (st.error_code() == grpc::UNAVAILABLE && st.error_message() != kWorkerDrainingMessage) {
+        st = grpc::Status(grpc::UNAVAILABLE,
+                          absl::StrCat("worker ", worker, " holding session '", request_.session_id(),
+                                       "' is not reachable (", st.error_message(),
+                                       "); if it was lost, so was the session: resend the whole "
+                                       "conversation with FULL_CONTEXT"));
+      }
+      Answer(st);
+    });
   }
 
   void Answer(const grpc::Status& st) {
@@ -817,16 +828,27 @@ void RouterService::Rebalance() {
     const auto& l = w.load;
     return l.pages_total_device() > 0 ? double(l.pages_free_device()) / double(l.pages_total_device()) : 1.0;
   };
+  // A worker whose load predates the last move off or onto it is left alone
+  // this pass: acting on it would move sessions the move already relieved it of
+  // (or pile more onto a taker that is fuller than it looks).
+  absl::erase_if(rebalance_moved_at_report_, [this](const auto& entry) { return !pool_->Find(entry.first); });
+  auto settled = [this](const WorkerView& w) {
+    auto it = rebalance_moved_at_report_.find(w.address);
+    if (it == rebalance_moved_at_report_.end()) return true;
+    if (w.load_reports < it->second + 2) return false;
+    rebalance_moved_at_report_.erase(it);
+    return true;
+  };
   // The taker: the worker with the most free pages, among those that take new
   // sessions (not one that left DNS).
   const WorkerView* cold = nullptr;
   for (const WorkerView& w : healthy) {
-    if (!w.departed && (cold == nullptr || free_fraction(w) > free_fraction(*cold))) cold = &w;
+    if (!w.departed && settled(w) && (cold == nullptr || free_fraction(w) > free_fraction(*cold))) cold = &w;
   }
   if (cold == nullptr) return;
   if (free_fraction(*cold) < options_.rebalance_high_free) return;
   for (const WorkerView& hot : healthy) {
-    if (free_fraction(hot) >= options_.rebalance_low_free || &hot == cold) continue;
+    if (&hot == cold || free_fraction(hot) >= options_.rebalance_low_free || !settled(hot)) continue;
     // The pass stops once the pages it moved lift the worker to --rebalance_low_free:
     // a session's pages (shared prefix pages may stay, so this is an upper bound)
     // are counted as freed, instead of moving the whole batch on a load report
@@ -848,6 +870,14 @@ void RouterService::Rebalance() {
         if (page_tokens > 0) free_pages += (s.tokens + page_tokens - 1) / page_tokens;
         KV_LOG_INFO("rebalance: moved session '{}' ({} tokens) {} -> {}", s.session_id, s.tokens, hot.address,
                     cold->address);
+      }
+    }
+    if (moved > 0) {
+      // The counts now: reports that arrive later may still predate the moves.
+      for (const WorkerView& w : pool_->Workers()) {
+        if (w.address == hot.address || w.address == cold->address) {
+          rebalance_moved_at_report_[w.address] = w.load_reports;
+        }
       }
     }
   }

@@ -35,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -177,6 +178,10 @@ class RouterService final : public v1::KvCache::CallbackService {
   int64_t calls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification stop_;
+  // Rebalancer thread only: for each worker a session moved off or onto, its
+  // load_reports count once the move had finished. Its load stays unused until
+  // two more reports came (the first may have been on its way before the move).
+  absl::flat_hash_map<WorkerId, int64_t> rebalance_moved_at_report_;
   std::thread rebalancer_;
   std::thread evacuator_;
 };

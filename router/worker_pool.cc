@@ -21,6 +21,7 @@ struct WorkerPool::Worker {
   std::string model_id;
   v1::KvShape kv_shape;
   v1::WorkerLoad load;
+  int64_t load_reports = 0;  // load reports received (snapshots included)
   bool connected = false;
   bool suspect = false;
   bool admin_draining = false;
@@ -269,8 +270,10 @@ void WorkerPool::Watch(Worker* w) {
         w->model_id = ev.snapshot().model_id();
         w->kv_shape = ev.snapshot().kv_shape();
         w->load = ev.snapshot().load();
+        ++w->load_reports;
       } else if (ev.has_load()) {
         w->load = ev.load();
+        ++w->load_reports;
       }
     }
     ctx.TryCancel();
@@ -298,6 +301,7 @@ WorkerView WorkerPool::ViewLocked(const Worker& w) const {
   v.departed = w.departed;
   v.healthy = w.connected && !w.suspect && !v.draining;
   v.load = w.load;
+  v.load_reports = w.load_reports;
   v.model_id = w.model_id;
   v.kv_shape = w.kv_shape;
   return v;

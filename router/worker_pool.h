@@ -52,6 +52,9 @@ struct WorkerView {
   bool admin_draining = false;  // the drain came through this router's admin API
   bool departed = false;        // left the DNS answer; kept while it drains or holds sessions
   v1::WorkerLoad load;
+  // Load reports received from it so far: one taken after a given moment is a
+  // later count (see RouterService::Rebalance).
+  int64_t load_reports = 0;
   std::string model_id;
   v1::KvShape kv_shape;
 };

@@ -311,6 +311,18 @@ TEST_F(RouterTest, AppendOnALostWorkerNamesTheSession) {
   Reply r = Generate(stub.get(), Text("gone", " what was it?", 3, v1::APPEND));
   EXPECT_EQ(r.status.error_code(), grpc::UNAVAILABLE) << r.status.error_message();
   EXPECT_THAT(r.status.error_message(), HasSubstr("gone"));
+  EXPECT_THAT(r.status.error_message(), HasSubstr("resend"));
+  // The session calls say the same: which session, and what to do.
+  {
+    grpc::ClientContext ctx;
+    v1::SessionRequest sr;
+    sr.set_session_id("gone");
+    v1::SessionInfo info;
+    const grpc::Status st = stub->GetSession(&ctx, sr, &info);
+    EXPECT_EQ(st.error_code(), grpc::UNAVAILABLE) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("session 'gone'"));
+    EXPECT_THAT(st.error_message(), HasSubstr("FULL_CONTEXT"));
+  }
   // FULL_CONTEXT of the same conversation recomputes on the survivor.
   Reply again = Generate(stub.get(), Text("gone", "remember this what was it?", 3));
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
