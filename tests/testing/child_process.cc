@@ -158,19 +158,28 @@ int ChildProcess::Stop(absl::Duration grace) {
 
 namespace {
 
-// A tokens file with kTestAdminToken as tenant "default", admin; written once.
+// A tokens file with kTestAdminToken as tenant "default", admin: written on
+// first use, removed when the test process exits.
 absl::StatusOr<std::string> AdminTokensFile() {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string path =
-      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcache_test_admin_tokens_", getpid(), ".txt");
-  if (access(path.c_str(), R_OK) == 0) return path;
-  const std::string partial = path + ".partial";
-  FILE* f = std::fopen(partial.c_str(), "w");
-  if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", partial));
-  std::fprintf(f, "%s default admin\n", kTestAdminToken);
-  std::fclose(f);
-  if (std::rename(partial.c_str(), path.c_str()) != 0) return absl::InternalError("rename tokens file");
-  return path;
+  struct File {
+    File() {
+      const char* tmp = std::getenv("TEST_TMPDIR");
+      path = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcache_test_admin_tokens_", getpid(), ".txt");
+      FILE* f = std::fopen(path.c_str(), "w");
+      if (f == nullptr) {
+        status = absl::InternalError(absl::StrCat("cannot write ", path));
+        return;
+      }
+      std::fprintf(f, "%s default admin\n", kTestAdminToken);
+      if (std::fclose(f) != 0) status = absl::InternalError(absl::StrCat("cannot write ", path));
+    }
+    ~File() { std::remove(path.c_str()); }
+    std::string path;
+    absl::Status status;
+  };
+  static const File file;  // thread-safe initialisation; the destructor runs at exit
+  if (!file.status.ok()) return file.status;
+  return file.path;
 }
 
 }  // namespace
