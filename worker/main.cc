@@ -1,7 +1,10 @@
 // kvcache-worker: serves one model on one backend and keeps every session's KV
 // cache in pages (tier 0: backend memory, tier 1: host RAM).
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -25,7 +28,8 @@
 ABSL_FLAG(std::string, model, "",
           "GGUF model file (default: $KVCACHE_MODEL or the one scripts/setup.sh fetches)");
 ABSL_FLAG(std::string, worker_id, "",
-          "Name of this worker in routing, logs and metrics (default: the gRPC address)");
+          "Name of this worker in routing, logs and metrics (default: --listen's host, or this machine's "
+          "hostname when that is a wildcard, then ':' and the port, or '-pid<pid>' for port 0)");
 ABSL_FLAG(
     std::string, device, "cpu",
     "Backend: cpu, or cuda[:N] (the CUDA plugin on GPU N; tier 0 in device memory, tier 1 pinned host)");
@@ -68,6 +72,21 @@ constexpr char kName[] = "kvcache-worker";
 // --cpu_kernel_level's default: one variable sets the level of every worker of a
 // pod or a test run (CI runs part of the suite at avx2 this way).
 constexpr char kCpuKernelLevelEnv[] = "KVCACHE_CPU_KERNEL_LEVEL";
+
+// --worker_id's default: unique among the workers of a fleet and of one
+// machine. A wildcard host (0.0.0.0, [::], empty) names no machine, and port 0
+// is chosen at bind time, after the id is needed.
+std::string DefaultWorkerId(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  const std::string port = colon == std::string::npos ? "" : listen.substr(colon + 1);
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" || host == "*") {
+    char name[256] = {};
+    host = gethostname(name, sizeof(name) - 1) == 0 && name[0] != '\0' ? name : "worker";
+  }
+  if (port.empty() || port == "0") return absl::StrCat(host, "-pid", getpid());
+  return absl::StrCat(host, ":", port);
+}
 
 // Who may call this worker (see common/peer_auth.h): holders of the cluster
 // token, peers with a client certificate the TLS handshake verified, or, only
@@ -207,7 +226,7 @@ int Run() {
   if (!engine.ok()) DieWith(kName, engine.status(), 1);
 
   std::string worker_id = absl::GetFlag(FLAGS_worker_id);
-  if (worker_id.empty()) worker_id = options->grpc_address;
+  if (worker_id.empty()) worker_id = DefaultWorkerId(options->grpc_address);
   service::WorkerMetrics metrics((*process)->metrics());
   metrics.SetInfo(backend::ParseDevice(absl::GetFlag(FLAGS_device))->ToString(),
                   cpu::CpuKernelLevelName(cpu::GetCpuKernelLevel()));
