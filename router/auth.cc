@@ -45,7 +45,9 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& context,
                                                       bool need_admin) const {
   const std::optional<absl::string_view> token = BearerToken(context);
-  if (!token.has_value()) {
+  // Without a tokens file every caller is anonymous, whatever it sends: SDKs
+  // (OpenAI's among them) always send some key.
+  if (!token.has_value() || (tokens_.empty() && allow_anonymous_)) {
     if (!allow_anonymous_)
       return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
     if (need_admin) {

@@ -28,7 +28,7 @@ struct Principal {
 class Authenticator {
  public:
   // No tokens: with `allow_anonymous` everyone is tenant "default" (not admin),
-  // without it every call is UNAUTHENTICATED.
+  // whatever token it sends; without it every call is UNAUTHENTICATED.
   explicit Authenticator(bool allow_anonymous = false) : allow_anonymous_(allow_anonymous) {}
   // INVALID_ARGUMENT for a malformed line (naming it), NOT_FOUND for a missing file.
   static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(const std::string& path,

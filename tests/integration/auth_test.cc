@@ -232,6 +232,21 @@ TEST_F(AuthTest, RouterSendsTheClusterTokenAndKeepsAdminForAdminTokens) {
   Reply refused = testing::Generate(outsider_api.get(), testing::TextRequest("no", "hello", 3));
   EXPECT_FALSE(refused.status.ok());
   EXPECT_TRUE(refused.tokens.empty());
+  // Without a tokens file, a caller that sends some token (as SDKs always do) is
+  // anonymous too: tenant "default", never admin.
+  auto any_token = WithToken((*outsider)->grpc_address(), "sk-anything");
+  {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse resp;
+    grpc::Status st = v1::KvCache::NewStub(any_token)->ListSessions(&ctx, v1::ListSessionsRequest(), &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    grpc::Status st = v1::KvCacheAdmin::NewStub(any_token)->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp);
+    EXPECT_EQ(st.error_code(), grpc::PERMISSION_DENIED) << st.error_message();
+  }
 }
 
 TEST_F(AuthTest, MigrationGoesOnlyToWorkersThatProveTheSameToken) {
