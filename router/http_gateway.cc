@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <utility>
@@ -515,7 +516,8 @@ void HttpGateway::OnRequest(evhttp_request* req) {
   const char* raw_path = uri == nullptr ? nullptr : evhttp_uri_get_path(uri);
   const std::string path = raw_path == nullptr ? "" : raw_path;
   const evhttp_cmd_type method = evhttp_request_get_command(req);
-  const bool get = method == EVHTTP_REQ_GET, post = method == EVHTTP_REQ_POST;
+  // HEAD is GET without the body (libevent drops it).
+  const bool get = method == EVHTTP_REQ_GET || method == EVHTTP_REQ_HEAD, post = method == EVHTTP_REQ_POST;
   if (stopping_) return SendError(req, absl::UnavailableError("the router is shutting down"));
 
   auto wrong_method = [&](const char* want) {
@@ -539,7 +541,10 @@ void HttpGateway::OnRequest(evhttp_request* req) {
   }
   if (absl::StartsWith(path, absl::StrCat(kModelsPath, "/"))) {
     if (!get) return wrong_method("GET");
-    const std::string name = path.substr(sizeof(kModelsPath));
+    // Ids such as "HuggingFaceTB/SmolLM2-135M-Instruct" arrive percent-encoded.
+    char* decoded = evhttp_uridecode(path.c_str() + sizeof(kModelsPath), /*decode_plus=*/0, nullptr);
+    const std::string name = decoded != nullptr ? decoded : "";
+    std::free(decoded);
     if (std::find(options_.model_names.begin(), options_.model_names.end(), name) ==
         options_.model_names.end()) {
       return SendError(req, absl::NotFoundError(absl::StrCat("The model '", name, "' does not exist")),

@@ -123,6 +123,10 @@ int Run() {
     DieWith(kName,
             absl::InvalidArgumentError("--http_request_timeout and --health_timeout must be positive"));
   }
+  if (absl::GetFlag(FLAGS_dns_refresh) <= absl::ZeroDuration()) {
+    // Zero would re-resolve without pause: a busy loop, and a flood on the DNS server.
+    DieWith(kName, absl::InvalidArgumentError("--dns_refresh must be positive"));
+  }
   if (absl::GetFlag(FLAGS_session_lookup_wait) < absl::ZeroDuration() ||
       absl::GetFlag(FLAGS_drain_move_wait) < absl::ZeroDuration()) {
     DieWith(kName, absl::InvalidArgumentError("--session_lookup_wait and --drain_move_wait must be >= 0"));

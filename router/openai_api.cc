@@ -374,6 +374,11 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
     }
   }
   if (!session_header.empty()) {
+    // Checked here: a byte that is not UTF-8 would not even reach the router's
+    // own check (protobuf refuses to send it), and the client would get a 500.
+    if (absl::Status st = ValidateSessionId(session_header); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("x-session-id: ", st.message()));
+    }
     g.set_session_id(std::string(session_header));
   } else if (!key.empty()) {
     g.set_session_id(SessionIdForKey(key));

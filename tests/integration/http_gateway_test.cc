@@ -110,6 +110,14 @@ TEST_F(HttpGatewayTest, RoutesAndStatuses) {
   EXPECT_EQ(m["data"][0]["id"], "tiny");
   EXPECT_EQ(m["data"][1]["id"], "tiny-alias");
   EXPECT_EQ(HttpFetch(port_, "GET", "/v1/models/tiny-alias").status, 200);
+  // Ids arrive percent-encoded (the SDK encodes a '/' in "org/model" so).
+  EXPECT_EQ(HttpFetch(port_, "GET", "/v1/models/tiny%2Dalias").status, 200);
+  EXPECT_EQ(HttpFetch(port_, "HEAD", "/health").status, 200);
+  // A session header that is not UTF-8 is the client's error, named as such.
+  HttpResult latin1 = HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [5], "max_tokens": 1})",
+                                {{"x-session-id", "\xfcn"}});
+  EXPECT_EQ(latin1.status, 400) << latin1.body;
+  EXPECT_THAT(latin1.body, HasSubstr("x-session-id"));
   EXPECT_EQ(HttpFetch(port_, "GET", "/v1/models/nope").status, 404);
   EXPECT_EQ(HttpFetch(port_, "GET", "/health").status, 200);
   EXPECT_EQ(HttpFetch(port_, "GET", "/ready").status, 200);
