@@ -504,6 +504,11 @@ grpc::ServerWriteReactor<v1::SessionChunk>* WorkerService::ExportSession(
   if (absl::Status st = ValidateSessionId(request->session_id()); !st.ok()) {
     return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(st);
   }
+  if (request->max_chunk_bytes() < 0) {
+    return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(
+        absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes ", request->max_chunk_bytes(),
+                                                " is negative (0: the default)")));
+  }
   auto* reactor = new ExportReactor(this, request->session_id(), TenantOf(request->tenant()));
   int64_t max_chunk = request->max_chunk_bytes() == 0 ? options_.max_chunk_bytes : request->max_chunk_bytes();
   max_chunk = std::clamp<int64_t>(max_chunk, 1 << 10, 3 << 20);
