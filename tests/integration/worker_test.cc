@@ -114,6 +114,14 @@ TEST_F(WorkerTest, StreamsTokensAndUsage) {
   std::set<std::vector<int32_t>> unseeded;
   for (int i = 0; i < 4; ++i) unseeded.insert(sampled(0));
   EXPECT_GE(unseeded.size(), 2u) << "four unseeded requests without a session sampled one text";
+
+  // Without --worker_id, workers on one machine's port 0 still get distinct ids.
+  auto unnamed = StartWorker({});
+  ASSERT_NE(unnamed, nullptr);
+  auto unnamed_stub = v1::Worker::NewStub(unnamed->channel());
+  Turn u = Generate(unnamed_stub.get(), Text("", "who are you", 2));
+  ASSERT_TRUE(u.status.ok()) << u.status.error_message();
+  EXPECT_EQ(u.final.worker_id(), absl::StrCat("127.0.0.1-pid", unnamed->process().pid()));
 }
 
 TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {
@@ -371,6 +379,16 @@ TEST_F(WorkerTest, MalformedSessionIdsAndImportStreamsAreInvalidArgument) {
     ASSERT_TRUE(reader->Finish().ok());
   }
   ASSERT_GE(chunks.size(), 4u);
+  {
+    grpc::ClientContext c;
+    v1::ExportSessionRequest er;
+    er.set_session_id("src");
+    er.set_max_chunk_bytes(-1);
+    auto reader = stub->ExportSession(&c, er);
+    v1::SessionChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    EXPECT_EQ(reader->Finish().error_code(), grpc::INVALID_ARGUMENT);
+  }
   {
     grpc::ClientContext c;
     v1::SessionRequest sr;
