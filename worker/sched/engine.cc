@@ -170,9 +170,16 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
                                                      limits.max_requests, " requests in flight (its limit)"));
   }
   if (!sid.empty() && !sessions_.contains(key)) KVCACHE_RETURN_IF_ERROR(CheckSessionQuota(request.tenant));
-  if (request.pin) {
+  // A request that pins its session, or runs on a pinned one, may leave the
+  // session as large as its context and max_tokens: that must fit the quota.
+  bool session_pinned = false;
+  if (!sid.empty() && sessions_.contains(key)) {
+    auto info = kv_->GetSession(key);
+    session_pinned = info.ok() && info->user_pinned;
+  }
+  if (request.pin || session_pinned) {
     const int64_t need = (context + max_tokens + page_tokens_ - 1) / page_tokens_;
-    KVCACHE_RETURN_IF_ERROR(CheckPinQuota(request.tenant, need));
+    KVCACHE_RETURN_IF_ERROR(CheckPinQuota(request.tenant, key, need));
   }
   const uint64_t id = next_request_id_++;
   live_.insert(id);
@@ -249,6 +256,15 @@ bool Engine::Prepare(Request& r) {
         (void)kv_->CloseSession(r.sid);
         exists = false;
       }
+    }
+    // The prefix cache may hold more of the prompt than the session does (pages
+    // of another session of the tenant): cut the session back to a page boundary
+    // and take them, as a new session would, instead of computing them again.
+    const auto prompt = absl::MakeConstSpan(r.context.data(), r.context.size() - 1);
+    const int64_t boundary = cached / page_tokens_ * page_tokens_;
+    if (exists && kv_->LookupPrefix(q.tenant, prompt) > cached && kv_->Truncate(r.sid, boundary).ok()) {
+      absl::StatusOr<int64_t> attached = kv_->AttachPrefix(r.sid, prompt, &r.prefix_restored);
+      cached = boundary + (attached.ok() ? *attached : 0);
     }
   } else if (exists) {
     exists = false;  // known to the engine but gone from the cache (imported then lost)
@@ -836,18 +852,18 @@ absl::Status Engine::CheckSessionQuota(const std::string& tenant) const {
   return absl::OkStatus();
 }
 
-absl::Status Engine::CheckPinQuota(const std::string& tenant, int64_t extra_pages) const {
+absl::Status Engine::CheckPinQuota(const std::string& tenant, const std::string& key, int64_t pages) const {
   const int64_t limit = options_.tenant_limits.max_pinned_pages;
   if (limit <= 0) return absl::OkStatus();
-  int64_t pinned = 0;
-  for (const auto& [key, state] : sessions_) {
-    if (state.tenant != tenant) continue;
-    auto info = kv_->GetSession(key);
+  int64_t pinned = pages;
+  for (const auto& [other, state] : sessions_) {
+    if (state.tenant != tenant || other == key) continue;
+    auto info = kv_->GetSession(other);
     if (info.ok() && info->user_pinned) pinned += info->tier0_pages + info->tier1_pages;
   }
-  if (pinned + extra_pages > limit) {
-    return absl::ResourceExhaustedError(absl::StrCat("tenant '", tenant, "' would pin ", pinned + extra_pages,
-                                                     " pages; its limit is ", limit));
+  if (pinned > limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", tenant, "' would pin ", pinned, " pages; its limit is ", limit));
   }
   return absl::OkStatus();
 }
@@ -859,7 +875,7 @@ absl::Status Engine::SetPinned(const std::string& id, const std::string& tenant,
     absl::MutexLock lock(&mu_);
     KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
     if (info.ok() && !info->user_pinned) {
-      KVCACHE_RETURN_IF_ERROR(CheckPinQuota(tenant, info->tier0_pages + info->tier1_pages));
+      KVCACHE_RETURN_IF_ERROR(CheckPinQuota(tenant, key, info->tier0_pages + info->tier1_pages));
     }
   }
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));

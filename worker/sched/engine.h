@@ -286,9 +286,9 @@ class Engine {
   // creates one, or a fork) would pass --tenant_max_sessions; sessions that
   // queued requests will create count.
   absl::Status CheckSessionQuota(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // RESOURCE_EXHAUSTED when pinning `extra_pages` more for `tenant` would pass
-  // its quota.
-  absl::Status CheckPinQuota(const std::string& tenant, int64_t extra_pages) const
+  // RESOURCE_EXHAUSTED when `tenant`'s pinned pages, with session `key`
+  // holding `pages` (pinned), would pass its quota.
+  absl::Status CheckPinQuota(const std::string& tenant, const std::string& key, int64_t pages) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const EngineOptions options_;

@@ -242,6 +242,27 @@ TEST_F(EngineTest, ContextOutgrowingTier0EndsAtContextFullWhenAlone) {
             absl::StatusCode::kResourceExhausted);
 }
 
+// A session resent with a longer prompt takes the pages of it that another
+// request cached, as a new session would, beyond what it held itself.
+TEST_F(EngineTest, FullContextOnASessionTakesCachedPagesBeyondItsOwn) {
+  const auto p1 = Prompt(33);
+  auto p2 = p1;
+  for (int i = 0; i < 21; ++i) p2.push_back(kFirstByteToken + 'a' + i);
+  Collector first, other, again;
+  ASSERT_TRUE(engine_->Submit(Req("a", RequestMode::kFullContext, p1, 1), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, p2, 1), &other).ok());
+  EXPECT_EQ(other.Wait().cached_tokens, 32);  // a's two full pages
+  const GenerateResult& r = [&]() -> const GenerateResult& {
+    EXPECT_TRUE(engine_->Submit(Req("a", RequestMode::kFullContext, p2, 4), &again).ok());
+    return again.Wait();
+  }();
+  ASSERT_TRUE(again.status.ok()) << again.status;
+  EXPECT_EQ(r.cached_tokens, 48) << "a kept its 33 tokens and computed the rest again";
+  EXPECT_EQ(again.tokens, Expected(p2, 4));
+}
+
 TEST_F(EngineTest, CancelFreesPages) {
   absl::Notification gate;
   runner_->gate_ = &gate;
@@ -490,6 +511,22 @@ TEST_F(EngineTest, TenantLimitsAnswerResourceExhausted) {
   EXPECT_EQ(engine_->SetPinned("s2", "t1", true).code(), absl::StatusCode::kResourceExhausted);
   ASSERT_TRUE(engine_->SetPinned("s1", "t1", false).ok());
   EXPECT_TRUE(engine_->SetPinned("s2", "t1", true).ok());
+  // A request on the pinned session counts the session once, as large as it may
+  // grow: a short turn (2 pages after it) fits, pin or no pin...
+  for (bool pin : {true, false}) {
+    GenerateRequest turn = Req("s2", RequestMode::kAppend, Prompt(1), 1, "t1");
+    turn.pin = pin;
+    Collector x;
+    ASSERT_TRUE(engine_->Submit(turn, &x).ok()) << "pin=" << pin;
+    x.Wait();
+    ASSERT_TRUE(x.status.ok()) << x.status;
+  }
+  // ...and a turn that could take it to 4 pages does not, even without `pin`
+  // (the session stays pinned either way).
+  Collector big;
+  const auto refused = engine_->Submit(Req("s2", RequestMode::kAppend, Prompt(30), 2, "t1"), &big);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("would pin 4 pages"), absl::string_view::npos) << refused.status();
 }
 
 TEST_F(EngineTest, TenantsAreSeparateNamespaces) {
