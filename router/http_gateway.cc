@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -201,15 +202,18 @@ class HttpGateway::Pending {
 class HttpGateway::Exchange final : public Pending, public grpc::ClientReadReactor<v1::GenerateResponse> {
  public:
   Exchange(HttpGateway* gateway, evhttp_request* req, openai::ParsedRequest parsed, openai::ResponseMeta meta,
-           absl::Duration timeout, const char* authorization)
+           absl::Time deadline, const char* authorization)
       : Pending(gateway, req),
         stream_(parsed.stream),
         include_usage_(parsed.stream && parsed.include_usage),
         meta_(std::move(meta)),
+        deadline_(deadline),
+        authorization_(authorization != nullptr ? std::optional<std::string>(authorization) : std::nullopt),
+        retry_without_session_(WithoutKeySession(parsed)),
         trimmer_(std::move(parsed.stop)),
         request_(std::move(parsed.generate)) {
-    ctx_.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
-    if (authorization != nullptr) ctx_.AddMetadata("authorization", authorization);
+    ctx_.set_deadline(absl::ToChronoTime(deadline));
+    if (authorization_.has_value()) ctx_.AddMetadata("authorization", *authorization_);
   }
 
   void Start() {
@@ -238,6 +242,16 @@ class HttpGateway::Exchange final : public Pending, public grpc::ClientReadReact
 
  private:
   void OnClientGone() override { ctx_.TryCancel(); }
+
+  // A session named by prompt_cache_key or user may be busy with another
+  // conversation of the same key: such a request can run again without one.
+  static std::optional<openai::ParsedRequest> WithoutKeySession(const openai::ParsedRequest& parsed) {
+    if (!parsed.session_from_key) return std::nullopt;
+    openai::ParsedRequest again = parsed;
+    again.generate.clear_session_id();
+    again.session_from_key = false;
+    return again;
+  }
 
   void Unref() {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
@@ -280,6 +294,18 @@ class HttpGateway::Exchange final : public Pending, public grpc::ClientReadReact
 
   void OnUpstreamDone(const grpc::Status& grpc_status) {
     gateway_->exchanges_.erase(this);
+    if (grpc_status.error_code() == grpc::ABORTED && retry_without_session_.has_value() && !started_ &&
+        text_.empty() && !gateway_->stopping_) {
+      // Refused before its first token: nothing was sent, so it starts over
+      // (its prompt's pages still come from the prefix cache).
+      Release([&](evhttp_request* req) {
+        auto* again = new Exchange(gateway_, req, *std::move(retry_without_session_), meta_, deadline_,
+                                   authorization_.has_value() ? authorization_->c_str() : nullptr);
+        again->Start();
+      });
+      Unref();
+      return;
+    }
     const absl::Status status = FromGrpcStatus(grpc_status);
     Release([&](evhttp_request* req) {
       const v1::FinishReason finish =
@@ -308,6 +334,9 @@ class HttpGateway::Exchange final : public Pending, public grpc::ClientReadReact
   const bool stream_;
   const bool include_usage_;
   const openai::ResponseMeta meta_;
+  const absl::Time deadline_;
+  const std::optional<std::string> authorization_;
+  std::optional<openai::ParsedRequest> retry_without_session_;  // loop thread
   // Loop thread only.
   openai::StopTrimmer trimmer_;
   std::string text_;      // the reply so far (not streaming)
@@ -599,7 +628,8 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
                                                [](char c) { return c >= 0x20 && c < 0x7f; })) {
     return SendError(req, absl::UnauthenticatedError("malformed Authorization header"));
   }
-  auto* exchange = new Exchange(this, req, *std::move(parsed), std::move(meta), timeout, authorization);
+  auto* exchange =
+      new Exchange(this, req, *std::move(parsed), std::move(meta), absl::Now() + timeout, authorization);
   exchange->Start();
 }
 

@@ -382,6 +382,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
     g.set_session_id(std::string(session_header));
   } else if (!key.empty()) {
     g.set_session_id(SessionIdForKey(key));
+    r.session_from_key = true;
   }
   return r;
 }

@@ -47,10 +47,13 @@ struct ParsedRequest {
   // the first one, as OpenAI servers do (the worker's text includes it).
   std::vector<std::string> stop;
   v1::GenerateRequest generate;
+  // The session comes from prompt_cache_key or user, which OpenAI's clients may
+  // share between conversations running at once (not from x-session-id).
+  bool session_from_key = false;
 };
 
 // Parses a request body. `session_header` is the x-session-id header (empty
-// when absent); it is used as given (the router rejects a malformed one), while
+// when absent; INVALID_ARGUMENT when it is not a valid session id), while
 // prompt_cache_key and user, free text in OpenAI's API, become a session id by
 // a hash when they are not one already (see SessionIdForKey). Errors are
 // INVALID_ARGUMENT naming the field (ParamOf).

@@ -221,6 +221,25 @@ TEST_F(HttpGatewayTest, AClientThatGoesAwayCancelsTheWorkersRequest) {
   EXPECT_EQ(HttpFetch(port_, "GET", "/ready").status, 200) << "the router carries on";
 }
 
+// prompt_cache_key (or user) may be shared by conversations running at once:
+// while one streams on the key's session, another with the same key is served
+// without a session instead of being refused 409.
+TEST_F(HttpGatewayTest, ASharedPromptCacheKeyDoesNotRefuseConcurrentRequests) {
+  Json body = Json::parse(StreamBody(3, 900));
+  body["prompt_cache_key"] = "team-template-1";
+  RawClient first(port_);
+  ASSERT_TRUE(first.Post("/v1/completions", body.dump()));
+  ASSERT_TRUE(first.ReadUntil("data: ", 4)) << first.received();
+  Json second = Json::parse(StreamBody(4, 3));
+  second["prompt_cache_key"] = "team-template-1";
+  second["stream"] = false;
+  HttpResult r = HttpFetch(port_, "POST", "/v1/completions", second.dump());
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Json::parse(r.body, nullptr, false)["usage"]["completion_tokens"], 3) << r.body;
+  EXPECT_TRUE(first.ReadUntil("data: ", 8)) << "the first stream goes on";
+  first.Close();
+}
+
 TEST_F(HttpGatewayTest, ThousandsOfIdleConnectionsAndHundredsOfStreamsOnFewThreads) {
   constexpr int kIdle = 2000, kStreams = 200;
   // The client's descriptors: 2,200 sockets.
