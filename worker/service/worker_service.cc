@@ -415,7 +415,10 @@ grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContex
   const std::string tenant = TenantOf(request->tenant());
   int64_t freed = 0;
   absl::Status st = engine_->CloseSession(request->session_id(), tenant, &freed);
-  if (st.ok()) response->set_pages_freed(static_cast<int32_t>(freed));
+  if (st.ok()) {
+    response->set_pages_freed(static_cast<int32_t>(freed));
+    hub_->Flush();  // routers hear of the close before its caller does
+  }
   return Answer(context, st);
 }
 
@@ -429,6 +432,7 @@ grpc::ServerUnaryReactor* WorkerService::ForkSession(grpc::CallbackServerContext
   absl::Status st = ValidateSessionId(request->new_session_id());
   if (st.ok()) st = engine_->ForkSession(request->session_id(), request->new_session_id(), tenant);
   if (st.ok()) {
+    hub_->Flush();  // routers hear of the fork before its caller does
     auto info = Describe(request->new_session_id(), tenant);
     if (info.ok()) *response = *info;
     st = info.status();
