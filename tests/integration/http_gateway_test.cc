@@ -133,7 +133,8 @@ TEST_F(HttpGatewayTest, RoutesAndStatuses) {
   EXPECT_EQ(HttpFetch(port_, "GET", "/nowhere").status, 404);
 
   // A request without a model gets the first name; the alias is echoed.
-  HttpResult plain = HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [5, 6, 7], "max_tokens": 3})");
+  HttpResult plain = HttpFetch(port_, "POST", "/v1/completions",
+                               R"({"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": true})");
   ASSERT_EQ(plain.status, 200) << plain.body;
   Json p = Json::parse(plain.body);
   EXPECT_EQ(p["model"], "tiny");
