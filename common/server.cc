@@ -244,7 +244,9 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
   health->SetServingStatus(kReadinessService, false);
   health->SetServingStatus(kLivenessService, false);
   health->SetServingStatus("", false);
-  server->Shutdown(absl::ToChronoTime(absl::Now() + options_.shutdown_deadline));
+  const absl::Time deadline = absl::Now() + options_.shutdown_deadline;
+  for (Frontend* f : frontends_) f->Drain(deadline);
+  server->Shutdown(absl::ToChronoTime(deadline));
   server->Wait();
   for (Frontend* f : frontends_) f->Stop();
   {

@@ -107,6 +107,10 @@ class ServerProcess {
     // in-process (no socket, no TLS). Returns the field the listening line
     // shows, e.g. "http=127.0.0.1:8080".
     virtual absl::StatusOr<std::string> Start(std::shared_ptr<grpc::Channel> channel) = 0;
+    // Called by Serve when shutdown begins, before the gRPC server stops (whose
+    // in-process calls end when it does): answer new requests "shutting down"
+    // and let running ones go on until they end or `deadline` passes.
+    virtual void Drain(absl::Time deadline) = 0;
     // Called by Serve after the gRPC server has shut down (every call ended),
     // before the server is destroyed.
     virtual void Stop() = 0;

@@ -17,8 +17,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -28,6 +28,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "router/openai_api.h"
@@ -465,6 +466,22 @@ evhttp_bound_socket* HttpGateway::Listen(const std::string& host, int port) {
       /*backlog=*/4096, found->ai_addr, static_cast<int>(found->ai_addrlen));
   freeaddrinfo(found);
   return listener == nullptr ? nullptr : evhttp_bind_listener(http_, listener);
+}
+
+void HttpGateway::Drain(absl::Time deadline) {
+  if (!loop_.joinable()) return;
+  // Once this task ran, no request starts a call (the loop answers it 503).
+  absl::Notification refusing;
+  Post([this, &refusing] {
+    stopping_ = true;
+    refusing.Notify();
+  });
+  refusing.WaitForNotification();
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithDeadline(absl::Condition(
+                            +[](int* live) { return *live == 0; }, &live_calls_),
+                        deadline);
+  if (live_calls_ > 0) KV_LOG_WARN("http: {} calls still running at the shutdown deadline", live_calls_);
 }
 
 void HttpGateway::Stop() {

@@ -71,6 +71,10 @@ class HttpGateway final : public ServerProcess::Frontend {
   // the router's services. Returns "http=HOST:PORT". UNAVAILABLE when the
   // address cannot be bound.
   absl::StatusOr<std::string> Start(std::shared_ptr<grpc::Channel> channel) override;
+  // Answers new requests 503 "the router is shutting down" (the listening
+  // socket stays open, so probes and clients get that answer), and waits until
+  // the running calls end or `deadline` passes.
+  void Drain(absl::Time deadline) override;
   // Stops accepting, cancels calls still running, waits for every call to
   // end, answers what is pending, and joins the loop. Idempotent.
   void Stop() override;

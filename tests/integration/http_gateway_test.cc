@@ -6,8 +6,10 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -220,6 +222,27 @@ TEST_F(HttpGatewayTest, AClientThatGoesAwayCancelsTheWorkersRequest) {
   EXPECT_THAT(metrics, HasSubstr("kvcache_requests_total{code=\"CANCELLED\"} 1"));
   EXPECT_THAT(metrics, ::testing::Not(HasSubstr("kvcache_requests_total{code=\"OK\"}")));
   EXPECT_EQ(HttpFetch(port_, "GET", "/ready").status, 200) << "the router carries on";
+}
+
+// SIGTERM lets running streams finish (within --shutdown_deadline) while new
+// requests, probes included, are answered 503; the router then exits 0.
+TEST_F(HttpGatewayTest, ShutdownFinishesRunningStreamsAndAnswersNewRequests503) {
+  RawClient stream(port_);
+  ASSERT_TRUE(stream.Post("/v1/completions", StreamBody(5, 900)));
+  ASSERT_TRUE(stream.ReadUntil("data: ", 4)) << stream.received();
+  router_->process().Signal(SIGTERM);
+  // The gateway refuses new work once the router's shutdown reached it.
+  HttpResult probe;
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    probe = HttpFetch(port_, "GET", "/health");
+    return probe.status == 503 && absl::StrContains(probe.body, "shutting down");
+  })) << probe.status << " " << probe.body;
+  ASSERT_TRUE(stream.ReadUntil("[DONE]", 1)) << stream.received().substr(0, 300);
+  EXPECT_THAT(stream.received(), HasSubstr(R"("finish_reason":"length")"));
+  EXPECT_THAT(stream.received(), ::testing::Not(HasSubstr("\"error\"")));
+  auto exit = router_->process().Wait(absl::Seconds(60));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << *exit;
 }
 
 // prompt_cache_key (or user) may be shared by conversations running at once:
