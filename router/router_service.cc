@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <optional>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -554,6 +555,16 @@ class RouterService::SessionForward final : public grpc::ServerUnaryReactor {
   void Start() {
     // A malformed id names no session: INVALID_ARGUMENT, as the worker says.
     if (absl::Status st = ValidateSessionId(request_.session_id()); !st.ok()) return Answer(ToGrpcStatus(st));
+    // A fork's new id must be free in the whole fleet, not only on the worker
+    // that holds the source (which checks its own sessions).
+    if constexpr (std::is_same_v<Req, v1::ForkSessionRequest>) {
+      if (absl::Status st = ValidateSessionId(request_.new_session_id()); !st.ok())
+        return Answer(ToGrpcStatus(st));
+      if (router_->directory_->FindSession({request_.tenant(), request_.new_session_id()}).has_value()) {
+        return Answer(grpc::Status(grpc::ALREADY_EXISTS,
+                                   absl::StrCat("session '", request_.new_session_id(), "' already exists")));
+      }
+    }
     // The caller's own session only (the request carries its tenant).
     const SessionKey key{request_.tenant(), request_.session_id()};
     auto loc = router_->directory_->Lookup(key, absl::ZeroDuration());

@@ -395,6 +395,44 @@ TEST_F(RouterTest, TwoReplicasAgree) {
   }
 }
 
+// A fork's new id is checked against the whole fleet: the worker holding the
+// source knows only its own sessions, and a second "dst" would hide the first.
+TEST_F(RouterTest, ForkOntoAnIdHeldOnAnotherWorkerIsAlreadyExists) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  Reply src = Generate(stub.get(), Text("src", "the source conversation", 2));
+  Reply dst = Generate(stub.get(), Text("dst", "another conversation with more words in it", 2));
+  ASSERT_TRUE(src.status.ok() && dst.status.ok());
+  if (dst.final.worker_id() == src.final.worker_id()) {
+    grpc::ClientContext ctx;
+    v1::AdminMigrateRequest mr;
+    mr.set_session_id("dst");
+    mr.set_target_worker(src.final.worker_id() == "w0" ? "w1" : "w0");
+    v1::MigrateSessionResponse moved;
+    ASSERT_TRUE(admin->MigrateSession(&ctx, mr, &moved).ok());
+  }
+  grpc::ClientContext ctx;
+  v1::ForkSessionRequest fr;
+  fr.set_session_id("src");
+  fr.set_new_session_id("dst");
+  v1::SessionInfo forked;
+  const grpc::Status st = stub->ForkSession(&ctx, fr, &forked);
+  EXPECT_EQ(st.error_code(), grpc::ALREADY_EXISTS) << st.error_message();
+  // "dst" is still the conversation it was, and there is one of it.
+  Reply more = Generate(stub.get(), Text("dst", " and on", 2, v1::APPEND));
+  ASSERT_TRUE(more.status.ok()) << more.status.error_message();
+  EXPECT_GT(more.final.usage().prompt_tokens(), dst.final.usage().prompt_tokens() + 2);
+  grpc::ClientContext lctx;
+  v1::ListSessionsResponse all;
+  ASSERT_TRUE(stub->ListSessions(&lctx, v1::ListSessionsRequest(), &all).ok());
+  int named_dst = 0;
+  for (const auto& s : all.sessions()) named_dst += s.session_id() == "dst";
+  EXPECT_EQ(named_dst, 1);
+}
+
 TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
   StartWorkers(2);
   auto router = StartRouter();
