@@ -136,14 +136,21 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   const int max_tokens = request.max_tokens == 0 ? options_.default_max_tokens : request.max_tokens;
 
+  const std::string& sid = request.session_id;
+  const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   absl::MutexLock lock(&mu_);
+  if (request.mode == RequestMode::kAppend && !sessions_.contains(key) && kv_->GetSession(key).ok()) {
+    // An imported session whose pages are in the cache, not yet adopted
+    // (FinishImport): its cache events may reach a router, and the router this
+    // request, first. The adoption is a moment away: wait for it.
+    auto adopted = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(key); };
+    mu_.AwaitWithTimeout(absl::Condition(&adopted), absl::Seconds(1));
+  }
   if (stopping_) return absl::UnavailableError("engine is stopping");
   if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
     return absl::ResourceExhaustedError(absl::StrCat("queue full (", waiting_.size(), " waiting)"));
   }
   int64_t context = static_cast<int64_t>(request.input.size());
-  const std::string& sid = request.session_id;
-  const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   if (!sid.empty()) {
     if (busy_.contains(key)) {
       return absl::AbortedError(absl::StrCat("session '", sid, "' is busy with another request"));

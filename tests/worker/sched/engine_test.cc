@@ -2,6 +2,7 @@
 #include "worker/sched/engine.h"
 
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
@@ -615,6 +616,51 @@ TEST_F(EngineTest, ExportMarksTheSessionAndHandingOverForgetsIt) {
   engine_->Release("m", "t");
   EXPECT_EQ(engine_->View("m", "t").status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(kv_->GetSession(kv::SessionKey("t", "m")).ok());
+}
+
+// An imported session's pages are in the cache (and its cache events may reach
+// a router) a moment before the engine adopts it: an APPEND arriving then waits
+// for the adoption instead of answering NOT_FOUND (seen in a rolling update).
+// The APPEND and the adoption race from the same moment, twenty times, so that
+// the APPEND comes first in some of them.
+TEST_F(EngineTest, AppendDuringAnImportsAdoptionWaitsForIt) {
+  for (int round = 0; round < 20; ++round) {
+    const std::string id = "m" + std::to_string(round);
+    Collector first;
+    ASSERT_TRUE(engine_->Submit(Req(id, RequestMode::kFullContext, Prompt(40, round), 3), &first).ok());
+    first.Wait();
+    const std::vector<int32_t> context = *engine_->Context(id, "t");
+    std::vector<kv::KvChunk> chunks;
+    {
+      auto exporter = engine_->BeginExport(id, "t", kv::ExportOptions{});
+      ASSERT_TRUE(exporter.ok()) << exporter.status();
+      kv::KvChunk chunk;
+      while (*(*exporter)->NextBulk(&chunk)) chunks.push_back(chunk);
+      while (*(*exporter)->NextFinal(&chunk)) chunks.push_back(chunk);
+      exporter->reset();
+      engine_->EndExport(id, "t", /*handed_to=*/"w2");  // it left
+    }
+    auto importer = engine_->BeginImport();
+    ASSERT_TRUE(importer.ok()) << importer.status();
+    for (const kv::KvChunk& chunk : chunks) ASSERT_TRUE((*importer)->Add(chunk).ok());
+    ASSERT_TRUE(kv_->GetSession(kv::SessionKey("t", id)).ok());  // in the cache, not yet adopted
+    Collector append;
+    absl::StatusOr<uint64_t> submitted;
+    absl::Notification go;
+    std::thread client([&] {
+      go.Notify();
+      submitted = engine_->Submit(Req(id, RequestMode::kAppend, Prompt(3, 1), 2), &append);
+    });
+    go.WaitForNotification();
+    ASSERT_TRUE(engine_->FinishImport(**importer, context).ok());
+    client.join();
+    ASSERT_TRUE(submitted.ok()) << "round " << round << ": " << submitted.status();
+    append.Wait();
+    ASSERT_TRUE(append.status.ok()) << append.status;
+    std::vector<int32_t> whole = context;
+    for (int32_t t : Prompt(3, 1)) whole.push_back(t);
+    EXPECT_EQ(append.tokens, Expected(whole, 2)) << "round " << round;
+  }
 }
 
 TEST_F(EngineTest, ForkCopiesContext) {
