@@ -166,10 +166,12 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   // The whole context must fit in tier 0 at once (attention reads it there).
   const int64_t pages = (context + 1 + page_tokens_ - 1) / page_tokens_;
+  // Never, on this worker: OUT_OF_RANGE, not the RESOURCE_EXHAUSTED of a full
+  // moment (which clients retry).
   if (pages > kv_->tier_capacity_pages(0)) {
-    return absl::ResourceExhaustedError(absl::StrCat("context of ", context, " tokens needs ", pages,
-                                                     " KV pages; tier 0 holds ",
-                                                     kv_->tier_capacity_pages(0), " (--tier0_bytes)"));
+    return absl::OutOfRangeError(absl::StrCat("context of ", context, " tokens needs ", pages,
+                                              " KV pages; this worker's tier 0 holds ",
+                                              kv_->tier_capacity_pages(0), " (--tier0_bytes)"));
   }
   const TenantLimits& limits = options_.tenant_limits;
   if (limits.max_requests > 0 && inflight_[request.tenant] >= limits.max_requests) {

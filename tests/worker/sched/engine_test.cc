@@ -212,11 +212,11 @@ TEST_F(EngineTest, BadRequestsAreRefusedUpFront) {
   EXPECT_FALSE(c.done.HasBeenNotified());
 }
 
-TEST_F(EngineTest, PromptLargerThanTier0IsResourceExhausted) {
+TEST_F(EngineTest, PromptLargerThanTier0IsOutOfRange) {
   Build(/*tier0_pages=*/4, /*tier1_pages=*/4);
   Collector c;
   EXPECT_EQ(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(100), 3), &c).status().code(),
-            absl::StatusCode::kResourceExhausted);
+            absl::StatusCode::kOutOfRange);
 }
 
 // A request alone whose context outgrows tier 0 ends as at --max_context: OK,
@@ -240,7 +240,7 @@ TEST_F(EngineTest, ContextOutgrowingTier0EndsAtContextFullWhenAlone) {
   // an APPEND that does not fit is refused before it starts.
   Collector more;
   EXPECT_EQ(engine_->Submit(Req("long", RequestMode::kAppend, Prompt(3), 5), &more).status().code(),
-            absl::StatusCode::kResourceExhausted);
+            absl::StatusCode::kOutOfRange);
 }
 
 // A session resent with a longer prompt takes the pages of it that another
