@@ -279,8 +279,12 @@ int Run() {
     service.BeginDrain();
     (*engine)->WaitIdle(deadline - absl::Now());
     // Only a router that watches us can move the sessions.
-    if (hub.subscribers() > 0 && !(*engine)->WaitNoSessions(deadline - absl::Now())) {
-      KV_LOG_WARN("shutting down with sessions still here (no router moved them in time)");
+    if (hub.subscribers() == 0) {
+      const size_t left = (*engine)->Sessions().size();
+      if (left > 0) KV_LOG_WARN("shutting down with {} sessions and no router to move them: they end here", left);
+    } else if (!(*engine)->WaitNoSessions(deadline - absl::Now())) {
+      KV_LOG_WARN("shutting down with {} sessions still here (no router moved them in time)",
+                  (*engine)->Sessions().size());
     }
     hub.Stop();
   });
