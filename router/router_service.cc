@@ -744,7 +744,10 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
     dest = w->address;
   } else {
     auto p = Place("", loc->tenant, false, {}, {loc->worker});
-    if (!p.ok()) return std::move(done)(p.status());
+    if (!p.ok()) {
+      return std::move(done)(absl::UnavailableError(
+          absl::StrCat("no other healthy worker to move session '", session_id, "' to")));
+    }
     dest = p->worker;
   }
   if (dest == loc->worker) {

@@ -243,6 +243,8 @@ int RunWorkers(Client& client) {
 int RunMigrate(Client& client) {
   const std::string session = absl::GetFlag(FLAGS_session);
   if (session.empty()) return UsageError("migrate needs --session=ID");
+  if (absl::GetFlag(FLAGS_target) == "worker" && absl::GetFlag(FLAGS_to).empty())
+    return UsageError("migrate with --target=worker needs --to=HOST:PORT (the target worker)");
   auto r = client.MigrateSession(session, absl::GetFlag(FLAGS_to));
   if (!r.ok()) return CallFailed("MigrateSession", r.status());
   std::cout << absl::StrFormat("migrated session %s to %s: %d bytes in %.1f ms (paused %.1f ms)\n", session,
