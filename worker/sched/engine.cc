@@ -182,7 +182,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   // A request that pins its session, or runs on a pinned one, may leave the
   // session as large as its context and max_tokens: that must fit the quota.
   bool session_pinned = false;
-  if (!sid.empty() && sessions_.contains(key)) {
+  if (options_.tenant_limits.max_pinned_pages > 0 && !sid.empty() && sessions_.contains(key)) {
     auto info = kv_->GetSession(key);
     session_pinned = info.ok() && info->user_pinned;
   }
@@ -266,14 +266,14 @@ bool Engine::Prepare(Request& r) {
         exists = false;
       }
     }
-    // The prefix cache may hold more of the prompt than the session does (pages
-    // of another session of the tenant): cut the session back to a page boundary
-    // and take them, as a new session would, instead of computing them again.
-    const auto prompt = absl::MakeConstSpan(r.context.data(), r.context.size() - 1);
-    const int64_t boundary = cached / page_tokens_ * page_tokens_;
-    if (exists && kv_->LookupPrefix(q.tenant, prompt) > cached && kv_->Truncate(r.sid, boundary).ok()) {
-      absl::StatusOr<int64_t> attached = kv_->AttachPrefix(r.sid, prompt, &r.prefix_restored);
-      cached = boundary + (attached.ok() ? *attached : 0);
+    // The prefix cache may hold more of a resent prompt than the session does
+    // (pages another session of the tenant computed): cut the session back to a
+    // page boundary, where the first step joins them (JoinCachedPrefix) instead
+    // of computing them again. A session cut at a boundary already gets that.
+    if (exists && q.mode == RequestMode::kFullContext && cached % page_tokens_ != 0 &&
+        kv_->LookupPrefix(q.tenant, absl::MakeConstSpan(r.context.data(), r.context.size() - 1)) > cached) {
+      const int64_t boundary = cached / page_tokens_ * page_tokens_;
+      if (kv_->Truncate(r.sid, boundary).ok()) cached = boundary;
     }
   } else if (exists) {
     exists = false;  // known to the engine but gone from the cache (imported then lost)
@@ -703,9 +703,8 @@ void Engine::Loop() {
             break;
           }
         }
-        const bool alone = std::count_if(active_.begin(), active_.end(), [](const auto& r) {
-                             return !r->done;
-                           }) == 1;
+        const bool alone =
+            std::count_if(active_.begin(), active_.end(), [](const auto& r) { return !r->done; }) == 1;
         if (victim != nullptr && alone && !victim->result.output.empty()) {
           // Its context outgrew what tier 0 can give it: that is this worker's
           // context limit, reached as --max_context is (the client keeps its text).
