@@ -56,17 +56,6 @@ class AuthTest : public ::testing::Test {
     return w.ok() ? std::move(*w) : nullptr;
   }
 
-  // Runs `args` through a shell and returns its exit code and everything it printed.
-  static std::pair<int, std::string> RunToExit(const std::string& command) {
-    auto p = testing::ChildProcess::Start({"/bin/sh", "-c", command + " 2>&1"});
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (!p.ok()) return {-1, ""};
-    auto status = (*p)->Wait(absl::Seconds(60));
-    EXPECT_TRUE(status.ok()) << status.status();
-    (void)(*p)->WaitForOutput(1 << 20, absl::Seconds(5));
-    return {status.ok() && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1, (*p)->output()};
-  }
-
   static std::shared_ptr<grpc::Channel> WithToken(const std::string& address, const std::string& token) {
     return NewBearerChannel(address, grpc::InsecureChannelCredentials(), token);
   }
@@ -97,19 +86,19 @@ std::string* AuthTest::dir_ = nullptr;
 
 TEST_F(AuthTest, ServersWithoutCredentialsRefuseToStart) {
   const std::string common = " --listen=127.0.0.1:0 --metrics_listen= --model=" + Path("auth_tiny.gguf");
-  auto [worker_code, worker_out] = RunToExit(testing::BinaryPath("worker/kvcache-worker") + common);
+  auto [worker_code, worker_out] = testing::RunToExit(testing::BinaryPath("worker/kvcache-worker") + common);
   EXPECT_NE(worker_code, 0) << worker_out;
   EXPECT_THAT(worker_out, HasSubstr("--cluster_token_file"));
   EXPECT_THAT(worker_out, HasSubstr("--allow_unauthenticated"));
   EXPECT_THAT(worker_out, ::testing::Not(HasSubstr("listening")));
-  auto [router_code, router_out] = RunToExit(testing::BinaryPath("router/kvcache-router") + common);
+  auto [router_code, router_out] = testing::RunToExit(testing::BinaryPath("router/kvcache-router") + common);
   EXPECT_NE(router_code, 0) << router_out;
   EXPECT_THAT(router_out, HasSubstr("--auth_tokens_file"));
   EXPECT_THAT(router_out, ::testing::Not(HasSubstr("listening")));
   // A token too short to be a secret is refused too.
   std::ofstream(Path("short")) << "secret\n";
-  auto [short_code, short_out] = RunToExit(testing::BinaryPath("worker/kvcache-worker") + common +
-                                           " --cluster_token_file=" + Path("short"));
+  auto [short_code, short_out] = testing::RunToExit(testing::BinaryPath("worker/kvcache-worker") + common +
+                                                    " --cluster_token_file=" + Path("short"));
   EXPECT_NE(short_code, 0) << short_out;
   EXPECT_THAT(short_out, HasSubstr("at least 16"));
   std::remove(Path("short").c_str());
@@ -118,11 +107,11 @@ TEST_F(AuthTest, ServersWithoutCredentialsRefuseToStart) {
 // A router whose HTTP API cannot listen stops at start with the reason (it hung
 // before, waiting for a readiness loop that only a served router stops).
 TEST_F(AuthTest, RouterThatCannotListenForHttpExitsWithTheReason) {
-  auto [code, out] =
-      RunToExit(testing::BinaryPath("router/kvcache-router") +
-                " --listen=127.0.0.1:0 --metrics_listen= --allow_unauthenticated --workers=127.0.0.1:1"
-                " --http_listen=bad --model=" +
-                Path("auth_tiny.gguf"));
+  auto [code, out] = testing::RunToExit(
+      testing::BinaryPath("router/kvcache-router") +
+      " --listen=127.0.0.1:0 --metrics_listen= --allow_unauthenticated --workers=127.0.0.1:1"
+      " --http_listen=bad --model=" +
+      Path("auth_tiny.gguf"));
   EXPECT_EQ(code, 1) << out;
   EXPECT_THAT(out, HasSubstr("--http_listen='bad'"));
   EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
@@ -244,7 +233,8 @@ TEST_F(AuthTest, RouterSendsTheClusterTokenAndKeepsAdminForAdminTokens) {
   {
     grpc::ClientContext ctx;
     v1::ListWorkersResponse resp;
-    grpc::Status st = v1::KvCacheAdmin::NewStub(any_token)->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp);
+    grpc::Status st =
+        v1::KvCacheAdmin::NewStub(any_token)->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp);
     EXPECT_EQ(st.error_code(), grpc::PERMISSION_DENIED) << st.error_message();
   }
 }

@@ -897,18 +897,6 @@ TEST_F(WorkerTest, DrainMovesSessionsAndExits) {
   }
 }
 
-// Runs `command` under /bin/sh; its exit code (-1 unless it exited) and its
-// stdout and stderr together.
-std::pair<int, std::string> ExitCodeAndOutput(const std::string& command) {
-  auto p = testing::ChildProcess::Start({"/bin/sh", "-c", command + " 2>&1"});
-  EXPECT_TRUE(p.ok()) << p.status();
-  if (!p.ok()) return {-1, ""};
-  auto status = (*p)->Wait(absl::Seconds(60));
-  EXPECT_TRUE(status.ok()) << status.status();
-  (void)(*p)->WaitForOutput(1 << 20, absl::Seconds(5));
-  return {status.ok() && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1, (*p)->output()};
-}
-
 // The CPU kernel level comes from --cpu_kernel_level, else from
 // $KVCACHE_CPU_KERNEL_LEVEL, else the best the CPU has; kvcache_worker_info says
 // which one runs. A name that is not a level stops the worker at start (exit 2)
@@ -937,7 +925,7 @@ TEST_F(WorkerTest, StartFlagsKernelLevelFromFlagOrEnvironmentAndHelp) {
   }
   // An unusable environment value without the flag: refused at start.
   const std::string worker = testing::BinaryPath("worker/kvcache-worker") + " --allow_unauthenticated";
-  auto [env_code, env_out] = ExitCodeAndOutput(worker);
+  auto [env_code, env_out] = testing::RunToExit(worker);
   EXPECT_EQ(env_code, 2) << env_out;
   EXPECT_THAT(env_out, HasSubstr("$KVCACHE_CPU_KERNEL_LEVEL"));
   EXPECT_THAT(env_out, HasSubstr("want auto, avx512, avx2 or scalar"));
@@ -963,12 +951,12 @@ TEST_F(WorkerTest, StartFlagsKernelLevelFromFlagOrEnvironmentAndHelp) {
   } else {
     setenv("KVCACHE_CPU_KERNEL_LEVEL", saved.c_str(), 1);
   }
-  auto [flag_code, flag_out] = ExitCodeAndOutput(worker + " --cpu_kernel_level=sse4");
+  auto [flag_code, flag_out] = testing::RunToExit(worker + " --cpu_kernel_level=sse4");
   EXPECT_EQ(flag_code, 2) << flag_out;
   EXPECT_THAT(flag_out, HasSubstr("--cpu_kernel_level: cpu kernel level 'sse4'"));
   // --help lists the worker's own flags and the shared server ones (Abseil's
   // default listed none: no source file is named like the binary).
-  auto [help_code, help_out] = ExitCodeAndOutput(worker + " --help");
+  auto [help_code, help_out] = testing::RunToExit(worker + " --help");
   EXPECT_THAT(help_out, HasSubstr("--cpu_kernel_level"));
   EXPECT_THAT(help_out, HasSubstr("--tier0_bytes"));
   EXPECT_THAT(help_out, HasSubstr("--listen"));
@@ -990,13 +978,14 @@ TEST_F(WorkerTest, WorkerAndModelInfoRefuseTheSameBadBudgetFlags) {
   };
   for (const auto& [flag, reason] : cases) {
     for (const std::string& binary : {worker, info}) {
-      auto [code, out] = ExitCodeAndOutput(binary + " --model=" + *tiny_model_ + " " + flag);
+      auto [code, out] = testing::RunToExit(binary + " --model=" + *tiny_model_ + " " + flag);
       EXPECT_NE(code, 0) << binary << " " << flag << ": " << out;
       EXPECT_THAT(out, HasSubstr(reason)) << binary << " " << flag;
       EXPECT_THAT(out, ::testing::Not(HasSubstr("listening"))) << binary << " " << flag;
     }
   }
-  auto [code, out] = ExitCodeAndOutput(info + " --model=" + *tiny_model_ + " --kv_dtype=bf16 --page_tokens=32");
+  auto [code, out] =
+      testing::RunToExit(info + " --model=" + *tiny_model_ + " --kv_dtype=bf16 --page_tokens=32");
   EXPECT_EQ(code, 0) << out;
   EXPECT_THAT(out, HasSubstr("--page_tokens=32 --kv_dtype=bf16"));
 }

@@ -247,6 +247,15 @@ absl::StatusOr<std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& ch
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }
 
+std::pair<int, std::string> RunToExit(const std::string& command, absl::Duration timeout) {
+  auto p = ChildProcess::Start({"/bin/sh", "-c", command + " 2>&1"});
+  if (!p.ok()) return {-1, p.status().ToString()};
+  auto status = (*p)->Wait(timeout);
+  if (!status.ok()) return {-1, status.status().ToString()};
+  (void)(*p)->WaitForOutput(1 << 20, absl::Seconds(5));
+  return {WIFEXITED(*status) ? WEXITSTATUS(*status) : -1, (*p)->output()};
+}
+
 absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                             absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;

@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -98,6 +99,11 @@ class ServerUnderTest {
   int metrics_port_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
 };
+
+// Runs `command` under /bin/sh until it exits (at most `timeout`): its exit
+// code (-1 unless it exited, or when it could not run) and its stdout and
+// stderr together (the reason, when it could not run).
+std::pair<int, std::string> RunToExit(const std::string& command, absl::Duration timeout = absl::Seconds(60));
 
 // grpc.health.v1 Check of `service` over `channel`: SERVING, NOT_SERVING, ...
 absl::StatusOr<std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
