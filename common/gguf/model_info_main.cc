@@ -68,9 +68,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   // The worker's own rules for the flags it sizes against.
-  if (absl::Status st = kvcache::kv::ValidateBudgetFlags(absl::GetFlag(FLAGS_tier0_bytes),
-                                                         absl::GetFlag(FLAGS_tier1_bytes),
-                                                         absl::GetFlag(FLAGS_page_tokens));
+  if (absl::Status st =
+          kvcache::kv::ValidateBudgetFlags(absl::GetFlag(FLAGS_tier0_bytes), absl::GetFlag(FLAGS_tier1_bytes),
+                                           absl::GetFlag(FLAGS_page_tokens));
       !st.ok()) {
     return Fail(st);
   }

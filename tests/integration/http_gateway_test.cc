@@ -236,7 +236,8 @@ TEST_F(HttpGatewayTest, ShutdownFinishesRunningStreamsAndAnswersNewRequests503) 
   ASSERT_TRUE(testing::WaitUntil([&] {
     probe = HttpFetch(port_, "GET", "/health");
     return probe.status == 503 && absl::StrContains(probe.body, "shutting down");
-  })) << probe.status << " " << probe.body;
+  })) << probe.status
+      << " " << probe.body;
   ASSERT_TRUE(stream.ReadUntil("[DONE]", 1)) << stream.received().substr(0, 300);
   EXPECT_THAT(stream.received(), HasSubstr(R"("finish_reason":"length")"));
   EXPECT_THAT(stream.received(), ::testing::Not(HasSubstr("\"error\"")));

@@ -70,9 +70,9 @@ void HttpConnection::Send(const std::string& method, const std::string& path, co
   }
   // On failure evhttp_make_request frees the request and runs no callback.
   static const auto* const kMethods = new std::map<std::string, evhttp_cmd_type>{
-      {"GET", EVHTTP_REQ_GET},         {"POST", EVHTTP_REQ_POST},   {"HEAD", EVHTTP_REQ_HEAD},
-      {"PUT", EVHTTP_REQ_PUT},         {"DELETE", EVHTTP_REQ_DELETE}, {"OPTIONS", EVHTTP_REQ_OPTIONS},
-      {"TRACE", EVHTTP_REQ_TRACE},     {"PATCH", EVHTTP_REQ_PATCH}};
+      {"GET", EVHTTP_REQ_GET},     {"POST", EVHTTP_REQ_POST},     {"HEAD", EVHTTP_REQ_HEAD},
+      {"PUT", EVHTTP_REQ_PUT},     {"DELETE", EVHTTP_REQ_DELETE}, {"OPTIONS", EVHTTP_REQ_OPTIONS},
+      {"TRACE", EVHTTP_REQ_TRACE}, {"PATCH", EVHTTP_REQ_PATCH}};
   const auto m = kMethods->find(method);
   if (m == kMethods->end()) evhttp_request_free(req);
   if (m == kMethods->end() || evhttp_make_request(evcon_, req, m->second, path.c_str()) != 0) {
