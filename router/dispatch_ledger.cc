@@ -1,5 +1,6 @@
 #include "router/dispatch_ledger.h"
 
+#include <algorithm>
 #include <cassert>
 
 namespace kvcache::router {
@@ -21,8 +22,17 @@ void DispatchLedger::PrefillDone(const std::string& worker, int64_t prefill_toke
 }
 
 void DispatchLedger::Finish(const std::string& worker, absl::Span<const BlockHash> chain,
-                            int64_t prefill_tokens) {
+                            int64_t prefill_tokens, bool computed) {
   absl::MutexLock lock(&mu_);
+  if (computed && !chain.empty()) {
+    const absl::Time now = absl::Now();
+    Finished& f = finished_[worker];
+    for (const BlockHash& h : chain) f.until[h] = now + kFinishedGrace;
+    if (f.until.size() >= f.purge_at) {  // amortised: the map at least doubles between purges
+      absl::erase_if(f.until, [now](const auto& e) { return e.second <= now; });
+      f.purge_at = std::max<size_t>(1024, 2 * f.until.size());
+    }
+  }
   auto it = workers_.find(worker);
   assert(it != workers_.end());
   if (it == workers_.end()) return;
@@ -49,9 +59,16 @@ DispatchLedger::Outstanding DispatchLedger::Get(const std::string& worker) const
 int DispatchLedger::LeadingPages(const std::string& worker, absl::Span<const BlockHash> chain) const {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(worker);
-  if (it == workers_.end()) return 0;
+  auto done = finished_.find(worker);
+  const absl::Time now = absl::Now();
+  auto held = [&](const BlockHash& h) {
+    if (it != workers_.end() && it->second.pages.contains(h)) return true;
+    if (done == finished_.end()) return false;
+    auto f = done->second.until.find(h);
+    return f != done->second.until.end() && f->second > now;
+  };
   int n = 0;
-  while (n < static_cast<int>(chain.size()) && it->second.pages.contains(chain[n])) ++n;
+  while (n < static_cast<int>(chain.size()) && held(chain[n])) ++n;
   return n;
 }
 

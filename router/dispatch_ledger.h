@@ -23,6 +23,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/block_hash.h"
 
@@ -42,7 +43,13 @@ class DispatchLedger {
   void Dispatch(const std::string& worker, absl::Span<const BlockHash> chain, int64_t prefill_tokens);
   // The request's prompt is computed (its first token arrived).
   void PrefillDone(const std::string& worker, int64_t prefill_tokens);
-  void Finish(const std::string& worker, absl::Span<const BlockHash> chain, int64_t prefill_tokens);
+  // `computed`: the request ended OK, so its pages are cached on `worker`. They
+  // count there (LeadingPages) for kFinishedGrace more: the worker sent their
+  // cache events before the reply, but the router applies them on another
+  // thread, a moment after the reply may have reached the client.
+  void Finish(const std::string& worker, absl::Span<const BlockHash> chain, int64_t prefill_tokens,
+              bool computed = false);
+  static constexpr absl::Duration kFinishedGrace = absl::Seconds(2);
 
   Outstanding Get(const std::string& worker) const;
   // Leading pages of `chain` that requests in flight on `worker` are computing.
@@ -56,8 +63,14 @@ class DispatchLedger {
     absl::flat_hash_map<BlockHash, int> pages;  // hash -> requests computing it
   };
 
+  struct Finished {
+    absl::flat_hash_map<BlockHash, absl::Time> until;  // page -> end of its grace
+    size_t purge_at = 1024;                            // size that triggers the next purge
+  };
+
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, PerWorker> workers_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Finished> finished_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcache::router

@@ -240,7 +240,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         absl::MutexLock lock(&mu_);
         if (call_ == call) call_ = nullptr;
       }
-      router_->ledger_.Finish(placement_.worker, chain_, dispatched_prefill_);
+      router_->ledger_.Finish(placement_.worker, chain_, dispatched_prefill_, /*computed=*/st.ok());
       dispatched_prefill_ = 0;
     }
     last_ = st;

@@ -34,5 +34,22 @@ TEST(DispatchLedgerTest, CountsUntilEachRequestFinishes) {
   EXPECT_EQ(ledger.workers_tracked(), 0u);
 }
 
+// A request that ended OK leaves its pages counted on its worker for a grace
+// period: the worker's cache events for them may not be applied yet.
+TEST(DispatchLedgerTest, ComputedPagesCountForAGracePeriodAfterFinish) {
+  DispatchLedger ledger;
+  const auto a = Chain({1, 2, 3, 4, 5, 6});
+  const auto b = Chain({7, 7, 7, 7});
+  ledger.Dispatch("w0", a, 6);
+  ledger.Dispatch("w0", b, 4);
+  ledger.Finish("w0", a, 0, /*computed=*/true);
+  ledger.Finish("w0", b, 0, /*computed=*/false);  // failed: nothing to count
+  EXPECT_EQ(ledger.LeadingPages("w0", Chain({1, 2, 3, 4, 8, 8})), 2);
+  EXPECT_EQ(ledger.LeadingPages("w0", b), 0);
+  EXPECT_EQ(ledger.LeadingPages("w1", a), 0);
+  EXPECT_EQ(ledger.Get("w0").requests, 0);
+  EXPECT_EQ(ledger.workers_tracked(), 0u);  // nothing outstanding
+}
+
 }  // namespace
 }  // namespace kvcache::router
