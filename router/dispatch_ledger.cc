@@ -60,12 +60,14 @@ int DispatchLedger::LeadingPages(const std::string& worker, absl::Span<const Blo
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(worker);
   auto done = finished_.find(worker);
+  const auto* computing = it == workers_.end() ? nullptr : &it->second.pages;
+  const auto* until = done == finished_.end() ? nullptr : &done->second.until;
   const absl::Time now = absl::Now();
-  auto held = [&](const BlockHash& h) {
-    if (it != workers_.end() && it->second.pages.contains(h)) return true;
-    if (done == finished_.end()) return false;
-    auto f = done->second.until.find(h);
-    return f != done->second.until.end() && f->second > now;
+  auto held = [computing, until, now](const BlockHash& h) {
+    if (computing != nullptr && computing->contains(h)) return true;
+    if (until == nullptr) return false;
+    auto f = until->find(h);
+    return f != until->end() && f->second > now;
   };
   int n = 0;
   while (n < static_cast<int>(chain.size()) && held(chain[n])) ++n;
