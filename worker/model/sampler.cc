@@ -2,6 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 
@@ -21,11 +26,41 @@ absl::Status ValidateSamplingConfig(const SamplingConfig& c, int vocab_size) {
 }
 
 int32_t Argmax(absl::Span<const float> v) {
-  int32_t best = 0;
-  for (size_t i = 1; i < v.size(); ++i) {
-    if (v[i] > v[best]) best = static_cast<int32_t>(i);
+  // Two passes: the largest value that is not NaN, then the first index holding it.
+  // A greedy step of 16 sessions runs this over 16 vocabularies on the engine's
+  // thread while the kernel threads wait, so both passes go 16 floats at a time.
+  const float* x = v.data();
+  const size_t n = v.size();
+  float best = -std::numeric_limits<float>::infinity();
+  size_t i = 0;
+#if defined(__SSE2__)
+  __m128 m[4];
+  for (__m128& mj : m) mj = _mm_set1_ps(best);
+  for (; i + 16 <= n; i += 16) {
+    // maxps returns its second operand when the first is NaN: NaN never enters m.
+    for (int j = 0; j < 4; ++j) m[j] = _mm_max_ps(_mm_loadu_ps(x + i + 4 * j), m[j]);
   }
-  return best;
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, _mm_max_ps(_mm_max_ps(m[0], m[1]), _mm_max_ps(m[2], m[3])));
+  for (float f : lanes) best = std::max(best, f);
+#endif
+  for (; i < n; ++i) {
+    if (x[i] > best) best = x[i];
+  }
+  i = 0;
+#if defined(__SSE2__)
+  const __m128 b4 = _mm_set1_ps(best);
+  for (; i + 16 <= n; i += 16) {
+    int mask = 0;
+    for (int j = 0; j < 4; ++j)
+      mask |= _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i + 4 * j), b4)) << 4 * j;
+    if (mask != 0) return static_cast<int32_t>(i + __builtin_ctz(static_cast<unsigned>(mask)));
+  }
+#endif
+  for (; i < n; ++i) {
+    if (x[i] == best) return static_cast<int32_t>(i);
+  }
+  return 0;  // every value NaN
 }
 
 Sampler::Sampler(const SamplingConfig& config) : config_(config), rng_(config.seed) {}

@@ -44,7 +44,8 @@ class Sampler {
   std::vector<std::pair<float, int32_t>> candidates_;  // scratch, reused
 };
 
-// The index of the largest value (lowest index on ties). REQUIRES: !v.empty().
+// The index of the largest value (lowest index on ties). NaN is never chosen
+// unless every value is NaN (then 0). REQUIRES: !v.empty().
 int32_t Argmax(absl::Span<const float> v);
 
 // Decides when generation ends. Text is fed as the streaming detokenizer emits it.

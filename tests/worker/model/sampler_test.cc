@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <map>
+#include <random>
 
 #include "gtest/gtest.h"
 
@@ -15,6 +16,31 @@ TEST(SamplerTest, GreedyPicksLargestAndLowestIdOnTies) {
   EXPECT_EQ(s.Sample(Logits({0.1f, 3.0f, -1.0f, 2.9f})), 1);
   EXPECT_EQ(s.Sample(Logits({5.0f, 5.0f, 1.0f})), 0);
   EXPECT_EQ(Argmax(Logits({-3.0f, -2.0f, -2.0f})), 1);
+}
+
+TEST(SamplerTest, ArgmaxIsTheFirstLargestAndSkipsNan) {
+  EXPECT_EQ(Argmax(Logits({-7.0f})), 0);
+  EXPECT_EQ(Argmax(Logits({1.0f, 5.0f, NAN, 5.0f, -2.0f})), 1);
+  EXPECT_EQ(Argmax(Logits({NAN, -1.0f, -3.0f})), 1);
+  EXPECT_EQ(Argmax(Logits({NAN, NAN})), 0);
+  EXPECT_EQ(Argmax(Logits({-INFINITY, -INFINITY})), 0);
+  EXPECT_EQ(Argmax(Logits({0.0f, -0.0f, 0.0f})), 0);
+  // Against the plain loop on random vectors of every length around the vector
+  // widths, with ties and NaNs planted anywhere (the tails included).
+  std::mt19937 rng(5);
+  for (int n = 1; n <= 70; ++n) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> v(static_cast<size_t>(n));
+      for (float& f : v) f = static_cast<float>(rng() % 9) - 4.0f;  // many ties
+      if (trial % 3 == 0) v[rng() % n] = NAN;
+      if (trial % 5 == 0) v[rng() % n] = 1e30f;
+      int32_t want = -1;
+      for (int i = 0; i < n; ++i) {
+        if (!std::isnan(v[i]) && (want < 0 || v[i] > v[want])) want = i;
+      }
+      ASSERT_EQ(Argmax(v), std::max(want, 0)) << "n=" << n << " trial=" << trial;
+    }
+  }
 }
 
 TEST(SamplerTest, SameSeedSameTokensDifferentSeedDiffers) {

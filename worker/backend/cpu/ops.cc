@@ -161,15 +161,6 @@ void Softmax(float* x, int n_rows, int64_t n) {
   }
 }
 
-int64_t Argmax(const float* x, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i) {
-    // `!(x[best] >= x[i])` would pick NaN; this keeps the first maximum and skips NaN.
-    if (x[i] > x[best] || (std::isnan(x[best]) && !std::isnan(x[i]))) best = i;
-  }
-  return best;
-}
-
 absl::Status GetRows(const WeightView& table, absl::Span<const int32_t> ids, float* out) {
   absl::StatusOr<int64_t> row_bytes = gguf::RowBytes(table.type, table.cols);
   if (!row_bytes.ok()) return row_bytes.status();

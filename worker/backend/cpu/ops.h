@@ -36,10 +36,6 @@ void Add(const float* a, const float* b, int64_t n, float* out);
 // REQUIRES: every row holds at least one finite value.
 void Softmax(float* x, int n_rows, int64_t n);
 
-// Index of the largest of x[0..n) (the first one on ties; NaN is never chosen
-// unless every value is NaN, then 0). REQUIRES: n >= 1.
-int64_t Argmax(const float* x, int64_t n);
-
 // Embedding lookup: out[i][:] = dequant(table row ids[i]). table: [rows = vocab][cols
 // = d_model] of any type DequantizeRow decodes; out: [ids.size()][table.cols].
 // INVALID_ARGUMENT when an id is outside [0, table.rows).

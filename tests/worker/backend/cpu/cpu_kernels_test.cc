@@ -451,7 +451,7 @@ TEST_P(CpuKernelsTest, RmsNorm) {
   }
 }
 
-TEST_P(CpuKernelsTest, SwiGluAddSoftmaxArgmax) {
+TEST_P(CpuKernelsTest, SwiGluAddSoftmax) {
   std::mt19937 rng(12);
   for (int64_t n : {1, 9, 1536, 1541}) {
     const std::vector<float> g = RandomVec(rng, n, -20.0f, 20.0f);
@@ -480,12 +480,6 @@ TEST_P(CpuKernelsTest, SwiGluAddSoftmaxArgmax) {
       }
     }
   }
-  const float v[] = {1.0f, 5.0f, NAN, 5.0f, -2.0f};
-  EXPECT_EQ(Argmax(v, 5), 1);  // first maximum, NaN skipped
-  const float w[] = {NAN, -1.0f, -3.0f};
-  EXPECT_EQ(Argmax(w, 3), 1);
-  const float one[] = {-7.0f};
-  EXPECT_EQ(Argmax(one, 1), 0);
 }
 
 TEST_P(CpuKernelsTest, GetRows) {
