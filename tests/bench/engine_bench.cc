@@ -8,7 +8,10 @@
 //   decode:     single stream, greedy, ignore_eos, 128 tokens after a short prompt;
 //               tokens/s from the first generated token to the last (no prefill)
 //   prefill:    512-token prompt, tokens / time to first token
-//   batched:    aggregate decode tokens/s with 1, 4, 16 concurrent sessions
+//   batched:    aggregate decode tokens/s with 1, 4, 16 concurrent sessions, and
+//               what bounds batch16_vs_single: the linear layers of a 1- and a
+//               16-token step timed alone on the model's weights, and the ratio
+//               that 16-token time allows (batch16_vs_single_matmul_ceiling)
 //   cache vs recompute: time to generate 256 tokens after a 256 (1024)-token
 //               prompt through the engine (KV cache) vs recomputing: a full
 //               prefill of the whole context for every new token on the same
@@ -51,6 +54,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/bench_json.h"
 #include "common/gguf/model_path.h"
+#include "common/status_macros.h"
 #include "common/tokenizer/tokenizer.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -177,6 +181,46 @@ sched::GenerateRequest Greedy(std::vector<int32_t> input, int max_tokens) {
   r.max_tokens = max_tokens;
   r.ignore_eos = true;
   return r;
+}
+
+// The linear layers of one forward step of n tokens on the model's own weights
+// (q/k/v and gate/up sharing their input, as CpuLlamaRunner runs them; the output
+// head for every token, as a step of n sessions needs): seconds, fastest of `reps`,
+// and multiply-accumulates per token in *macs.
+absl::StatusOr<double> StepMatMulSeconds(const model::LlamaModel& m, int n, int reps, double* macs) {
+  std::vector<model::WeightView> all;
+  for (const model::LlamaLayer& l : m.layers()) {
+    for (const model::WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
+      all.push_back(*w);
+  }
+  all.push_back(m.output());
+  int64_t width = 0, rows = 0;
+  *macs = 0;
+  for (const model::WeightView& w : all) {
+    width = std::max(width, w.cols);
+    rows = std::max(rows, w.rows);
+    *macs += static_cast<double>(w.rows) * static_cast<double>(w.cols);
+  }
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist;
+  std::vector<float> x(static_cast<size_t>(n * width));
+  for (float& v : x) v = dist(rng);
+  std::vector<float> y0(static_cast<size_t>(n * rows)), y1(y0.size()), y2(y0.size());
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const auto start = Clock::now();
+    for (const model::LlamaLayer& l : m.layers()) {
+      const cpu::MatMulOutput qkv[] = {{l.wq, y0.data()}, {l.wk, y1.data()}, {l.wv, y2.data()}};
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMulSameInput(qkv, x.data(), n));
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMul(l.wo, x.data(), n, y0.data()));
+      const cpu::MatMulOutput gate_up[] = {{l.w_gate, y0.data()}, {l.w_up, y1.data()}};
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMulSameInput(gate_up, x.data(), n));
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMul(l.w_down, x.data(), n, y0.data()));
+    }
+    KVCACHE_RETURN_IF_ERROR(cpu::MatMul(m.output(), x.data(), n, y0.data()));
+    best = std::min(best, Seconds(start, Clock::now()));
+  }
+  return best;
 }
 
 // Full prefill of `tokens` in a fresh session of `kv` on `runner` (chunks of the
@@ -407,7 +451,27 @@ int Main() {
       }
       put(report.metrics, absl::StrCat("batched_decode_tokens_per_s_", n, "_sessions"), level, batched[n]);
     }
-    if (want("batched")) put(report.ratio, "batch16_vs_single", level, batched[16] / batched[1]);
+    if (want("batched")) {
+      put(report.ratio, "batch16_vs_single", level, batched[16] / batched[1]);
+      // What bounds that ratio: a step of 16 sessions is no faster than its matmuls.
+      double macs = 0;
+      absl::StatusOr<double> mm1 = StepMatMulSeconds(*s.model, 1, 5 * reps, &macs);  // 6 ms each
+      absl::StatusOr<double> mm16 = StepMatMulSeconds(*s.model, 16, reps, &macs);
+      if (!mm1.ok()) return fail(mm1.status());
+      if (!mm16.ok()) return fail(mm16.status());
+      put(report.metrics, "step_matmuls_ms_1_token", level, *mm1 * 1e3);
+      put(report.metrics, "step_matmuls_ms_16_tokens", level, *mm16 * 1e3);
+      put(report.metrics, "step_matmuls_gmac_per_s_16_tokens", level, 16 * macs / *mm16 / 1e9);
+      const double ceiling = 16 / *mm16 / batched[1];
+      put(report.ratio, "batch16_vs_single_matmul_ceiling", level, ceiling);
+      report.notes["batch16_bound_" + std::string(cpu::CpuKernelLevelName(level))] = absl::StrFormat(
+          "compute: the matmuls of a 16-token step take %.1f ms (%.0f GMAC/s; one token's take %.1f ms, "
+          "%.2f of the bandwidth roofline), so against one session's %.0f tokens/s batch16_vs_single "
+          "cannot exceed %.2f; the rest of the measured 16-session step (attention, norms, sampling, "
+          "scheduling) took %.1f ms",
+          *mm16 * 1e3, 16 * macs / *mm16 / 1e9, *mm1 * 1e3, weight_bytes / bw / *mm1, batched[1], ceiling,
+          (16 / batched[16] - *mm16) * 1e3);
+    }
   }
   set_level(best);  // the rest runs at the best level
 
