@@ -480,6 +480,22 @@ TEST_P(CpuKernelsTest, SwiGluAddSoftmax) {
       }
     }
   }
+  // Long enough for SwiGlu to split over the pool (chunks of 4096): each element
+  // as a call over its chunk alone computes it, and close to the reference.
+  const int64_t n = 3 * 4096 + 37;
+  const std::vector<float> g = RandomVec(rng, n, -20.0f, 20.0f);
+  const std::vector<float> u = RandomVec(rng, n, -3.0f, 3.0f);
+  std::vector<float> out(static_cast<size_t>(n)), piece(4096);
+  SwiGlu(g.data(), u.data(), n, out.data());
+  for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+    const int64_t len = std::min<int64_t>(4096, n - i0);
+    SwiGlu(g.data() + i0, u.data() + i0, len, piece.data());
+    for (int64_t i = 0; i < len; ++i) ASSERT_EQ(out[i0 + i], piece[i]) << i0 + i;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const double ref = g[i] / (1.0 + std::exp(-static_cast<double>(g[i]))) * u[i];
+    ASSERT_NEAR(out[i], ref, 1e-6 * std::fabs(ref) + 1e-7) << i;
+  }
 }
 
 TEST_P(CpuKernelsTest, GetRows) {
