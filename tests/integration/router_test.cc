@@ -232,7 +232,11 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
-  const v1::GenerateRequest req = Text("victim", "tell me a long story about the sea", 300);
+  // Long enough that the victim is still generating when the kill lands (300
+  // tokens of this tiny model once finished before the client, 40 tokens in,
+  // had asked where the session ran and sent the signal).
+  constexpr int kTokens = 1500;
+  const v1::GenerateRequest req = Text("victim", "tell me a long story about the sea", kTokens);
   // Reference: the same greedy request on each worker directly, so that the
   // survivor's cache holds the prompt and the tokens after it.
   v1::GenerateRequest ref_req = req;
@@ -276,7 +280,7 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   grpc::Status st = reader->Finish();
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(got, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
-  EXPECT_EQ(final.usage().generated_tokens(), 300);
+  EXPECT_EQ(final.usage().generated_tokens(), kTokens);
   // Usage is the client's view: its own prompt, of which at most all was cached
   // (the survivor's cache may hold the reference run's tokens beyond the prompt).
   EXPECT_EQ(final.usage().prompt_tokens(), ref.final.usage().prompt_tokens());
@@ -287,7 +291,7 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
 
   // The session was not lost with its worker: the continuation was a
   // FULL_CONTEXT request for the same session id, so the survivor now holds the
-  // whole conversation (prompt and all 300 tokens; it announced the session on
+  // whole conversation (prompt and all kTokens tokens; it announced the session on
   // its Watch stream when the continuation began), and an APPEND continues it
   // there from cache. (An APPEND to a session that lived only on a dead worker
   // fails naming it: AppendOnALostWorkerNamesTheSession.)
@@ -295,7 +299,7 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.final.worker_id(), final.worker_id());
   EXPECT_EQ(r.tokens.size(), 3u);
-  EXPECT_GE(r.final.usage().cached_tokens(), 300) << "the conversation was recomputed, not continued";
+  EXPECT_GE(r.final.usage().cached_tokens(), kTokens) << "the conversation was recomputed, not continued";
 }
 
 TEST_F(RouterTest, AppendOnALostWorkerNamesTheSession) {
