@@ -60,6 +60,7 @@ struct Engine::Request {
   bool started = false;
   bool done = false;
   bool decoding = false;         // the prompt is in the cache; pending holds the sampled token
+  bool created_session = false;  // Prepare created the (named) session for this request
   std::vector<int32_t> context;  // every token of the conversation so far
   std::vector<int32_t> pending;  // tokens of `context` without K/V yet, in order
   int64_t prefix_restored = 0;   // of the cached tokens attached before it started, from tier 1
@@ -289,6 +290,7 @@ bool Engine::Prepare(Request& r) {
     cached = attached.ok() ? *attached : 0;
     absl::MutexLock lock(&mu_);
     AddSessionLocked(r.sid, SessionState{q.tenant, r.context, absl::Now()});
+    r.created_session = !r.ephemeral;
   }
   r.pending.assign(r.context.begin() + cached, r.context.end());
   r.result.session_id = q.session_id;
@@ -305,8 +307,12 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
   if (!r.started) r.result.queue_time = r.result.total_time;
   if (reason.has_value()) r.result.finish = *reason;
   r.result.generated_tokens = static_cast<int64_t>(r.result.output.size());
+  // A request that created its session and failed before its first token leaves
+  // no session behind: the client was told it failed, and an empty session would
+  // hold one of the tenant's session slots until --session_idle_ttl.
+  const bool discard = r.created_session && !status.ok() && r.result.output.empty();
   if (r.prepared && !r.sid.empty()) {
-    if (r.ephemeral) {
+    if (r.ephemeral || discard) {
       (void)kv_->CloseSession(r.sid);
     } else if (kv_->GetSession(r.sid).ok()) {
       (void)kv_->MarkIdle(r.sid);
@@ -319,7 +325,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
     cancelled_.erase(r.id);
     live_.erase(r.id);
     if (--inflight_[r.req.tenant] <= 0) inflight_.erase(r.req.tenant);
-    if (r.prepared && r.ephemeral) {
+    if (r.prepared && (r.ephemeral || discard)) {
       EraseSessionLocked(r.sid);
     } else if (r.prepared) {
       auto it = sessions_.find(r.sid);
@@ -330,6 +336,19 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
     }
   }
   r.observer->OnDone(status, r.result);
+}
+
+bool Engine::OutgrowsTier0(const Request& r) const {
+  // The K/V of the sampled token would need more pages than tier 0 has: the
+  // request could never take another step here, alone or not. Ending it now, as
+  // at --max_context, keeps two such requests from taking the tier from each
+  // other in turn (each preempting the other to recompute, neither growing).
+  const int64_t capacity = kv_->tier_capacity_pages(0);
+  const int64_t pages = (static_cast<int64_t>(r.context.size()) + page_tokens_ - 1) / page_tokens_;
+  if (pages <= capacity) return false;
+  // A sliding window releases pages before the window: only live ones count.
+  absl::StatusOr<kv::SessionInfo> info = kv_->GetSession(r.sid);
+  return !info.ok() || pages - info->first_live_page > capacity;
 }
 
 absl::StatusOr<kv::StepReservation> Engine::Reserve(Request& r, int budget, int64_t* recomputed) {
@@ -578,7 +597,7 @@ bool Engine::Step() {
       Finish(r, absl::OkStatus(), FinishReason::kStopString);
     } else if (reason == R::kLength) {
       Finish(r, absl::OkStatus(), FinishReason::kLength);
-    } else if (static_cast<int64_t>(r.context.size()) >= options_.max_context) {
+    } else if (static_cast<int64_t>(r.context.size()) >= options_.max_context || OutgrowsTier0(r)) {
       Finish(r, absl::OkStatus(), FinishReason::kContextFull);
     } else {
       r.decoding = true;

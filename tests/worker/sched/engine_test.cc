@@ -243,6 +243,48 @@ TEST_F(EngineTest, ContextOutgrowingTier0EndsAtContextFullWhenAlone) {
             absl::StatusCode::kOutOfRange);
 }
 
+// Two requests that each outgrow tier 0 end as each does alone (OK,
+// CONTEXT_FULL, the same tokens), instead of taking the tier from each other in
+// turn: each preempted the other to recompute its context, and neither grew
+// (a livelock that only a deadline or a disconnect ended).
+TEST_F(EngineTest, RequestsOutgrowingTier0TogetherEachEndAtContextFull) {
+  Build(/*tier0_pages=*/4, /*tier1_pages=*/0);  // 64 tokens; no tier 1 to offload to
+  const auto p1 = Prompt(40), p2 = Prompt(40, 3);
+  Collector a, b;
+  GenerateRequest ra = Req("a", RequestMode::kFullContext, p1, 100);
+  GenerateRequest rb = Req("b", RequestMode::kFullContext, p2, 100);
+  ra.deadline = rb.deadline = absl::Now() + absl::Seconds(30);  // the livelock ends here, failing
+  ASSERT_TRUE(engine_->Submit(ra, &a).ok());
+  ASSERT_TRUE(engine_->Submit(rb, &b).ok());
+  for (Collector* c : {&a, &b}) {
+    const GenerateResult& r = c->Wait();
+    ASSERT_TRUE(c->status.ok()) << c->status;
+    EXPECT_EQ(r.finish, FinishReason::kContextFull);
+    EXPECT_EQ(c->tokens.size(), 25u);  // as alone: 65 tokens need a fifth page
+  }
+  EXPECT_EQ(a.tokens, Expected(p1, 25));
+  EXPECT_EQ(b.tokens, Expected(p2, 25));
+}
+
+// A request that would have created its session and failed before its first
+// token leaves no session: it would hold one of the tenant's slots for nothing.
+TEST_F(EngineTest, NewSessionRefusedForMemoryLeavesNoSession) {
+  Build(/*tier0_pages=*/4, /*tier1_pages=*/0);
+  Collector pinned;
+  GenerateRequest fill = Req("pinned", RequestMode::kFullContext, Prompt(60), 1);
+  fill.pin = true;  // 61 tokens: all 4 pages, kept in tier 0
+  ASSERT_TRUE(engine_->Submit(fill, &pinned).ok());
+  pinned.Wait();
+  ASSERT_TRUE(pinned.status.ok()) << pinned.status;
+  Collector refused;
+  ASSERT_TRUE(engine_->Submit(Req("new", RequestMode::kFullContext, Prompt(10, 1), 3), &refused).ok());
+  refused.Wait();
+  EXPECT_EQ(refused.status.code(), absl::StatusCode::kResourceExhausted) << refused.status;
+  for (const kv::SessionName& n : engine_->Sessions()) EXPECT_NE(n.id, "new");
+  EXPECT_FALSE(kv_->GetSession(kv::SessionKey("t", "new")).ok());
+  EXPECT_TRUE(engine_->Context("pinned", "t").ok());
+}
+
 // A session resent with a longer prompt takes the pages of it that another
 // request cached, as a new session would, beyond what it held itself.
 TEST_F(EngineTest, FullContextOnASessionTakesCachedPagesBeyondItsOwn) {
