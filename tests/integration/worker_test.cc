@@ -13,9 +13,11 @@
 #include <set>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/model_path.h"
 #include "common/gguf/tiny_llama.h"
@@ -1015,6 +1017,33 @@ TEST_F(WorkerTest, MetricsPassPromtool) {
   ASSERT_TRUE(exit.ok());
   EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << (*promtool)->output();
   std::remove(path.c_str());
+}
+
+// kvcache_kv_usage_ratio counts the pages sessions and steps hold, not the
+// prefix cache's unreferenced pages (taken back on demand): an idle worker whose
+// cache remembers a prompt is not full, and KvCacheDeviceCacheFull stays quiet.
+TEST_F(WorkerTest, UsageRatioLeavesOutUnreferencedPrefixPages) {
+  auto w = StartWorker({});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  std::string prompt;
+  for (int i = 0; i < 40; ++i) prompt += absl::StrCat("word", i, " ");
+  ASSERT_TRUE(Generate(stub.get(), Text("", prompt, 2)).status.ok());  // ephemeral: closed at the end
+  auto body = testing::HttpGet(w->metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  auto value = [&](absl::string_view series) -> double {
+    for (absl::string_view line : absl::StrSplit(*body, '\n')) {
+      if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ")) {
+        double v = -1;
+        EXPECT_TRUE(absl::SimpleAtod(line, &v)) << line;
+        return v;
+      }
+    }
+    ADD_FAILURE() << "no " << series << " in " << *body;
+    return -1;
+  };
+  EXPECT_GT(value("kvcache_kv_pages{state=\"cached\",tier=\"device\"}"), 0);
+  EXPECT_EQ(value("kvcache_kv_usage_ratio{tier=\"device\"}"), 0);
 }
 
 TEST_F(WorkerTest, SmolLm2MultiTurnReusesTheConversation) {

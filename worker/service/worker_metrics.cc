@@ -24,8 +24,11 @@ void WorkerMetrics::SetInfo(const std::string& device, const std::string& cpu_ke
 
 WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
     : pages_(BuildGauge().Name("kvcache_kv_pages").Help("KV pages by tier and state").Register(r)),
-      usage_(
-          BuildGauge().Name("kvcache_kv_usage_ratio").Help("Used / capacity KV pages by tier").Register(r)),
+      usage_(BuildGauge()
+                 .Name("kvcache_kv_usage_ratio")
+                 .Help("KV pages held by sessions and steps / capacity, by tier (unreferenced prefix-cache "
+                       "pages are free to take)")
+                 .Register(r)),
       capacity_bytes_(
           BuildGauge().Name("kvcache_kv_capacity_bytes").Help("KV page budget in bytes by tier").Register(r)),
       waste_(&BuildGauge()
@@ -171,7 +174,10 @@ void WorkerMetrics::Refresh(const kv::KvStats& kv, int64_t page_bytes, const sch
     pages_.Add({{"tier", tier}, {"state", "shared"}}).Set(static_cast<double>(ts.prefix_shared_pages));
     pages_.Add({{"tier", tier}, {"state", "cached"}}).Set(static_cast<double>(ts.cached_unreferenced_pages));
     pages_.Add({{"tier", tier}, {"state", "in_flight"}}).Set(static_cast<double>(ts.in_flight_pages));
-    const double used = static_cast<double>(ts.capacity_pages - ts.free_pages);
+    // Pages the prefix cache keeps without a session referencing them are given
+    // back on demand (LRU), so they do not count as used: an idle worker after a
+    // burst is not full (KvCacheDeviceCacheFull would fire on it).
+    const double used = static_cast<double>(ts.capacity_pages - ts.free_pages - ts.cached_unreferenced_pages);
     usage_.Add({{"tier", tier}})
         .Set(ts.capacity_pages > 0 ? used / static_cast<double>(ts.capacity_pages) : 0);
     capacity_bytes_.Add({{"tier", tier}}).Set(static_cast<double>(ts.capacity_pages * page_bytes));
