@@ -548,6 +548,29 @@ void HttpGateway::CallEnded() {
   --live_calls_;
 }
 
+namespace {
+
+// The request's path, runs of '/' merged (as nginx's merge_slashes does): a
+// client that joins "http://host/" and "/v1/completions" sends "//v1/...", which
+// libevent's parsed URI reads as an authority ("v1") and a path "/completions".
+// Absolute-form targets ("http://host/v1/...") take libevent's parse.
+std::string RequestPath(evhttp_request* req) {
+  const char* target = evhttp_request_get_uri(req);
+  if (target == nullptr || target[0] != '/') {
+    const evhttp_uri* uri = evhttp_request_get_evhttp_uri(req);
+    const char* raw = uri == nullptr ? nullptr : evhttp_uri_get_path(uri);
+    return raw == nullptr ? "" : raw;
+  }
+  std::string path;
+  for (const char* p = target; *p != '\0' && *p != '?' && *p != '#'; ++p) {
+    if (*p == '/' && !path.empty() && path.back() == '/') continue;
+    path.push_back(*p);
+  }
+  return path;
+}
+
+}  // namespace
+
 void HttpGateway::OnRequestCallback(evhttp_request* req, void* self) {
   static_cast<HttpGateway*>(self)->OnRequest(req);
 }
@@ -558,9 +581,7 @@ void HttpGateway::OnRequest(evhttp_request* req) {
   const int one = 1;
   setsockopt(bufferevent_getfd(evhttp_connection_get_bufferevent(evcon)), IPPROTO_TCP, TCP_NODELAY, &one,
              sizeof(one));
-  const evhttp_uri* uri = evhttp_request_get_evhttp_uri(req);
-  const char* raw_path = uri == nullptr ? nullptr : evhttp_uri_get_path(uri);
-  const std::string path = raw_path == nullptr ? "" : raw_path;
+  const std::string path = RequestPath(req);
   const evhttp_cmd_type method = evhttp_request_get_command(req);
   // HEAD is GET without the body (libevent drops it).
   const bool get = method == EVHTTP_REQ_GET || method == EVHTTP_REQ_HEAD, post = method == EVHTTP_REQ_POST;

@@ -133,6 +133,11 @@ TEST_F(HttpGatewayTest, RoutesAndStatuses) {
     EXPECT_EQ(Json::parse(r.body, nullptr, false)["error"]["code"], "method_not_allowed") << method;
   }
   EXPECT_EQ(HttpFetch(port_, "GET", "/nowhere").status, 404);
+  // A base URL with a trailing slash joined to "/v1/...": the same route (it was
+  // read as host "v1" and path "/completions", 404).
+  HttpResult doubled = HttpFetch(port_, "POST", "//v1/completions", R"({"prompt": [5, 6], "max_tokens": 1})");
+  EXPECT_EQ(doubled.status, 200) << doubled.body;
+  EXPECT_EQ(HttpFetch(port_, "GET", "/v1//models?x=1").status, 200);
 
   // A request without a model gets the first name; the alias is echoed.
   HttpResult plain = HttpFetch(port_, "POST", "/v1/completions",
