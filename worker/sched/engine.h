@@ -271,12 +271,12 @@ class Engine {
   // step (`planned`) is computing or will compute: same tenant, same tokens up to
   // the end of that page, not further along than `r`.
   bool AwaitsSharedPrefill(const Request& r, const std::vector<const Request*>& planned) const;
-  // BeginStep for up to `budget` of the request's pending tokens, after checking
-  // that the cache still holds every token the engine expects it to; what it lost
-  // is queued for recompute first (added to `recomputed`).
   // True when the sampled token's K/V would need more tier-0 pages than the tier
   // has (the request can never step again on this worker).
   bool OutgrowsTier0(const Request& r) const;
+  // BeginStep for up to `budget` of the request's pending tokens, after checking
+  // that the cache still holds every token the engine expects it to; what it lost
+  // is queued for recompute first (added to `recomputed`).
   absl::StatusOr<kv::StepReservation> Reserve(Request& r, int budget, int64_t* recomputed);
   // Re-derives the request's pending tokens from what the cache holds (`held`
   // tokens, a prefix of its context). Returns the tokens to compute again.

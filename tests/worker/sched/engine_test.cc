@@ -569,7 +569,8 @@ TEST_F(EngineTest, TenantLimitsAnswerResourceExhausted) {
   Collector big;
   const auto refused = engine_->Submit(Req("s2", RequestMode::kAppend, Prompt(30), 2, "t1"), &big);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
-  EXPECT_NE(refused.status().message().find("would pin 4 pages"), absl::string_view::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("would pin 4 pages"), absl::string_view::npos)
+      << refused.status();
 }
 
 TEST_F(EngineTest, TenantsAreSeparateNamespaces) {
