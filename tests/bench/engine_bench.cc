@@ -187,13 +187,13 @@ sched::GenerateRequest Greedy(std::vector<int32_t> input, int max_tokens) {
 // (q/k/v and gate/up sharing their input, as CpuLlamaRunner runs them; the output
 // head for every token, as a step of n sessions needs): seconds, fastest of `reps`,
 // and multiply-accumulates per token in *macs.
-absl::StatusOr<double> StepMatMulSeconds(const model::LlamaModel& m, int n, int reps, double* macs) {
+absl::StatusOr<double> StepMatMulSeconds(const cpu::CpuModelWeights& m, int n, int reps, double* macs) {
   std::vector<model::WeightView> all;
-  for (const model::LlamaLayer& l : m.layers()) {
-    for (const model::WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
-      all.push_back(*w);
+  for (const cpu::CpuModelWeights::Layer& l : m.layers()) {
+    for (const cpu::KernelWeight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
+      all.push_back(w->view);
   }
-  all.push_back(m.output());
+  all.push_back(m.output().view);
   int64_t width = 0, rows = 0;
   *macs = 0;
   for (const model::WeightView& w : all) {
@@ -209,7 +209,7 @@ absl::StatusOr<double> StepMatMulSeconds(const model::LlamaModel& m, int n, int 
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     const auto start = Clock::now();
-    for (const model::LlamaLayer& l : m.layers()) {
+    for (const cpu::CpuModelWeights::Layer& l : m.layers()) {
       const cpu::MatMulOutput qkv[] = {{l.wq, y0.data()}, {l.wk, y1.data()}, {l.wv, y2.data()}};
       KVCACHE_RETURN_IF_ERROR(cpu::MatMulSameInput(qkv, x.data(), n));
       KVCACHE_RETURN_IF_ERROR(cpu::MatMul(l.wo, x.data(), n, y0.data()));
@@ -455,8 +455,8 @@ int Main() {
       put(report.ratio, "batch16_vs_single", level, batched[16] / batched[1]);
       // What bounds that ratio: a step of 16 sessions is no faster than its matmuls.
       double macs = 0;
-      absl::StatusOr<double> mm1 = StepMatMulSeconds(*s.model, 1, 5 * reps, &macs);  // 6 ms each
-      absl::StatusOr<double> mm16 = StepMatMulSeconds(*s.model, 16, reps, &macs);
+      absl::StatusOr<double> mm1 = StepMatMulSeconds(s.runner->weights(), 1, 5 * reps, &macs);  // 6 ms each
+      absl::StatusOr<double> mm16 = StepMatMulSeconds(s.runner->weights(), 16, reps, &macs);
       if (!mm1.ok()) return fail(mm1.status());
       if (!mm16.ok()) return fail(mm16.status());
       put(report.metrics, "step_matmuls_ms_1_token", level, *mm1 * 1e3);

@@ -9,6 +9,22 @@
 
 namespace kvcache::cpu {
 
+CpuModelWeights::CpuModelWeights(const model::LlamaModel& model) {
+  for (const model::LlamaLayer& l : model.layers()) {
+    layers_.push_back(
+        Layer{Bind(l.wq), Bind(l.wk), Bind(l.wv), Bind(l.wo), Bind(l.w_gate), Bind(l.w_up), Bind(l.w_down)});
+  }
+  output_ = Bind(model.output());
+}
+
+KernelWeight CpuModelWeights::Bind(const model::WeightView& w) {
+  std::vector<uint8_t> bytes = InterleaveRows16(w);
+  if (bytes.empty()) return KernelWeight(w);
+  interleaved_bytes_ += static_cast<int64_t>(bytes.size());
+  owned_.push_back(std::move(bytes));
+  return KernelWeight(w, owned_.back().data());  // a moved vector keeps its buffer
+}
+
 absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const model::LlamaModel* model,
                                                                        kv::KvCacheManager* kv,
                                                                        CpuRunnerOptions options) {
@@ -36,7 +52,7 @@ absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const mod
 
 CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManager* kv,
                                CpuRunnerOptions options, PageLayout layout, RopeTable rope)
-    : model_(model), kv_(kv), options_(options), layout_(layout), rope_(std::move(rope)) {
+    : model_(model), kv_(kv), options_(options), layout_(layout), rope_(std::move(rope)), weights_(*model) {
   const gguf::LlamaHparams& hp = model->hparams();
   const size_t t = static_cast<size_t>(options.max_batch_tokens);
   x_.resize(t * hp.n_embd);
@@ -99,10 +115,11 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   ap.sliding_window = static_cast<int>(hp.sliding_window);
   for (size_t l = 0; l < model_->layers().size(); ++l) {
     const model::LlamaLayer& L = model_->layers()[l];
+    const CpuModelWeights::Layer& W = weights_.layers()[l];
     // Attention block.
     RmsNorm(x_.data(), L.attn_norm.data(), t, d, eps, xn_.data());
     // q: [t][n_head][hd], k and v: [t][n_kv][hd]
-    const MatMulOutput qkv[] = {{L.wq, q_.data()}, {L.wk, k_.data()}, {L.wv, v_.data()}};
+    const MatMulOutput qkv[] = {{W.wq, q_.data()}, {W.wk, k_.data()}, {W.wv, v_.data()}};
     KVCACHE_RETURN_IF_ERROR(MatMulSameInput(qkv, xn_.data(), t));
     if (hp.qkv_bias) {
       for (int i = 0; i < t; ++i) {
@@ -127,14 +144,14 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     }
     ap.layer = static_cast<int>(l);
     KVCACHE_RETURN_IF_ERROR(PagedAttention(ap, seqs, q_.data(), att_.data()));  // att: [t][n_head][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.wo, att_.data(), t, tmp_.data()));         // [t][d]
+    KVCACHE_RETURN_IF_ERROR(MatMul(W.wo, att_.data(), t, tmp_.data()));         // [t][d]
     Add(x_.data(), tmp_.data(), int64_t{t} * d, x_.data());
     // Feed-forward block (SwiGLU).
     RmsNorm(x_.data(), L.ffn_norm.data(), t, d, eps, xn_.data());
-    const MatMulOutput gate_up[] = {{L.w_gate, gate_.data()}, {L.w_up, up_.data()}};  // [t][n_ff] each
+    const MatMulOutput gate_up[] = {{W.w_gate, gate_.data()}, {W.w_up, up_.data()}};  // [t][n_ff] each
     KVCACHE_RETURN_IF_ERROR(MatMulSameInput(gate_up, xn_.data(), t));
     SwiGlu(gate_.data(), up_.data(), int64_t{t} * hp.n_ff, gate_.data());
-    KVCACHE_RETURN_IF_ERROR(MatMul(L.w_down, gate_.data(), t, tmp_.data()));  // [t][d]
+    KVCACHE_RETURN_IF_ERROR(MatMul(W.w_down, gate_.data(), t, tmp_.data()));  // [t][d]
     Add(x_.data(), tmp_.data(), int64_t{t} * d, x_.data());
   }
 
@@ -145,7 +162,7 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   }
   RmsNorm(tmp_.data(), model_->output_norm().data(), n_want, d, eps, xn_.data());
   logits->resize(static_cast<size_t>(n_want) * hp.n_vocab);
-  if (n_want > 0) KVCACHE_RETURN_IF_ERROR(MatMul(model_->output(), xn_.data(), n_want, logits->data()));
+  if (n_want > 0) KVCACHE_RETURN_IF_ERROR(MatMul(weights_.output(), xn_.data(), n_want, logits->data()));
   return absl::OkStatus();
 }
 

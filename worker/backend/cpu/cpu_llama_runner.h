@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cpu/ops.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/kv/page_layout.h"
@@ -25,6 +26,33 @@
 #include "worker/model/model_runner.h"
 
 namespace kvcache::cpu {
+
+// A model's matrices as the CPU kernels take them: each with its InterleaveRows16
+// copy where its type has one (matmul.h), built once. Every step then reads the
+// copies (as large as the matrices they cover), not the file's mapping, whose
+// pages read once here stay in the page cache, clean and reclaimable.
+class CpuModelWeights {
+ public:
+  explicit CpuModelWeights(const model::LlamaModel& model);
+  CpuModelWeights(const CpuModelWeights&) = delete;
+  CpuModelWeights& operator=(const CpuModelWeights&) = delete;
+
+  struct Layer {
+    KernelWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+  const std::vector<Layer>& layers() const { return layers_; }
+  const KernelWeight& output() const { return output_; }
+  // Bytes of the interleaved copies.
+  int64_t interleaved_bytes() const { return interleaved_bytes_; }
+
+ private:
+  KernelWeight Bind(const model::WeightView& w);
+
+  std::vector<std::vector<uint8_t>> owned_;  // the copies the KernelWeights point into
+  std::vector<Layer> layers_;
+  KernelWeight output_;
+  int64_t interleaved_bytes_ = 0;
+};
 
 struct CpuRunnerOptions {
   int max_batch_tokens = 512;  // new tokens per Forward (sizes the scratch buffers)
@@ -43,6 +71,9 @@ class CpuLlamaRunner : public model::ModelRunner {
   int max_batch_tokens() const override { return options_.max_batch_tokens; }
   absl::Status Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) override;
 
+  // The matrices every Forward multiplies by.
+  const CpuModelWeights& weights() const { return weights_; }
+
  private:
   CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManager* kv, CpuRunnerOptions options,
                  kv::PageLayout layout, RopeTable rope);
@@ -52,6 +83,7 @@ class CpuLlamaRunner : public model::ModelRunner {
   const CpuRunnerOptions options_;
   const kv::PageLayout layout_;
   const RopeTable rope_;
+  const CpuModelWeights weights_;
 
   // Scratch, sized for max_batch_tokens rows.
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_;

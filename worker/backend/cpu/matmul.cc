@@ -26,8 +26,9 @@ using gguf::GgmlType;
 
 // A quantised-weight x Q8-activation product, as every level's kernels see it.
 struct QuantJob {
-  GgmlType type;     // IsIntegerDotType(type)
-  const uint8_t* w;  // [rows][w_stride bytes]
+  GgmlType type;      // IsIntegerDotType(type)
+  const uint8_t* w;   // [rows][w_stride bytes]
+  const uint8_t* wi;  // InterleaveRows16(w) (rows / 16 groups), or nullptr
   int64_t rows;
   int64_t w_stride;  // RowBytes(type, cols)
   int64_t nb;        // 32-blocks per row = cols / 32 (a multiple of 8 for k-quants)
@@ -38,6 +39,9 @@ struct QuantJob {
   float* y;          // [n_tokens][y_stride]
   int64_t y_stride;
 };
+
+// Rows per group of InterleaveRows16 (one zmm of f32 lanes; two ymm halves).
+constexpr int kInterleaveRows = 16;
 
 // ---- Scalar reference kernels (level kScalar) ----
 
@@ -267,6 +271,7 @@ const Kernels& KernelsFor(CpuKernelLevel level) {
 // Rows per parallel work unit of the dot path (a multiple of every kR) and per
 // dequantised sgemm tile (64 rows x cols f32 stays within L2 for cols <= 2048).
 constexpr int64_t kDotRowChunk = 16;
+static_assert(kDotRowChunk % kInterleaveRows == 0, "parts start at interleaved groups");
 constexpr int64_t kSgemmRowTile = 64;
 // Rows per loop index of the dot path: a few contiguous parts per thread, so
 // that each thread streams long runs of rows (the hardware prefetcher and the
@@ -312,6 +317,7 @@ int ThreadsFor(int64_t weight_bytes, int n_tokens) {
 struct QuantOut {
   GgmlType type;  // IsIntegerDotType(type)
   const uint8_t* w;
+  const uint8_t* wi;  // as QuantJob's
   int64_t rows;
   int64_t row_bytes;
   float* y;
@@ -346,7 +352,7 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   absl::InlinedVector<Part, 64> parts;
   for (const QuantOut& o : outs) {
     jobs.push_back(
-        QuantJob{o.type, o.w, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, o.y, o.y_stride});
+        QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, o.y, o.y_stride});
     const int64_t part = RowsPerPart(o.rows, n_threads);
     for (int64_t r0 = 0; r0 < o.rows; r0 += part) {
       parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, std::min(o.rows, r0 + part)});
@@ -422,8 +428,50 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
   }
 }
 
-absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens, float* y,
+bool HasInterleavedLayout(GgmlType type) {
+  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ8_0;
+}
+
+std::vector<uint8_t> InterleaveRows16(const WeightView& w) {
+  int64_t block_bytes, scale_bytes;  // one row's block; a group block's f16 scales
+  switch (w.type) {
+    case GgmlType::kQ4_0:
+      block_bytes = sizeof(gguf::BlockQ4_0), scale_bytes = 32;
+      break;
+    case GgmlType::kQ4_1:
+      block_bytes = sizeof(gguf::BlockQ4_1), scale_bytes = 64;
+      break;
+    case GgmlType::kQ8_0:
+      block_bytes = sizeof(gguf::BlockQ8_0), scale_bytes = 32;
+      break;
+    default:
+      return {};
+  }
+  if (w.data == nullptr || w.rows < kInterleaveRows || w.cols <= 0 || w.cols % 32 != 0) return {};
+  const int64_t nb = w.cols / 32, row_bytes = nb * block_bytes, groups = w.rows / kInterleaveRows;
+  const int64_t quant_bytes = block_bytes - scale_bytes / kInterleaveRows;  // 16 or 32
+  std::vector<uint8_t> out(static_cast<size_t>(groups * kInterleaveRows * row_bytes));
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* dst = out.data() + (g * nb + b) * kInterleaveRows * block_bytes;
+      for (int r = 0; r < kInterleaveRows; ++r) {
+        const uint8_t* blk = src + (g * kInterleaveRows + r) * row_bytes + b * block_bytes;
+        // Scales: d of the 16 rows, then (Q4_1) m of the 16 rows, f16 each.
+        for (int64_t k = 0; k < scale_bytes / 32; ++k) std::memcpy(dst + 32 * k + 2 * r, blk + 2 * k, 2);
+        // Quants: 4 bytes of each row per 64-byte step, rows in order.
+        const uint8_t* qs = blk + scale_bytes / kInterleaveRows;
+        for (int64_t j = 0; j < quant_bytes / 4; ++j)
+          std::memcpy(dst + scale_bytes + 64 * j + 4 * r, qs + 4 * j, 4);
+      }
+    }
+  });
+  return out;
+}
+
+absl::Status MatMul(const KernelWeight& kw, const float* x, int64_t x_stride, int n_tokens, float* y,
                     int64_t y_stride, MatMulPath path) {
+  const WeightView& w = kw.view;
   const gguf::GgmlTypeTraits* traits = gguf::GetTypeTraits(static_cast<uint32_t>(w.type));
   if (traits == nullptr) {
     return absl::InvalidArgumentError(
@@ -495,7 +543,7 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
 
   const int64_t n_chunks = (rows + kDotRowChunk - 1) / kDotRowChunk;
   if (quant) {
-    const QuantOut out{w.type, wbytes, rows, *row_bytes, y, y_stride};
+    const QuantOut out{w.type, wbytes, kw.interleaved, rows, *row_bytes, y, y_stride};
     RunQuantProducts(k, {&out, 1}, x, x_stride, cols, n_tokens, n_threads);
     return absl::OkStatus();
   }
@@ -529,24 +577,25 @@ absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n
 
 absl::Status MatMulSameInput(absl::Span<const MatMulOutput> outs, const float* x, int n_tokens) {
   if (outs.empty()) return absl::OkStatus();
-  const int64_t cols = outs[0].w.cols;
+  const int64_t cols = outs[0].w.view.cols;
   bool fused = n_tokens > 0 && n_tokens < SgemmMinTokens() && cols > 0 && x != nullptr;
   int64_t weight_bytes = 0;
   absl::InlinedVector<QuantOut, 3> qouts;
   for (const MatMulOutput& o : outs) {
-    if (o.w.cols != cols) {
+    if (o.w.view.cols != cols) {
       return absl::InvalidArgumentError(
-          absl::StrCat("MatMulSameInput: cols ", o.w.cols, " differ from the first product's ", cols));
+          absl::StrCat("MatMulSameInput: cols ", o.w.view.cols, " differ from the first product's ", cols));
     }
   }
   for (const MatMulOutput& o : outs) {
-    const absl::StatusOr<int64_t> row_bytes = gguf::RowBytes(o.w.type, o.w.cols);
-    fused = fused && IsIntegerDotType(o.w.type) && row_bytes.ok() && o.w.rows > 0 && o.w.data != nullptr &&
+    const WeightView& w = o.w.view;
+    const absl::StatusOr<int64_t> row_bytes = gguf::RowBytes(w.type, w.cols);
+    fused = fused && IsIntegerDotType(w.type) && row_bytes.ok() && w.rows > 0 && w.data != nullptr &&
             o.y != nullptr;
     if (!fused) break;
-    weight_bytes += o.w.rows * *row_bytes;
-    qouts.push_back(
-        QuantOut{o.w.type, static_cast<const uint8_t*>(o.w.data), o.w.rows, *row_bytes, o.y, o.w.rows});
+    weight_bytes += w.rows * *row_bytes;
+    qouts.push_back(QuantOut{w.type, static_cast<const uint8_t*>(w.data), o.w.interleaved, w.rows, *row_bytes,
+                             o.y, w.rows});
   }
   if (!fused) {
     // The general route, with MatMul's own checks and errors.

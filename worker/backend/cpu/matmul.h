@@ -13,7 +13,10 @@
 // reads the weights once. Rows go in groups of 8, one per f32 lane; from 4 tokens
 // on, a group is first re-laid in per-thread scratch so that one instruction
 // covers 4 values of every row of the group (maddubs, 8 rows; at the AVX-512
-// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Every route of both
+// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Q4_0, Q4_1 and Q8_0 can
+// skip that per-call work: InterleaveRows16 lays a matrix out that way once (the
+// CPU runner does so at load, CpuModelWeights), and every token count then reads
+// it straight from memory. Every route of both
 // vector levels rounds exactly as the scalar reference kernel does, so a token's
 // result does not depend on the batch, the route or the machine's level
 // (cpu_kernels_test, IntegerDotEqualsScalarBitForBit). F32 weights use an FMA
@@ -33,6 +36,7 @@
 #define KVCACHE_WORKER_BACKEND_CPU_MATMUL_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -41,9 +45,33 @@
 
 namespace kvcache::cpu {
 
-// The model layer's weight matrix (worker/model/weight_view.h), as the kernels
-// take it.
+// The model layer's weight matrix (worker/model/weight_view.h).
 using model::WeightView;
+
+// A weight matrix as MatMul takes it: the model's view and, optionally, the same
+// matrix re-laid once by InterleaveRows16. The vector kernels then read the
+// interleaved bytes for every whole group of 16 rows (every token count: a decode
+// step and a batch of 16 sessions read the same bytes, and neither re-lays the
+// weights per call); the scalar kernels, the sgemm route and the rows after the
+// last whole group read `view`. Both must hold the same matrix.
+struct KernelWeight {
+  KernelWeight() = default;
+  KernelWeight(const WeightView& v) : view(v) {}  // NOLINT(google-explicit-constructor)
+  KernelWeight(const WeightView& v, const uint8_t* i) : view(v), interleaved(i) {}
+  WeightView view;
+  const uint8_t* interleaved = nullptr;  // InterleaveRows16(view)'s bytes, or nullptr
+};
+
+// `w` re-laid for the kernels in groups of 16 rows (the first rows / 16 * 16 rows),
+// the same size as those rows: each 32-value block of a group holds its 16 rows'
+// scales, then its quants so that one 64-byte load gives 4 consecutive values of
+// all 16 rows (a maddubs or vpdpbusd operand, no shuffling per call; see
+// matmul_x86.inc). Q4_0, Q4_1 and Q8_0 have this layout; for other types, or
+// fewer than 16 rows, the result is empty. Runs once per matrix at load.
+std::vector<uint8_t> InterleaveRows16(const WeightView& w);
+
+// True for the types InterleaveRows16 re-lays: Q4_0, Q4_1, Q8_0.
+bool HasInterleavedLayout(gguf::GgmlType type);
 
 enum class MatMulPath {
   kAuto,   // kDot below SgemmMinTokens() tokens, kSgemm from there on
@@ -51,23 +79,24 @@ enum class MatMulPath {
   kSgemm,  // dequantise row tiles to f32, then cblas_sgemm per tile
 };
 
-// y = x · wᵀ. x: [n_tokens][x_stride] (first w.cols used), y: [n_tokens][y_stride]
-// (first w.rows written).
-// REQUIRES: w.data holds w.rows * RowBytes(w.type, w.cols) bytes; x and y do not
-//   overlap; x_stride >= w.cols; y_stride >= w.rows; n_tokens >= 0.
+// y = x · wᵀ. x: [n_tokens][x_stride] (first cols used), y: [n_tokens][y_stride]
+// (first rows written), with w.view's rows and cols.
+// REQUIRES: w.view.data holds rows * RowBytes(type, cols) bytes; w.interleaved is
+//   null or InterleaveRows16(w.view)'s bytes; x and y do not overlap;
+//   x_stride >= cols; y_stride >= rows; n_tokens >= 0.
 // INVALID_ARGUMENT for bad shapes (cols not a whole number of blocks, strides too
 // small), UNIMPLEMENTED for a weight type DequantizeRow cannot decode.
-absl::Status MatMul(const WeightView& w, const float* x, int64_t x_stride, int n_tokens, float* y,
+absl::Status MatMul(const KernelWeight& w, const float* x, int64_t x_stride, int n_tokens, float* y,
                     int64_t y_stride, MatMulPath path = MatMulPath::kAuto);
 
-// Dense strides: x [n_tokens][w.cols], y [n_tokens][w.rows].
-inline absl::Status MatMul(const WeightView& w, const float* x, int n_tokens, float* y) {
-  return MatMul(w, x, w.cols, n_tokens, y, w.rows);
+// Dense strides: x [n_tokens][cols], y [n_tokens][rows].
+inline absl::Status MatMul(const KernelWeight& w, const float* x, int n_tokens, float* y) {
+  return MatMul(w, x, w.view.cols, n_tokens, y, w.view.rows);
 }
 
 // One product of MatMulSameInput: y [n_tokens][w.rows] = x · wᵀ.
 struct MatMulOutput {
-  WeightView w;
+  KernelWeight w;
   float* y;
 };
 
@@ -76,7 +105,7 @@ struct MatMulOutput {
 // type and the dot route applies, they share one quantisation of x and one
 // parallel loop (a layer's q/k/v or gate/up projections: fewer loops a step);
 // otherwise they run one by one. Errors as MatMul's.
-// REQUIRES: every out.w.cols equal.
+// REQUIRES: every out.w.view.cols equal.
 absl::Status MatMulSameInput(absl::Span<const MatMulOutput> outs, const float* x, int n_tokens);
 
 // True for the weight types with integer-dot kernels (see above): Q4_0, Q4_1,

@@ -8,7 +8,8 @@
 //               over the dequantise path those types took before their integer
 //               kernels (DequantizeRow to f32 per 16-row chunk, then an f32 dot)
 //   decode_*:   every linear layer of one SmolLM2 decode step (30 layers + tied
-//               output; ~96 MB of Q4_1/Q8_0), batch 1 and 16
+//               output; ~96 MB of Q4_1/Q8_0), batch 1 and 16, as the runner holds
+//               them (InterleaveRows16), against the stored layout (baseline)
 //   prefill_*:  GFLOP/s at 256 tokens, integer kernel and dequant+sgemm, against a
 //               baseline of OpenBLAS sgemm on pre-dequantised f32 weights (same run)
 //   prefill_types_*: integer kernel vs dequant+sgemm GFLOP/s of every integer-dot
@@ -132,11 +133,19 @@ void DequantMatVec(const WeightView& w, const float* x, float* y, int threads) {
   });
 }
 
+// A matrix as the CPU runner holds it: the stored bytes and, where the type has
+// one, the InterleaveRows16 layout that every step reads.
 struct Linear {
+  Linear(GgmlType t, int64_t r, int64_t c, std::vector<uint8_t> b)
+      : type(t), rows(r), cols(c), bytes(std::move(b)), inter(InterleaveRows16(stored())) {}
   GgmlType type;
   int64_t rows, cols;
   std::vector<uint8_t> bytes;
-  WeightView view() const { return {type, bytes.data(), rows, cols}; }
+  std::vector<uint8_t> inter;
+  WeightView stored() const { return {type, bytes.data(), rows, cols}; }
+  KernelWeight view() const {
+    return inter.empty() ? KernelWeight(stored()) : KernelWeight(stored(), inter.data());
+  }
 };
 
 }  // namespace
@@ -177,12 +186,13 @@ int main(int argc, char** argv) {
     if (!want("matvec")) break;
     const int64_t bytes = s.rows * *kvcache::gguf::RowBytes(s.type, s.cols);
     const int copies = static_cast<int>(std::max<int64_t>(1, (int64_t{128} << 20) / bytes));
-    std::vector<std::vector<uint8_t>> ws;
-    for (int c = 0; c < copies; ++c) ws.push_back(RandomWeights(s.type, s.rows, s.cols, c));
+    std::vector<Linear> ws;
+    for (int c = 0; c < copies; ++c)
+      ws.emplace_back(s.type, s.rows, s.cols, RandomWeights(s.type, s.rows, s.cols, c));
     for (int batch : {1, 4, 16}) {
       int next = 0;
       const double t = TimeIt([&] {
-        const WeightView w{s.type, ws[next].data(), s.rows, s.cols};
+        const KernelWeight w = ws[next].view();
         next = (next + 1) % copies;
         (void)MatMul(w, x.data(), batch, y.data());
       });
@@ -208,11 +218,12 @@ int main(int argc, char** argv) {
         if (cols % kvcache::gguf::TypeTraits(type).block_size != 0) continue;
         const int64_t bytes = rows * *kvcache::gguf::RowBytes(type, cols);
         const int copies = static_cast<int>(std::max<int64_t>(1, (int64_t{128} << 20) / bytes));
-        std::vector<std::vector<uint8_t>> ws;
-        for (int c = 0; c < copies; ++c) ws.push_back(RandomWeights(type, rows, cols, 100 + c));
+        std::vector<Linear> ws;
+        for (int c = 0; c < copies; ++c)
+          ws.emplace_back(type, rows, cols, RandomWeights(type, rows, cols, 100 + c));
         int next = 0;
         auto view = [&] {
-          const WeightView w{type, ws[next].data(), rows, cols};
+          const KernelWeight w = ws[next].view();
           next = (next + 1) % copies;
           return w;
         };
@@ -220,7 +231,7 @@ int main(int argc, char** argv) {
             absl::StrCat("types_", kvcache::gguf::TypeName(type), "_", cols, "x", rows, "_b1");
         // The dequantise path does not depend on the kernel level beyond its f32 dot;
         // it is measured at the machine's best level.
-        const double t_deq = TimeIt([&] { DequantMatVec(view(), xt.data(), yt.data(), threads); });
+        const double t_deq = TimeIt([&] { DequantMatVec(view().view, xt.data(), yt.data(), threads); });
         report.baseline[key + "_dequant_gb_per_s"] = bytes / t_deq / 1e9;
         for (CpuKernelLevel level : SupportedCpuKernelLevels()) {
           if (level == CpuKernelLevel::kScalar) continue;
@@ -263,6 +274,14 @@ int main(int argc, char** argv) {
     report.metrics[absl::StrCat("decode_matmuls_b", batch, "_tokens_per_s")] = batch / t;
     report.metrics[absl::StrCat("decode_matmuls_b", batch, "_weight_gb_per_s")] = model_bytes / t / 1e9;
     if (batch == 16) report.ratio["decode_matmuls_b16_vs_b1_throughput"] = 16 * step_b1 / t;
+    // The same products on the stored layout (each call re-lays its groups).
+    const double t_stored = TimeIt(
+        [&] {
+          for (const Linear& lin : model) (void)MatMul(lin.stored(), x.data(), batch, y.data());
+        },
+        0.3, 5);
+    report.baseline[absl::StrCat("decode_matmuls_b", batch, "_stored_layout_ms")] = t_stored * 1e3;
+    report.ratio[absl::StrCat("decode_matmuls_b", batch, "_interleaved_vs_stored")] = t_stored / t;
   }
   if (want("decode")) report.ratio["decode_matmuls_b1_weight_bw_fraction"] = model_bytes / step_b1 / bw;
 

@@ -2,12 +2,14 @@
 // every kernel level this machine supports (scalar, avx2, avx512).
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "common/gguf/fp16.h"
@@ -295,6 +297,56 @@ TEST_P(CpuKernelsTest, IntegerDotEqualsScalarBitForBit) {
       }
     }
   }
+}
+
+// The interleaved layout (InterleaveRows16, what the CPU runner multiplies by) gives
+// the scalar reference's result bit for bit, at every token count and through both
+// entry points; rows after the last whole group of 16 take the stored layout.
+TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
+  std::mt19937 rng(31);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    // 16: one group; 45: two groups, a group of 8 and 5 single rows; 96 x 1536: the
+    // shape of a down projection's rows, 48 blocks a row.
+    for (const auto& [rows, cols] :
+         std::vector<std::pair<int64_t, int64_t>>{{16, 32}, {45, 160}, {96, 1536}}) {
+      const TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
+      const std::vector<uint8_t> inter = InterleaveRows16(w.view);
+      ASSERT_EQ(static_cast<int64_t>(inter.size()), rows / 16 * 16 * *gguf::RowBytes(type, cols));
+      ASSERT_NE(inter, std::vector<uint8_t>(w.bytes.begin(), w.bytes.begin() + inter.size()))
+          << "re-laid bytes equal the stored ones: the layout is not exercised";
+      const KernelWeight kw(w.view, inter.data());
+      for (int n_tokens : {1, 2, 3, 4, 5, 7, 16, 19}) {
+        SCOPED_TRACE(::testing::Message()
+                     << gguf::TypeName(type) << " " << rows << "x" << cols << " n_tokens=" << n_tokens);
+        const std::vector<float> x = RandomVec(rng, n_tokens * cols, -3.0f, 3.0f);
+        std::vector<float> y(static_cast<size_t>(n_tokens * rows)), y_same(y.size()), y_ref(y.size());
+        ASSERT_TRUE(MatMul(kw, x.data(), cols, n_tokens, y.data(), rows, MatMulPath::kDot).ok());
+        const MatMulOutput same[] = {{kw, y_same.data()}};
+        {
+          const ScopedSgemmMinTokens dot_route(INT_MAX);  // the scalar level's default is sgemm
+          ASSERT_TRUE(MatMulSameInput(same, x.data(), n_tokens).ok());
+        }
+        ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
+        ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y_ref.data(), rows, MatMulPath::kDot).ok());
+        ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok());
+        for (size_t i = 0; i < y.size(); ++i) {
+          ASSERT_EQ(y[i], y_ref[i]) << "t=" << i / rows << " r=" << i % rows;
+          ASSERT_EQ(y_same[i], y_ref[i]) << "MatMulSameInput t=" << i / rows << " r=" << i % rows;
+        }
+      }
+    }
+  }
+}
+
+TEST(InterleaveRows16Test, OnlyTheTypesWithTheLayoutAndWholeGroups) {
+  std::mt19937 rng(3);
+  EXPECT_TRUE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_1, 15, 64).view).empty());
+  EXPECT_FALSE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_1, 16, 64).view).empty());
+  for (GgmlType type : {GgmlType::kQ5_0, GgmlType::kQ4_K, GgmlType::kQ6_K}) {
+    EXPECT_TRUE(InterleaveRows16(MakeRandomBlockWeights(rng, type, 32, 256).view).empty())
+        << gguf::TypeName(type);
+  }
+  EXPECT_TRUE(InterleaveRows16(MakeWeights(rng, GgmlType::kF32, 32, 256).view).empty());
 }
 
 TEST(MatMulTypesTest, IntegerDotTypesAreTheDeployedQuants) {
