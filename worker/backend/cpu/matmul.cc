@@ -429,27 +429,37 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
 }
 
 bool HasInterleavedLayout(GgmlType type) {
-  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ8_0;
+  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ5_0 ||
+         type == GgmlType::kQ8_0;
 }
 
 std::vector<uint8_t> InterleaveRows16(const WeightView& w) {
-  int64_t block_bytes, scale_bytes;  // one row's block; a group block's f16 scales
+  // A row's block: its head fields (f16 d, then Q4_1's f16 m or Q5_0's 32 fifth
+  // bits), then its quant bytes. A group block holds each field of the 16 rows side
+  // by side, in order, then the quants in 64-byte steps of 4 bytes per row.
+  int64_t block_bytes;
+  absl::InlinedVector<int64_t, 2> fields;  // head field sizes in bytes
   switch (w.type) {
     case GgmlType::kQ4_0:
-      block_bytes = sizeof(gguf::BlockQ4_0), scale_bytes = 32;
+      block_bytes = sizeof(gguf::BlockQ4_0), fields = {2};
       break;
     case GgmlType::kQ4_1:
-      block_bytes = sizeof(gguf::BlockQ4_1), scale_bytes = 64;
+      block_bytes = sizeof(gguf::BlockQ4_1), fields = {2, 2};
+      break;
+    case GgmlType::kQ5_0:
+      block_bytes = sizeof(gguf::BlockQ5_0), fields = {2, 4};
       break;
     case GgmlType::kQ8_0:
-      block_bytes = sizeof(gguf::BlockQ8_0), scale_bytes = 32;
+      block_bytes = sizeof(gguf::BlockQ8_0), fields = {2};
       break;
     default:
       return {};
   }
   if (w.data == nullptr || w.rows < kInterleaveRows || w.cols <= 0 || w.cols % 32 != 0) return {};
   const int64_t nb = w.cols / 32, row_bytes = nb * block_bytes, groups = w.rows / kInterleaveRows;
-  const int64_t quant_bytes = block_bytes - scale_bytes / kInterleaveRows;  // 16 or 32
+  int64_t head = 0;  // a row's head bytes
+  for (int64_t f : fields) head += f;
+  const int64_t quant_bytes = block_bytes - head;  // 16 or 32
   std::vector<uint8_t> out(static_cast<size_t>(groups * kInterleaveRows * row_bytes));
   const auto* src = static_cast<const uint8_t*>(w.data);
   ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
@@ -457,12 +467,14 @@ std::vector<uint8_t> InterleaveRows16(const WeightView& w) {
       uint8_t* dst = out.data() + (g * nb + b) * kInterleaveRows * block_bytes;
       for (int r = 0; r < kInterleaveRows; ++r) {
         const uint8_t* blk = src + (g * kInterleaveRows + r) * row_bytes + b * block_bytes;
-        // Scales: d of the 16 rows, then (Q4_1) m of the 16 rows, f16 each.
-        for (int64_t k = 0; k < scale_bytes / 32; ++k) std::memcpy(dst + 32 * k + 2 * r, blk + 2 * k, 2);
-        // Quants: 4 bytes of each row per 64-byte step, rows in order.
-        const uint8_t* qs = blk + scale_bytes / kInterleaveRows;
+        int64_t at = 0, from = 0;  // the field's region in dst, its offset in blk
+        for (int64_t f : fields) {
+          std::memcpy(dst + at + f * r, blk + from, static_cast<size_t>(f));
+          at += f * kInterleaveRows;
+          from += f;
+        }
         for (int64_t j = 0; j < quant_bytes / 4; ++j)
-          std::memcpy(dst + scale_bytes + 64 * j + 4 * r, qs + 4 * j, 4);
+          std::memcpy(dst + at + 64 * j + 4 * r, blk + head + 4 * j, 4);
       }
     }
   });

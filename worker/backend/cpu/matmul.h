@@ -13,7 +13,7 @@
 // reads the weights once. Rows go in groups of 8, one per f32 lane; from 4 tokens
 // on, a group is first re-laid in per-thread scratch so that one instruction
 // covers 4 values of every row of the group (maddubs, 8 rows; at the AVX-512
-// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Q4_0, Q4_1 and Q8_0 can
+// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Q4_0, Q4_1, Q5_0 and Q8_0 can
 // skip that per-call work: InterleaveRows16 lays a matrix out that way once (the
 // CPU runner does so at load, CpuModelWeights), and every token count then reads
 // it straight from memory. Every route of both
@@ -66,11 +66,11 @@ struct KernelWeight {
 // the same size as those rows: each 32-value block of a group holds its 16 rows'
 // scales, then its quants so that one 64-byte load gives 4 consecutive values of
 // all 16 rows (a maddubs or vpdpbusd operand, no shuffling per call; see
-// matmul_x86.inc). Q4_0, Q4_1 and Q8_0 have this layout; for other types, or
+// matmul_x86.inc). Q4_0, Q4_1, Q5_0 and Q8_0 have this layout; for other types, or
 // fewer than 16 rows, the result is empty. Runs once per matrix at load.
 std::vector<uint8_t> InterleaveRows16(const WeightView& w);
 
-// True for the types InterleaveRows16 re-lays: Q4_0, Q4_1, Q8_0.
+// True for the types InterleaveRows16 re-lays: Q4_0, Q4_1, Q5_0, Q8_0.
 bool HasInterleavedLayout(gguf::GgmlType type);
 
 enum class MatMulPath {

@@ -304,7 +304,7 @@ TEST_P(CpuKernelsTest, IntegerDotEqualsScalarBitForBit) {
 // entry points; rows after the last whole group of 16 take the stored layout.
 TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
   std::mt19937 rng(31);
-  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0}) {
     // 16: one group; 45: two groups, a group of 8 and 5 single rows; 96 x 1536: the
     // shape of a down projection's rows, 48 blocks a row.
     for (const auto& [rows, cols] :
@@ -342,7 +342,7 @@ TEST(InterleaveRows16Test, OnlyTheTypesWithTheLayoutAndWholeGroups) {
   std::mt19937 rng(3);
   EXPECT_TRUE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_1, 15, 64).view).empty());
   EXPECT_FALSE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_1, 16, 64).view).empty());
-  for (GgmlType type : {GgmlType::kQ5_0, GgmlType::kQ4_K, GgmlType::kQ6_K}) {
+  for (GgmlType type : {GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K}) {
     EXPECT_TRUE(InterleaveRows16(MakeRandomBlockWeights(rng, type, 32, 256).view).empty())
         << gguf::TypeName(type);
   }
