@@ -29,7 +29,7 @@ namespace kvcache::cpu {
 
 // A model's matrices as the CPU kernels take them: each with its InterleaveRows16
 // copy where its type has one (matmul.h), built once. Every step then reads the
-// copies (as large as the matrices they cover), not the file's mapping, whose
+// copies (about as large as the matrices they cover), not the file's mapping, whose
 // pages read once here stay in the page cache, clean and reclaimable.
 class CpuModelWeights {
  public:

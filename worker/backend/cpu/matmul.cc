@@ -430,10 +430,57 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
 
 bool HasInterleavedLayout(GgmlType type) {
   return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ5_0 ||
-         type == GgmlType::kQ8_0;
+         type == GgmlType::kQ8_0 || type == GgmlType::kQ4_K || type == GgmlType::kQ5_K;
 }
 
+// InterleaveRows16 for Q4_K/Q5_K: each super-block of 256 values of the group's
+// 16 rows as d[16] f16, dmin[16] f16, then per sub-block j its 16 rows' 6-bit
+// scales and then mins as bytes (32 bytes a sub-block), then (Q5_K) the fifth
+// bits qh in 8 steps of 4 bytes per row, then the quants: per pair of sub-blocks
+// (2i, 2i + 1) 8 steps of 4 bytes per row (low nibbles sub-block 2i, high 2i + 1).
+namespace {
+std::vector<uint8_t> InterleaveKRows16(const WeightView& w) {
+  const bool five = w.type == GgmlType::kQ5_K;
+  const int64_t block_bytes = five ? sizeof(gguf::BlockQ5_K) : sizeof(gguf::BlockQ4_K);
+  const int64_t group_block = kInterleaveRows * block_bytes + 64;  // 16 x 12 packed scale bytes -> 256
+  const int64_t nsb = w.cols / 256, row_bytes = nsb * block_bytes, groups = w.rows / kInterleaveRows;
+  const size_t qs = five ? offsetof(gguf::BlockQ5_K, qs) : offsetof(gguf::BlockQ4_K, qs);
+  std::vector<uint8_t> out(static_cast<size_t>(groups * nsb * group_block));
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      uint8_t* dst = out.data() + (g * nsb + sb) * group_block;
+      for (int r = 0; r < kInterleaveRows; ++r) {
+        const uint8_t* blk = src + (g * kInterleaveRows + r) * row_bytes + sb * block_bytes;
+        std::memcpy(dst + 2 * r, blk, 2);           // d
+        std::memcpy(dst + 32 + 2 * r, blk + 2, 2);  // dmin
+        for (int j = 0; j < 8; ++j) {
+          int scale, min;
+          ScaleMinK4Scalar(j, blk + 4, &scale, &min);
+          dst[64 + 32 * j + r] = static_cast<uint8_t>(scale);
+          dst[64 + 32 * j + 16 + r] = static_cast<uint8_t>(min);
+        }
+        uint8_t* q = dst + 320;
+        if (five) {
+          for (int k = 0; k < 8; ++k)
+            std::memcpy(q + 64 * k + 4 * r, blk + offsetof(gguf::BlockQ5_K, qh) + 4 * k, 4);
+          q += 512;
+        }
+        for (int i = 0; i < 4; ++i) {
+          for (int k = 0; k < 8; ++k) std::memcpy(q + 512 * i + 64 * k + 4 * r, blk + qs + 32 * i + 4 * k, 4);
+        }
+      }
+    }
+  });
+  return out;
+}
+}  // namespace
+
 std::vector<uint8_t> InterleaveRows16(const WeightView& w) {
+  if (w.data == nullptr || w.rows < kInterleaveRows || w.cols <= 0 || w.cols % 32 != 0) return {};
+  if (w.type == GgmlType::kQ4_K || w.type == GgmlType::kQ5_K) {
+    return w.cols % 256 == 0 ? InterleaveKRows16(w) : std::vector<uint8_t>{};
+  }
   // A row's block: its head fields (f16 d, then Q4_1's f16 m or Q5_0's 32 fifth
   // bits), then its quant bytes. A group block holds each field of the 16 rows side
   // by side, in order, then the quants in 64-byte steps of 4 bytes per row.
@@ -455,7 +502,6 @@ std::vector<uint8_t> InterleaveRows16(const WeightView& w) {
     default:
       return {};
   }
-  if (w.data == nullptr || w.rows < kInterleaveRows || w.cols <= 0 || w.cols % 32 != 0) return {};
   const int64_t nb = w.cols / 32, row_bytes = nb * block_bytes, groups = w.rows / kInterleaveRows;
   int64_t head = 0;  // a row's head bytes
   for (int64_t f : fields) head += f;
