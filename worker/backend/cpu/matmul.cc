@@ -428,10 +428,7 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
   }
 }
 
-bool HasInterleavedLayout(GgmlType type) {
-  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ5_0 ||
-         type == GgmlType::kQ8_0 || type == GgmlType::kQ4_K || type == GgmlType::kQ5_K;
-}
+bool HasInterleavedLayout(GgmlType type) { return IsIntegerDotType(type); }
 
 // InterleaveRows16 for Q4_K/Q5_K: each super-block of 256 values of the group's
 // 16 rows as d[16] f16, dmin[16] f16, then per sub-block j its 16 rows' 6-bit
@@ -474,12 +471,43 @@ std::vector<uint8_t> InterleaveKRows16(const WeightView& w) {
   });
   return out;
 }
+
+// InterleaveRows16 for Q6_K, per super-block of the group's 16 rows: d[16] f16;
+// the 16 sub-blocks' int8 scales of the 16 rows (16 bytes a sub-block); ql's 4
+// chunks of 32 bytes and qh's 2, each in 8 steps of 4 bytes per row. The same size.
+std::vector<uint8_t> InterleaveQ6KRows16(const WeightView& w) {
+  constexpr int64_t kBlock = sizeof(gguf::BlockQ6_K), kGroupBlock = kInterleaveRows * kBlock;
+  const int64_t nsb = w.cols / 256, row_bytes = nsb * kBlock, groups = w.rows / kInterleaveRows;
+  std::vector<uint8_t> out(static_cast<size_t>(groups * nsb * kGroupBlock));
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      uint8_t* dst = out.data() + (g * nsb + sb) * kGroupBlock;
+      for (int r = 0; r < kInterleaveRows; ++r) {
+        const auto& blk = *reinterpret_cast<const gguf::BlockQ6_K*>(
+            src + (g * kInterleaveRows + r) * row_bytes + sb * kBlock);
+        std::memcpy(dst + 2 * r, &blk.d, 2);
+        for (int i = 0; i < 16; ++i) dst[32 + 16 * i + r] = static_cast<uint8_t>(blk.scales[i]);
+        for (int c = 0; c < 4; ++c) {
+          for (int k = 0; k < 8; ++k)
+            std::memcpy(dst + 288 + 512 * c + 64 * k + 4 * r, blk.ql + 32 * c + 4 * k, 4);
+        }
+        for (int c = 0; c < 2; ++c) {
+          for (int k = 0; k < 8; ++k)
+            std::memcpy(dst + 2336 + 512 * c + 64 * k + 4 * r, blk.qh + 32 * c + 4 * k, 4);
+        }
+      }
+    }
+  });
+  return out;
+}
 }  // namespace
 
 std::vector<uint8_t> InterleaveRows16(const WeightView& w) {
   if (w.data == nullptr || w.rows < kInterleaveRows || w.cols <= 0 || w.cols % 32 != 0) return {};
-  if (w.type == GgmlType::kQ4_K || w.type == GgmlType::kQ5_K) {
-    return w.cols % 256 == 0 ? InterleaveKRows16(w) : std::vector<uint8_t>{};
+  if (w.type == GgmlType::kQ4_K || w.type == GgmlType::kQ5_K || w.type == GgmlType::kQ6_K) {
+    if (w.cols % 256 != 0) return {};
+    return w.type == GgmlType::kQ6_K ? InterleaveQ6KRows16(w) : InterleaveKRows16(w);
   }
   // A row's block: its head fields (f16 d, then Q4_1's f16 m or Q5_0's 32 fifth
   // bits), then its quant bytes. A group block holds each field of the 16 rows side

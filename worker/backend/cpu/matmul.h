@@ -13,7 +13,7 @@
 // reads the weights once. Rows go in groups of 8, one per f32 lane; from 4 tokens
 // on, a group is first re-laid in per-thread scratch so that one instruction
 // covers 4 values of every row of the group (maddubs, 8 rows; at the AVX-512
-// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Every type but Q6_K can
+// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Every such type can
 // skip that per-call work: InterleaveRows16 lays a matrix out that way once (the
 // CPU runner does so at load, CpuModelWeights), and every token count then reads
 // it straight from memory. Every route of both vector levels rounds exactly as
@@ -65,14 +65,14 @@ struct KernelWeight {
 // `w` re-laid for the kernels in groups of 16 rows (the first rows / 16 * 16 rows):
 // each 32-value block of a group holds its 16 rows' scales, then its quants so
 // that one 64-byte load gives 4 consecutive values of all 16 rows (a maddubs or
-// vpdpbusd operand, no shuffling per call; see matmul_x86.inc). Q4_0, Q4_1, Q5_0
-// and Q8_0 keep their size; Q4_K and Q5_K (whole super-blocks of 256, their 6-bit
-// scales and mins stored as bytes) take 64 bytes more per 16 rows and super-block,
-// 2-3%. Other types, fewer than 16 rows or k-quant rows not a multiple of 256 give
-// an empty result. Runs once per matrix, at load, on the compute pool.
+// vpdpbusd operand, no shuffling per call; see matmul_x86.inc). Every
+// integer-dot type has this layout; all keep their size except Q4_K and Q5_K,
+// whose 6-bit scales and mins are stored as bytes: 64 bytes more per 16 rows and
+// super-block of 256, 2-3%. Other types, or fewer than 16 rows, give an empty
+// result. Runs once per matrix, at load, on the compute pool.
 std::vector<uint8_t> InterleaveRows16(const WeightView& w);
 
-// True for the types InterleaveRows16 re-lays: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K.
+// True for the types InterleaveRows16 re-lays: those of IsIntegerDotType.
 bool HasInterleavedLayout(gguf::GgmlType type);
 
 enum class MatMulPath {

@@ -305,7 +305,7 @@ TEST_P(CpuKernelsTest, IntegerDotEqualsScalarBitForBit) {
 TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
   std::mt19937 rng(31);
   for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
-                        GgmlType::kQ5_K}) {
+                        GgmlType::kQ5_K, GgmlType::kQ6_K}) {
     const int64_t block = gguf::GetTypeTraits(static_cast<uint32_t>(type))->block_size;
     // 16 rows: one group; 45: two groups, a group of 8 and 5 single rows; 96 x 1536:
     // a down projection's row width.
@@ -313,8 +313,9 @@ TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
          std::vector<std::pair<int64_t, int64_t>>{{16, block}, {45, 5 * block}, {96, 1536}}) {
       const TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
       const std::vector<uint8_t> inter = InterleaveRows16(w.view);
-      // k-quants store their 6-bit scales as bytes: 64 more per group super-block.
-      const int64_t extra = block == 256 ? rows / 16 * (cols / 256) * 64 : 0;
+      // Q4_K/Q5_K store their 6-bit scales as bytes: 64 more per group super-block.
+      const int64_t extra =
+          type == GgmlType::kQ4_K || type == GgmlType::kQ5_K ? rows / 16 * (cols / 256) * 64 : 0;
       ASSERT_EQ(static_cast<int64_t>(inter.size()), rows / 16 * 16 * *gguf::RowBytes(type, cols) + extra);
       ASSERT_NE(std::vector<uint8_t>(inter.begin(), inter.begin() + 64),
                 std::vector<uint8_t>(w.bytes.begin(), w.bytes.begin() + 64))
@@ -343,21 +344,18 @@ TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
   }
 }
 
-TEST(InterleaveRows16Test, OnlyTheTypesWithTheLayoutAndWholeGroups) {
+TEST(InterleaveRows16Test, EveryIntegerDotTypeInWholeGroups) {
   std::mt19937 rng(3);
   EXPECT_TRUE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_1, 15, 64).view).empty());
   EXPECT_FALSE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_1, 16, 64).view).empty());
-  EXPECT_FALSE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_K, 16, 256).view).empty());
-  for (GgmlType type : {GgmlType::kQ6_K}) {
-    EXPECT_TRUE(InterleaveRows16(MakeRandomBlockWeights(rng, type, 32, 256).view).empty())
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
+                        GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    EXPECT_TRUE(HasInterleavedLayout(type)) << gguf::TypeName(type);
+    EXPECT_FALSE(InterleaveRows16(MakeRandomBlockWeights(rng, type, 16, 256).view).empty())
         << gguf::TypeName(type);
   }
+  EXPECT_FALSE(HasInterleavedLayout(GgmlType::kF32));
   EXPECT_TRUE(InterleaveRows16(MakeWeights(rng, GgmlType::kF32, 32, 256).view).empty());
-  for (GgmlType type :
-       {GgmlType::kQ4_0, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ5_K}) {
-    EXPECT_TRUE(HasInterleavedLayout(type)) << gguf::TypeName(type);
-  }
-  EXPECT_FALSE(HasInterleavedLayout(GgmlType::kQ6_K));
 }
 
 TEST(MatMulTypesTest, IntegerDotTypesAreTheDeployedQuants) {
