@@ -126,10 +126,9 @@ int main(int argc, char** argv) {
   for (const auto& [name, e] : types) {
     const GgmlType type = e.type;
     const char* route = type == GgmlType::kF32 ? "f32 FMA kernel (norm weights are f32 too)"
-                        : kvcache::cpu::HasInterleavedLayout(type)
-                            ? "integer dot with 8-bit activations, weights re-laid in 16-row groups at load"
-                        : kvcache::cpu::IsIntegerDotType(type) ? "integer dot with 8-bit activations"
-                                                               : "dequantised to f32 per call (slow path)";
+                        : kvcache::cpu::IsIntegerDotType(type)
+                            ? "integer dot with 8-bit activations, re-laid in 16-row groups at load"
+                            : "dequantised to f32 per call (slow path)";
     printf("  %-8s %4d tensors %12lld bytes  %s\n", name.c_str(), e.count, static_cast<long long>(e.bytes),
            route);
   }

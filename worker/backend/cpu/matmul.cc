@@ -428,8 +428,6 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
   }
 }
 
-bool HasInterleavedLayout(GgmlType type) { return IsIntegerDotType(type); }
-
 // InterleaveRows16 for Q4_K/Q5_K: each super-block of 256 values of the group's
 // 16 rows as d[16] f16, dmin[16] f16, then per sub-block j its 16 rows' 6-bit
 // scales and then mins as bytes (32 bytes a sub-block), then (Q5_K) the fifth

@@ -66,14 +66,11 @@ struct KernelWeight {
 // each 32-value block of a group holds its 16 rows' scales, then its quants so
 // that one 64-byte load gives 4 consecutive values of all 16 rows (a maddubs or
 // vpdpbusd operand, no shuffling per call; see matmul_x86.inc). Every
-// integer-dot type has this layout; all keep their size except Q4_K and Q5_K,
-// whose 6-bit scales and mins are stored as bytes: 64 bytes more per 16 rows and
-// super-block of 256, 2-3%. Other types, or fewer than 16 rows, give an empty
-// result. Runs once per matrix, at load, on the compute pool.
+// IsIntegerDotType type has this layout, the same size as the rows it covers,
+// except Q4_K and Q5_K, whose 6-bit scales and mins are stored as bytes: 64 bytes
+// more per 16 rows and super-block of 256, 2-3%. Other types, or fewer than 16
+// rows, give an empty result. Runs once per matrix, at load, on the compute pool.
 std::vector<uint8_t> InterleaveRows16(const WeightView& w);
-
-// True for the types InterleaveRows16 re-lays: those of IsIntegerDotType.
-bool HasInterleavedLayout(gguf::GgmlType type);
 
 enum class MatMulPath {
   kAuto,   // kDot below SgemmMinTokens() tokens, kSgemm from there on
