@@ -10,17 +10,18 @@
 // vpdpbusd). K-quant super-blocks of 256 are read as 8 blocks of 32, each with its
 // sub-block scale(s) and min, against the same Q8 activations. Each weight row is
 // dotted against all tokens while it is in L1, so a decode step of 16 sessions
-// reads the weights once. Rows go in groups of 8, one per f32 lane; from 4 tokens
-// on, a group is first re-laid in per-thread scratch so that one instruction
-// covers 4 values of every row of the group (maddubs, 8 rows; at the AVX-512
-// level vpdpbusd on zmm, 16 rows; see matmul_x86.inc). Every such type can
-// skip that per-call work: InterleaveRows16 lays a matrix out that way once (the
-// CPU runner does so at load, CpuModelWeights), and every token count then reads
-// it straight from memory. Every route of both vector levels rounds exactly as
-// the scalar reference kernel does, so a token's result does not depend on the
-// batch, the route, the layout or the machine's level (cpu_kernels_test,
-// IntegerDotEqualsScalarBitForBit, InterleavedWeightsEqualScalarBitForBit). F32 weights use an FMA
-// kernel; every other type DequantizeRow()s tiles of rows to f32.
+// reads the weights once. The kernels want a matrix re-laid once by
+// InterleaveRows16 (the CPU runner does so at load, CpuModelWeights): groups of 16
+// rows whose blocks hold 4 values of every row per 64 bytes, so that one
+// instruction covers 4 values of 8 rows (AVX2 maddubs, one f32 lane a row) or of
+// 16 (AVX-512 VNNI vpdpbusd on zmm), for any token count. Rows outside whole
+// groups, and matrices passed without that layout, are dotted row by row from the
+// stored layout in groups of 8 (see matmul_x86.inc). Every route of both vector
+// levels rounds exactly as the scalar reference kernel does, so a token's result
+// does not depend on the batch, the route, the layout or the machine's level
+// (cpu_kernels_test, IntegerDotEqualsScalarBitForBit,
+// InterleavedWeightsEqualScalarBitForBit). F32 weights use an FMA kernel; every
+// other type DequantizeRow()s tiles of rows to f32.
 // From `SgemmMinTokens()` tokens on (prefill), tiles of dequantised rows go to
 // OpenBLAS sgemm instead when that is faster (see MatMulPath).
 //
