@@ -25,6 +25,8 @@
 #include "tests/common/gguf/reference_data.h"
 #include "tests/worker/model/greedy_reference.h"
 #include "worker/backend/cpu/cpu_features.h"
+#include "worker/backend/cpu/cpu_llama_runner.h"
+#include "worker/backend/cpu/matmul.h"
 #include "worker/model/llama_model.h"
 #include "worker/model/sampler.h"
 
@@ -67,6 +69,28 @@ class LlamaReferenceTest : public ::testing::Test {
 };
 
 model::LlamaModel* LlamaReferenceTest::model_ = nullptr;
+
+// The runner multiplies by load-time re-laid copies (InterleaveRows16) of every
+// quantised matrix of the model: without them each step would take the slower
+// row-by-row route with the same results, which no other test would notice.
+TEST_F(LlamaReferenceTest, RunnerHoldsEveryQuantisedMatrixInterleaved) {
+  const cpu::CpuModelWeights weights(*model_);
+  int64_t bytes = 0;
+  auto check = [&](const cpu::KernelWeight& w) {
+    ASSERT_TRUE(cpu::IsIntegerDotType(w.view.type));
+    ASSERT_NE(w.interleaved, nullptr);
+    ASSERT_EQ(w.view.rows % 16, 0);  // SmolLM2: every matrix in whole groups
+    bytes += w.view.rows * *gguf::RowBytes(w.view.type, w.view.cols);
+  };
+  ASSERT_EQ(weights.layers().size(), model_->layers().size());
+  for (const cpu::CpuModelWeights::Layer& l : weights.layers()) {
+    for (const cpu::KernelWeight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+      ASSERT_NO_FATAL_FAILURE(check(*w));
+    }
+  }
+  ASSERT_NO_FATAL_FAILURE(check(weights.output()));
+  EXPECT_EQ(weights.interleaved_bytes(), bytes);  // Q4_1 and Q8_0 keep their size
+}
 
 TEST_F(LlamaReferenceTest, GreedyAndLogitsMatchLlamaCpp) {
   auto ref = testing::LoadReference("llamacpp_greedy.json");

@@ -42,6 +42,20 @@ struct QuantJob {
 
 // Rows per group of InterleaveRows16 (one zmm of f32 lanes; two ymm halves).
 constexpr int kInterleaveRows = 16;
+// Byte offsets in a group super-block of InterleaveRows16's k-quant layouts, which
+// InterleaveKRows16 / InterleaveQ6KRows16 write and the kernels read.
+// Q4_K/Q5_K: d[16] f16 at 0, dmin[16] at 32, per sub-block j the 16 scales then
+// the 16 mins at kIKScales + 32 j, Q5_K's fifth bits at kIK5Qh (8 steps of 64),
+// then the quants (4 pairs of sub-blocks x 8 steps of 64).
+constexpr int64_t kIKScales = 64;
+constexpr int64_t kIK5Qh = kIKScales + 8 * 32;
+constexpr int64_t kIK4Qs = kIK5Qh;
+constexpr int64_t kIK5Qs = kIK5Qh + 8 * 64;
+// Q6_K: d[16] at 0, the 16 sub-blocks' scales at kIQ6Scales + 16 i, ql (4 chunks
+// x 8 steps of 64) at kIQ6Ql, qh (2 chunks x 8 steps) at kIQ6Qh.
+constexpr int64_t kIQ6Scales = 32;
+constexpr int64_t kIQ6Ql = kIQ6Scales + 16 * 16;
+constexpr int64_t kIQ6Qh = kIQ6Ql + 4 * 8 * 64;
 
 // ---- Scalar reference kernels (level kScalar) ----
 
@@ -438,6 +452,8 @@ std::vector<uint8_t> InterleaveKRows16(const WeightView& w) {
   const bool five = w.type == GgmlType::kQ5_K;
   const int64_t block_bytes = five ? sizeof(gguf::BlockQ5_K) : sizeof(gguf::BlockQ4_K);
   const int64_t group_block = kInterleaveRows * block_bytes + 64;  // 16 x 12 packed scale bytes -> 256
+  static_assert(kIK4Qs + 4 * 8 * 64 == kInterleaveRows * sizeof(gguf::BlockQ4_K) + 64);
+  static_assert(kIK5Qs + 4 * 8 * 64 == kInterleaveRows * sizeof(gguf::BlockQ5_K) + 64);
   const int64_t nsb = w.cols / 256, row_bytes = nsb * block_bytes, groups = w.rows / kInterleaveRows;
   const size_t qs = five ? offsetof(gguf::BlockQ5_K, qs) : offsetof(gguf::BlockQ4_K, qs);
   std::vector<uint8_t> out(static_cast<size_t>(groups * nsb * group_block));
@@ -452,15 +468,14 @@ std::vector<uint8_t> InterleaveKRows16(const WeightView& w) {
         for (int j = 0; j < 8; ++j) {
           int scale, min;
           ScaleMinK4Scalar(j, blk + 4, &scale, &min);
-          dst[64 + 32 * j + r] = static_cast<uint8_t>(scale);
-          dst[64 + 32 * j + 16 + r] = static_cast<uint8_t>(min);
+          dst[kIKScales + 32 * j + r] = static_cast<uint8_t>(scale);
+          dst[kIKScales + 32 * j + 16 + r] = static_cast<uint8_t>(min);
         }
-        uint8_t* q = dst + 320;
         if (five) {
           for (int k = 0; k < 8; ++k)
-            std::memcpy(q + 64 * k + 4 * r, blk + offsetof(gguf::BlockQ5_K, qh) + 4 * k, 4);
-          q += 512;
+            std::memcpy(dst + kIK5Qh + 64 * k + 4 * r, blk + offsetof(gguf::BlockQ5_K, qh) + 4 * k, 4);
         }
+        uint8_t* q = dst + (five ? kIK5Qs : kIK4Qs);
         for (int i = 0; i < 4; ++i) {
           for (int k = 0; k < 8; ++k) std::memcpy(q + 512 * i + 64 * k + 4 * r, blk + qs + 32 * i + 4 * k, 4);
         }
@@ -475,6 +490,7 @@ std::vector<uint8_t> InterleaveKRows16(const WeightView& w) {
 // chunks of 32 bytes and qh's 2, each in 8 steps of 4 bytes per row. The same size.
 std::vector<uint8_t> InterleaveQ6KRows16(const WeightView& w) {
   constexpr int64_t kBlock = sizeof(gguf::BlockQ6_K), kGroupBlock = kInterleaveRows * kBlock;
+  static_assert(kIQ6Qh + 2 * 8 * 64 == kGroupBlock);
   const int64_t nsb = w.cols / 256, row_bytes = nsb * kBlock, groups = w.rows / kInterleaveRows;
   std::vector<uint8_t> out(static_cast<size_t>(groups * nsb * kGroupBlock));
   const auto* src = static_cast<const uint8_t*>(w.data);
@@ -485,14 +501,14 @@ std::vector<uint8_t> InterleaveQ6KRows16(const WeightView& w) {
         const auto& blk = *reinterpret_cast<const gguf::BlockQ6_K*>(
             src + (g * kInterleaveRows + r) * row_bytes + sb * kBlock);
         std::memcpy(dst + 2 * r, &blk.d, 2);
-        for (int i = 0; i < 16; ++i) dst[32 + 16 * i + r] = static_cast<uint8_t>(blk.scales[i]);
+        for (int i = 0; i < 16; ++i) dst[kIQ6Scales + 16 * i + r] = static_cast<uint8_t>(blk.scales[i]);
         for (int c = 0; c < 4; ++c) {
           for (int k = 0; k < 8; ++k)
-            std::memcpy(dst + 288 + 512 * c + 64 * k + 4 * r, blk.ql + 32 * c + 4 * k, 4);
+            std::memcpy(dst + kIQ6Ql + 512 * c + 64 * k + 4 * r, blk.ql + 32 * c + 4 * k, 4);
         }
         for (int c = 0; c < 2; ++c) {
           for (int k = 0; k < 8; ++k)
-            std::memcpy(dst + 2336 + 512 * c + 64 * k + 4 * r, blk.qh + 32 * c + 4 * k, 4);
+            std::memcpy(dst + kIQ6Qh + 512 * c + 64 * k + 4 * r, blk.qh + 32 * c + 4 * k, 4);
         }
       }
     }
