@@ -442,27 +442,43 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
   }
 }
 
-// InterleaveRows16 for Q4_K/Q5_K: each super-block of 256 values of the group's
-// 16 rows as d[16] f16, dmin[16] f16, then per sub-block j its 16 rows' 6-bit
-// scales and then mins as bytes (32 bytes a sub-block), then (Q5_K) the fifth
-// bits qh in 8 steps of 4 bytes per row, then the quants: per pair of sub-blocks
-// (2i, 2i + 1) 8 steps of 4 bytes per row (low nibbles sub-block 2i, high 2i + 1).
 namespace {
+
+// What every InterleaveRows16 layout shares: a row is a run of units (a 32-value
+// block, or a k-quant super-block of 256) of unit_bytes each; the 16 rows' unit u
+// of a group become group_unit_bytes of the result, written by
+// place(dst, unit, r) for each row r. Groups go over the compute pool.
+template <class Place>
+std::vector<uint8_t> InterleaveUnits(const WeightView& w, int64_t unit_values, int64_t unit_bytes,
+                                     int64_t group_unit_bytes, Place place) {
+  const int64_t units = w.cols / unit_values, row_bytes = units * unit_bytes,
+                groups = w.rows / kInterleaveRows;
+  std::vector<uint8_t> out(static_cast<size_t>(groups * units * group_unit_bytes));
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
+    for (int64_t u = 0; u < units; ++u) {
+      uint8_t* dst = out.data() + (g * units + u) * group_unit_bytes;
+      for (int r = 0; r < kInterleaveRows; ++r)
+        place(dst, src + (g * kInterleaveRows + r) * row_bytes + u * unit_bytes, r);
+    }
+  });
+  return out;
+}
+
+// Q4_K/Q5_K, per super-block of 256 values of the group's 16 rows: d[16] f16,
+// dmin[16] f16, then per sub-block j its 16 rows' 6-bit scales and then mins as
+// bytes (32 bytes a sub-block), then (Q5_K) the fifth bits qh in 8 steps of 4 bytes
+// per row, then the quants: per pair of sub-blocks (2i, 2i + 1) 8 steps of 4 bytes
+// per row (low nibbles sub-block 2i, high 2i + 1).
 std::vector<uint8_t> InterleaveKRows16(const WeightView& w) {
   const bool five = w.type == GgmlType::kQ5_K;
   const int64_t block_bytes = five ? sizeof(gguf::BlockQ5_K) : sizeof(gguf::BlockQ4_K);
-  const int64_t group_block = kInterleaveRows * block_bytes + 64;  // 16 x 12 packed scale bytes -> 256
   static_assert(kIK4Qs + 4 * 8 * 64 == kInterleaveRows * sizeof(gguf::BlockQ4_K) + 64);
   static_assert(kIK5Qs + 4 * 8 * 64 == kInterleaveRows * sizeof(gguf::BlockQ5_K) + 64);
-  const int64_t nsb = w.cols / 256, row_bytes = nsb * block_bytes, groups = w.rows / kInterleaveRows;
   const size_t qs = five ? offsetof(gguf::BlockQ5_K, qs) : offsetof(gguf::BlockQ4_K, qs);
-  std::vector<uint8_t> out(static_cast<size_t>(groups * nsb * group_block));
-  const auto* src = static_cast<const uint8_t*>(w.data);
-  ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      uint8_t* dst = out.data() + (g * nsb + sb) * group_block;
-      for (int r = 0; r < kInterleaveRows; ++r) {
-        const uint8_t* blk = src + (g * kInterleaveRows + r) * row_bytes + sb * block_bytes;
+  // 16 x 12 packed scale bytes become 16 x 16 bytes: 64 more a group super-block.
+  return InterleaveUnits(
+      w, 256, block_bytes, kInterleaveRows * block_bytes + 64, [&](uint8_t* dst, const uint8_t* blk, int r) {
         std::memcpy(dst + 2 * r, blk, 2);           // d
         std::memcpy(dst + 32 + 2 * r, blk + 2, 2);  // dmin
         for (int j = 0; j < 8; ++j) {
@@ -479,27 +495,18 @@ std::vector<uint8_t> InterleaveKRows16(const WeightView& w) {
         for (int i = 0; i < 4; ++i) {
           for (int k = 0; k < 8; ++k) std::memcpy(q + 512 * i + 64 * k + 4 * r, blk + qs + 32 * i + 4 * k, 4);
         }
-      }
-    }
-  });
-  return out;
+      });
 }
 
-// InterleaveRows16 for Q6_K, per super-block of the group's 16 rows: d[16] f16;
-// the 16 sub-blocks' int8 scales of the 16 rows (16 bytes a sub-block); ql's 4
-// chunks of 32 bytes and qh's 2, each in 8 steps of 4 bytes per row. The same size.
+// Q6_K, per super-block of the group's 16 rows: d[16] f16; the 16 sub-blocks'
+// int8 scales of the 16 rows (16 bytes a sub-block); ql's 4 chunks of 32 bytes and
+// qh's 2, each in 8 steps of 4 bytes per row. The same size.
 std::vector<uint8_t> InterleaveQ6KRows16(const WeightView& w) {
-  constexpr int64_t kBlock = sizeof(gguf::BlockQ6_K), kGroupBlock = kInterleaveRows * kBlock;
-  static_assert(kIQ6Qh + 2 * 8 * 64 == kGroupBlock);
-  const int64_t nsb = w.cols / 256, row_bytes = nsb * kBlock, groups = w.rows / kInterleaveRows;
-  std::vector<uint8_t> out(static_cast<size_t>(groups * nsb * kGroupBlock));
-  const auto* src = static_cast<const uint8_t*>(w.data);
-  ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      uint8_t* dst = out.data() + (g * nsb + sb) * kGroupBlock;
-      for (int r = 0; r < kInterleaveRows; ++r) {
-        const auto& blk = *reinterpret_cast<const gguf::BlockQ6_K*>(
-            src + (g * kInterleaveRows + r) * row_bytes + sb * kBlock);
+  constexpr int64_t kBlock = sizeof(gguf::BlockQ6_K);
+  static_assert(kIQ6Qh + 2 * 8 * 64 == kInterleaveRows * kBlock);
+  return InterleaveUnits(
+      w, 256, kBlock, kInterleaveRows * kBlock, [](uint8_t* dst, const uint8_t* bytes, int r) {
+        const auto& blk = *reinterpret_cast<const gguf::BlockQ6_K*>(bytes);
         std::memcpy(dst + 2 * r, &blk.d, 2);
         for (int i = 0; i < 16; ++i) dst[kIQ6Scales + 16 * i + r] = static_cast<uint8_t>(blk.scales[i]);
         for (int c = 0; c < 4; ++c) {
@@ -510,63 +517,52 @@ std::vector<uint8_t> InterleaveQ6KRows16(const WeightView& w) {
           for (int k = 0; k < 8; ++k)
             std::memcpy(dst + kIQ6Qh + 512 * c + 64 * k + 4 * r, blk.qh + 32 * c + 4 * k, 4);
         }
-      }
-    }
-  });
-  return out;
+      });
 }
+
+// Q4_0/Q4_1/Q5_0/Q8_0: a row's block is its head fields (f16 d, then Q4_1's f16 m
+// or Q5_0's 32 fifth bits), then its quant bytes. A group block holds each field
+// of the 16 rows side by side, in order, then the quants in 64-byte steps of 4
+// bytes per row.
+std::vector<uint8_t> InterleaveBlockRows16(const WeightView& w, int64_t block_bytes,
+                                           absl::InlinedVector<int64_t, 2> fields) {
+  int64_t head = 0;  // a row's head bytes
+  for (int64_t f : fields) head += f;
+  const int64_t quant_bytes = block_bytes - head;  // 16 or 32
+  return InterleaveUnits(w, 32, block_bytes, kInterleaveRows * block_bytes,
+                         [&](uint8_t* dst, const uint8_t* blk, int r) {
+                           int64_t at = 0, from = 0;  // the field's region in dst, its offset in blk
+                           for (int64_t f : fields) {
+                             std::memcpy(dst + at + f * r, blk + from, static_cast<size_t>(f));
+                             at += f * kInterleaveRows;
+                             from += f;
+                           }
+                           for (int64_t j = 0; j < quant_bytes / 4; ++j)
+                             std::memcpy(dst + at + 64 * j + 4 * r, blk + head + 4 * j, 4);
+                         });
+}
+
 }  // namespace
 
 std::vector<uint8_t> InterleaveRows16(const WeightView& w) {
   if (w.data == nullptr || w.rows < kInterleaveRows || w.cols <= 0 || w.cols % 32 != 0) return {};
-  if (w.type == GgmlType::kQ4_K || w.type == GgmlType::kQ5_K || w.type == GgmlType::kQ6_K) {
-    if (w.cols % 256 != 0) return {};
-    return w.type == GgmlType::kQ6_K ? InterleaveQ6KRows16(w) : InterleaveKRows16(w);
-  }
-  // A row's block: its head fields (f16 d, then Q4_1's f16 m or Q5_0's 32 fifth
-  // bits), then its quant bytes. A group block holds each field of the 16 rows side
-  // by side, in order, then the quants in 64-byte steps of 4 bytes per row.
-  int64_t block_bytes;
-  absl::InlinedVector<int64_t, 2> fields;  // head field sizes in bytes
   switch (w.type) {
     case GgmlType::kQ4_0:
-      block_bytes = sizeof(gguf::BlockQ4_0), fields = {2};
-      break;
+      return InterleaveBlockRows16(w, sizeof(gguf::BlockQ4_0), {2});
     case GgmlType::kQ4_1:
-      block_bytes = sizeof(gguf::BlockQ4_1), fields = {2, 2};
-      break;
+      return InterleaveBlockRows16(w, sizeof(gguf::BlockQ4_1), {2, 2});
     case GgmlType::kQ5_0:
-      block_bytes = sizeof(gguf::BlockQ5_0), fields = {2, 4};
-      break;
+      return InterleaveBlockRows16(w, sizeof(gguf::BlockQ5_0), {2, 4});
     case GgmlType::kQ8_0:
-      block_bytes = sizeof(gguf::BlockQ8_0), fields = {2};
-      break;
+      return InterleaveBlockRows16(w, sizeof(gguf::BlockQ8_0), {2});
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+      return w.cols % 256 == 0 ? InterleaveKRows16(w) : std::vector<uint8_t>{};
+    case GgmlType::kQ6_K:
+      return w.cols % 256 == 0 ? InterleaveQ6KRows16(w) : std::vector<uint8_t>{};
     default:
       return {};
   }
-  const int64_t nb = w.cols / 32, row_bytes = nb * block_bytes, groups = w.rows / kInterleaveRows;
-  int64_t head = 0;  // a row's head bytes
-  for (int64_t f : fields) head += f;
-  const int64_t quant_bytes = block_bytes - head;  // 16 or 32
-  std::vector<uint8_t> out(static_cast<size_t>(groups * kInterleaveRows * row_bytes));
-  const auto* src = static_cast<const uint8_t*>(w.data);
-  ComputePool::Get().ParallelFor(groups, NumThreads(), [&](int64_t g) {
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* dst = out.data() + (g * nb + b) * kInterleaveRows * block_bytes;
-      for (int r = 0; r < kInterleaveRows; ++r) {
-        const uint8_t* blk = src + (g * kInterleaveRows + r) * row_bytes + b * block_bytes;
-        int64_t at = 0, from = 0;  // the field's region in dst, its offset in blk
-        for (int64_t f : fields) {
-          std::memcpy(dst + at + f * r, blk + from, static_cast<size_t>(f));
-          at += f * kInterleaveRows;
-          from += f;
-        }
-        for (int64_t j = 0; j < quant_bytes / 4; ++j)
-          std::memcpy(dst + at + 64 * j + 4 * r, blk + head + 4 * j, 4);
-      }
-    }
-  });
-  return out;
 }
 
 absl::Status MatMul(const KernelWeight& kw, const float* x, int64_t x_stride, int n_tokens, float* y,
