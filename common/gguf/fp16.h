@@ -12,6 +12,7 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_fp16.h>
 #define KV_HD __host__ __device__
 #else
 #define KV_HD
@@ -32,8 +33,12 @@ KV_HD inline uint32_t FloatToBits(float f) {
   return bits;
 }
 
-// Exact: every f16 value (subnormals, infinities, NaN payloads) has an f32.
+// Exact: every f16 value (subnormals, infinities, NaN payloads) has an f32. In
+// device code, the hardware conversion (the same value for every non-NaN half).
 KV_HD inline float Fp16ToFp32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -47,6 +52,7 @@ KV_HD inline float Fp16ToFp32(uint16_t h) {
     mant <<= 1;
   } while ((mant & 0x400u) == 0);
   return BitsToFloat(sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13));
+#endif
 }
 
 // Round to nearest, ties to even; overflow gives infinity; NaN stays NaN.

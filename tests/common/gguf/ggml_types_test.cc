@@ -5,6 +5,7 @@
 #include <set>
 #include <vector>
 
+#include "common/gguf/dequant_chunk.h"
 #include "common/gguf/fp16.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
@@ -122,6 +123,37 @@ TEST(DequantizeTest, MatchesGgufPackageOnSyntheticBlocks) {
     EXPECT_EQ(exact, n) << name;
   }
   EXPECT_EQ(types_seen.size(), 10u);
+}
+
+// The chunk decoder the CUDA kernels run: the types it takes are exactly the
+// supported ones, and every chunk of a row equals DequantizeRow's values (for
+// block types DequantizeRow is built on it; the plain types have their own loop).
+TEST(DequantChunkTest, EveryChunkOfEverySupportedTypeEqualsDequantizeRow) {
+  int decodable = 0;
+  for (uint32_t raw = 0; raw < 40; ++raw) {
+    const GgmlTypeTraits* t = GetTypeTraits(raw);
+    if (t == nullptr) continue;
+    const GgmlType type = static_cast<GgmlType>(raw);
+    EXPECT_EQ(ChunkDecodable(type), t->supported) << t->name;
+    if (!t->supported) continue;
+    ++decodable;
+    const int64_t n = 512;
+    std::mt19937 rng(raw);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> x(n);
+    for (float& v : x) v = dist(rng);
+    std::vector<uint8_t> q(*RowBytes(type, n));
+    ASSERT_TRUE(QuantizeRow(type, x.data(), q.data(), n).ok());
+    std::vector<float> want(n);
+    ASSERT_TRUE(DequantizeRow(type, q.data(), want.data(), n).ok());
+    std::vector<float> got(n, -1.0f);
+    EXPECT_TRUE(VisitChunkType(type, [&](auto tag) {
+      for (int64_t c = 0; c < n / kChunk; ++c)
+        DequantChunk8<decltype(tag)::value>(q.data(), c, &got[c * kChunk]);
+    }));
+    EXPECT_EQ(got, want) << t->name;
+  }
+  EXPECT_EQ(decodable, 11);
 }
 
 class QuantizeRoundTripTest : public ::testing::TestWithParam<GgmlType> {};
