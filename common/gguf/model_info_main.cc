@@ -14,6 +14,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "common/flags_usage.h"
+#include "common/gguf/dequant_chunk.h"
 #include "common/gguf/ggml_types.h"
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/llama_hparams.h"
@@ -160,6 +161,22 @@ int main(int argc, char** argv) {
   }
   printf("weights: %lld bytes (mapped from the file on the CPU backend)\n",
          static_cast<long long>(weight_bytes));
+  // The CUDA runner uploads every matrix unchanged (worker/backend/cuda/weight_kernels.h).
+  int64_t matrix_bytes = 0, matrix_f16_bytes = 0;
+  bool device_reads_all = true;
+  for (const auto& t : f.tensors()) {
+    if (t.n_dims != 2) continue;
+    matrix_bytes += t.size_bytes;
+    matrix_f16_bytes += t.num_elements() * 2;
+    device_reads_all = device_reads_all && kvcache::gguf::ChunkDecodable(t.type) && t.ne[0] % 8 == 0;
+  }
+  if (device_reads_all) {
+    printf(
+        "CUDA backend: %lld bytes of matrices in device memory, kept in the file's encoding (as f16: %lld)\n",
+        static_cast<long long>(matrix_bytes), static_cast<long long>(matrix_f16_bytes));
+  } else {
+    printf("CUDA backend: cannot run this file (a matrix type or width its kernels do not read)\n");
+  }
 
   auto tok = kvcache::tok::Tokenizer::FromGguf(f);
   if (!tok.ok()) {

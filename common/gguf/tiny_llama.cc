@@ -88,10 +88,14 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
   if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
     return absl::InvalidArgumentError(absl::StrCat("tiny llama: unknown architecture ", arch));
   }
-  const int64_t block = TypeTraits(o.weight_type).block_size;
-  if (o.n_embd % block != 0 || o.n_ff % block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("tiny llama: n_embd and n_ff must be multiples of ", block,
-                                                   " for ", TypeName(o.weight_type)));
+  std::vector<GgmlType> matrix_types = {o.weight_type};
+  for (const auto& [suffix, type] : o.type_overrides) matrix_types.push_back(type);
+  for (GgmlType type : matrix_types) {
+    const int64_t block = TypeTraits(type).block_size;
+    if (o.n_embd % block != 0 || o.n_ff % block != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tiny llama: n_embd and n_ff must be multiples of ", block, " for ", TypeName(type)));
+    }
   }
 
   // Vocabulary.
@@ -175,7 +179,11 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
     return v;
   };
   auto matrix = [&](const std::string& name, int64_t ne0, int64_t ne1) {
-    return w.AddTensorFromFloats(name, o.weight_type, {ne0, ne1}, random(ne0 * ne1));
+    GgmlType type = o.weight_type;
+    for (const auto& [suffix, t] : o.type_overrides) {
+      if (absl::EndsWith(name, suffix)) type = t;
+    }
+    return w.AddTensorFromFloats(name, type, {ne0, ne1}, random(ne0 * ne1));
   };
   // Shapes in ggml order [ne0 = input features, ne1 = output features].
   KVCACHE_RETURN_IF_ERROR(matrix("token_embd.weight", o.n_embd, n_vocab));

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -43,6 +44,10 @@ struct TinyLlamaOptions {
   // Type of the 2-D weight matrices (token_embd, attention, FFN, output);
   // norms are always F32.
   GgmlType weight_type = GgmlType::kF32;
+  // Per-matrix exceptions: a matrix whose name ends with `first` (e.g.
+  // "attn_v.weight") takes type `second`, as llama.cpp's mixed quantisations do
+  // (Q4_K_M keeps V and FFN-down in Q6_K).
+  std::vector<std::pair<std::string, GgmlType>> type_overrides;
   float weight_scale = 0.05f;  // weights ~ uniform(-scale, scale)
   uint64_t seed = 1;
   int n_merges = 64;  // extra merge tokens after the 256 byte tokens

@@ -70,6 +70,33 @@ TEST(TinyLlamaOptionsTest, RejectsInconsistentShapes) {
   EXPECT_EQ(BuildTinyLlama(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(TinyLlamaOptionsTest, TypeOverridesPickMatricesBySuffix) {
+  TinyLlamaOptions o;
+  o.n_embd = 256;
+  o.n_ff = 512;
+  o.weight_type = GgmlType::kQ4_K;
+  o.type_overrides = {{"attn_v.weight", GgmlType::kQ6_K}, {"ffn_down.weight", GgmlType::kQ8_0}};
+  auto f = GgufFile::OpenFromBuffer(std::move(BuildTinyLlama(o)).value());
+  ASSERT_TRUE(f.ok()) << f.status();
+  int q6 = 0, q8 = 0, q4 = 0;
+  for (const auto& t : (*f)->tensors()) {
+    const bool v = t.name.find("attn_v.weight") != std::string::npos;
+    const bool down = t.name.find("ffn_down.weight") != std::string::npos;
+    EXPECT_EQ(t.type == GgmlType::kQ6_K, v) << t.name;
+    EXPECT_EQ(t.type == GgmlType::kQ8_0, down) << t.name;
+    q6 += t.type == GgmlType::kQ6_K;
+    q8 += t.type == GgmlType::kQ8_0;
+    q4 += t.type == GgmlType::kQ4_K;
+  }
+  EXPECT_EQ(q6, o.n_layer);
+  EXPECT_EQ(q8, o.n_layer);
+  EXPECT_EQ(q4, 1 + 5 * o.n_layer);  // token_embd; q, k, attn_output, gate, up
+  o.type_overrides = {{"ffn_down.weight", GgmlType::kQ6_K}};
+  o.n_ff = 320;  // not a multiple of 256
+  o.weight_type = GgmlType::kQ8_0;
+  EXPECT_EQ(BuildTinyLlama(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(TinyLlamaOptionsTest, WritesToDiskAndIsDeterministic) {
   TinyLlamaOptions o;
   const std::string path = ::testing::TempDir() + "/tiny.gguf";

@@ -61,9 +61,10 @@ class CudaBackend {
   // naming --tier0_bytes / --tier1_bytes.
   virtual kv::TierStorageFactory MakeTierStorageFactory() = 0;
 
-  // A forward pass on this device. Weights are dequantised to f16 and uploaded
-  // here. REQUIRES: `model` and `tier0` outlive the runner; `tier0` was made by
-  // this backend's factory (FAILED_PRECONDITION otherwise) with `shape`'s pages.
+  // A forward pass on this device. Weights are uploaded here in their file
+  // encoding (device memory = the file's matrix bytes). REQUIRES: `model` and
+  // `tier0` outlive the runner; `tier0` was made by this backend's factory
+  // (FAILED_PRECONDITION otherwise) with `shape`'s pages.
   virtual absl::StatusOr<model::ModelRunnerPtr> CreateRunner(const model::LlamaModel& model,
                                                              kv::TierStorage& tier0, const kv::KvShape& shape,
                                                              const CudaRunnerOptions& options) = 0;

@@ -13,42 +13,61 @@
 #include "worker/backend/cuda/attention.h"
 #include "worker/backend/cuda/cuda_check.h"
 #include "worker/backend/cuda/device_context.h"
-#include "worker/backend/cuda/embedding.h"
 #include "worker/backend/cuda/kernel_math.h"
 #include "worker/backend/cuda/norm_rope.h"
+#include "worker/backend/cuda/weight_kernels.h"
 #include "worker/model/rope.h"
 
 namespace kvcache::cuda {
 namespace {
 
-// Dequantises `views` (stacked by rows; equal cols) to one f16 device matrix.
-absl::StatusOr<DeviceBuffer> UploadF16(std::initializer_list<const model::WeightView*> views,
-                                       absl::string_view what) {
-  int64_t rows = 0;
+// A weight matrix on the device in its file encoding, or several matrices
+// stacked by rows (Q;K;V, gate;up). Stacked matrices of one type share one part
+// (one kernel or GEMM per step); a type change starts a new part, which writes
+// its rows at row_offset of the product.
+struct WeightPart {
+  DeviceBuffer buf;
+  DeviceWeight w;
+  int64_t row_offset = 0;
+};
+using StackedWeight = std::vector<WeightPart>;
+
+// Copies `views` (stacked by rows; equal cols) to the device unchanged.
+absl::StatusOr<StackedWeight> UploadWeights(std::initializer_list<const model::WeightView*> views,
+                                            absl::string_view what) {
   const int64_t cols = (*views.begin())->cols;
-  for (const model::WeightView* v : views) {
-    if (v->cols != cols || v->data == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": weights of different widths or missing"));
+  StackedWeight parts;
+  int64_t row_offset = 0;
+  for (auto first = views.begin(); first != views.end();) {
+    // [first, end): the run of views of first's type.
+    const gguf::GgmlType type = (*first)->type;
+    auto end = first;
+    int64_t rows = 0;
+    for (; end != views.end() && (*end)->type == type; ++end) {
+      if ((*end)->cols != cols || (*end)->data == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": weights of different widths or missing"));
+      }
+      rows += (*end)->rows;
     }
-    rows += v->rows;
-  }
-  std::vector<uint16_t> host(static_cast<size_t>(rows * cols));
-  std::vector<float> row(static_cast<size_t>(cols));
-  int64_t r_out = 0;
-  for (const model::WeightView* v : views) {
-    KVCACHE_ASSIGN_OR_RETURN(const int64_t row_bytes, gguf::RowBytes(v->type, v->cols));
-    for (int64_t r = 0; r < v->rows; ++r, ++r_out) {
-      KVCACHE_RETURN_IF_ERROR(gguf::DequantizeRow(
-          v->type, static_cast<const uint8_t*>(v->data) + r * row_bytes, row.data(), cols));
-      uint16_t* dst = host.data() + r_out * cols;
-      for (int64_t c = 0; c < cols; ++c) dst[c] = gguf::Fp32ToFp16(row[c]);
+    KVCACHE_RETURN_IF_ERROR(WeightKernelsSupport(type, cols));
+    KVCACHE_ASSIGN_OR_RETURN(const int64_t row_bytes, gguf::RowBytes(type, cols));
+    WeightPart part;
+    KVCACHE_ASSIGN_OR_RETURN(part.buf,
+                             DeviceBuffer::Allocate(rows * row_bytes, absl::StrCat("weights ", what)));
+    int64_t at = 0;
+    for (; first != end; ++first) {
+      const int64_t bytes = (*first)->rows * row_bytes;
+      KVCACHE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(part.buf.as<uint8_t>() + at, (*first)->data, bytes, cudaMemcpyHostToDevice),
+          absl::StrCat("upload ", what));
+      at += bytes;
     }
+    part.w = DeviceWeight{type, rows, cols, row_bytes, part.buf.as<uint8_t>()};
+    part.row_offset = row_offset;
+    row_offset += rows;
+    parts.push_back(std::move(part));
   }
-  KVCACHE_ASSIGN_OR_RETURN(DeviceBuffer buf,
-                           DeviceBuffer::Allocate(rows * cols * 2, absl::StrCat("weights ", what)));
-  KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpy(buf.get(), host.data(), host.size() * 2, cudaMemcpyHostToDevice),
-                               absl::StrCat("upload ", what));
-  return buf;
+  return parts;
 }
 
 absl::StatusOr<DeviceBuffer> UploadF32(const std::vector<float>& v, absl::string_view what) {
@@ -77,11 +96,19 @@ struct DeviceLayer {
   DeviceBuffer attn_norm, ffn_norm;  // f32 [n_embd]
   DeviceBuffer bqkv;                 // f32 [(n_head + 2 n_head_kv) hd] when hparams.qkv_bias
   DeviceBuffer q_norm, k_norm;       // f32 [hd] when hparams.qk_norm
-  DeviceBuffer wqkv;                 // f16 [(n_head + 2 n_head_kv) hd][n_embd]
-  DeviceBuffer wo;                   // f16 [n_embd][n_head hd]
-  DeviceBuffer w_gate_up;            // f16 [2 n_ff][n_embd]
-  DeviceBuffer w_down;               // f16 [n_embd][n_ff]
+  StackedWeight wqkv;                // [(n_head + 2 n_head_kv) hd][n_embd]
+  StackedWeight wo;                  // [n_embd][n_head hd]
+  StackedWeight w_gate_up;           // [2 n_ff][n_embd]
+  StackedWeight w_down;              // [n_embd][n_ff]
 };
+
+// Rows of f16 scratch that one DequantizeRowsToF16 + GEMM pass covers: at most
+// kDequantScratchElems elements (16 MiB), so a large matrix (an 8B model's FFN
+// or output head) is multiplied in row slices.
+constexpr int64_t kDequantScratchElems = int64_t{8} << 20;
+int64_t DequantSliceRows(const DeviceWeight& w) {
+  return std::min(w.rows, std::max<int64_t>(1, kDequantScratchElems / w.cols));
+}
 
 class CudaLlamaRunner final : public model::ModelRunner {
  public:
@@ -97,6 +124,10 @@ class CudaLlamaRunner final : public model::ModelRunner {
 
  private:
   absl::Status RunStep(int t, int n_want, int max_splits, int64_t meta_ints, std::vector<float>* logits);
+  // y[i][row_offset + r] (+)= W·x[i] for i < t over every part of W: MatVec for up
+  // to kMatVecMaxTokens tokens, else cuBLAS (on the f16 weights directly, or on
+  // slices dequantised into dequant_).
+  absl::Status MatMul(const StackedWeight& W, const uint16_t* x, int t, float* y, int64_t ldy, float beta);
 
   const model::LlamaModel& model_;
   CudaTierStorage& tier0_;
@@ -107,7 +138,9 @@ class CudaLlamaRunner final : public model::ModelRunner {
   int64_t qkv_rows_ = 0;
 
   std::vector<DeviceLayer> layers_;
-  DeviceBuffer embd_, output_, output_norm_, rope_;
+  StackedWeight embd_, output_;  // output_ empty when tied to embd_
+  DeviceBuffer output_norm_, rope_;
+  DeviceBuffer dequant_;  // f16 slices of quantised weights for cuBLAS
   // Activations for max_batch_tokens rows.
   DeviceBuffer x_, xn16_, qkv_, att16_, gate_up_, h16_;
   // Grown on demand.
@@ -130,7 +163,7 @@ absl::Status CudaLlamaRunner::Init() {
   const int64_t d = hp.n_embd, hd = hp.head_dim, ff = hp.n_ff;
   qkv_rows_ = (hp.n_head + 2 * hp.n_head_kv) * hd;
 
-  // Weights, dequantised to f16.
+  // Weights, in their file encoding.
   layers_.resize(model_.layers().size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     const model::LlamaLayer& L = model_.layers()[l];
@@ -138,7 +171,7 @@ absl::Status CudaLlamaRunner::Init() {
     const std::string n = absl::StrCat("layer ", l);
     KVCACHE_ASSIGN_OR_RETURN(D.attn_norm, UploadF32(L.attn_norm, n));
     KVCACHE_ASSIGN_OR_RETURN(D.ffn_norm, UploadF32(L.ffn_norm, n));
-    KVCACHE_ASSIGN_OR_RETURN(D.wqkv, UploadF16({&L.wq, &L.wk, &L.wv}, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.wqkv, UploadWeights({&L.wq, &L.wk, &L.wv}, n));
     if (hp.qkv_bias) {
       std::vector<float> b = L.bq;
       b.insert(b.end(), L.bk.begin(), L.bk.end());
@@ -149,13 +182,28 @@ absl::Status CudaLlamaRunner::Init() {
       KVCACHE_ASSIGN_OR_RETURN(D.q_norm, UploadF32(L.q_norm, n));
       KVCACHE_ASSIGN_OR_RETURN(D.k_norm, UploadF32(L.k_norm, n));
     }
-    KVCACHE_ASSIGN_OR_RETURN(D.wo, UploadF16({&L.wo}, n));
-    KVCACHE_ASSIGN_OR_RETURN(D.w_gate_up, UploadF16({&L.w_gate, &L.w_up}, n));
-    KVCACHE_ASSIGN_OR_RETURN(D.w_down, UploadF16({&L.w_down}, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.wo, UploadWeights({&L.wo}, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.w_gate_up, UploadWeights({&L.w_gate, &L.w_up}, n));
+    KVCACHE_ASSIGN_OR_RETURN(D.w_down, UploadWeights({&L.w_down}, n));
   }
-  KVCACHE_ASSIGN_OR_RETURN(embd_, UploadF16({&model_.token_embd()}, "token_embd"));
+  KVCACHE_ASSIGN_OR_RETURN(embd_, UploadWeights({&model_.token_embd()}, "token_embd"));
   if (model_.output().data != model_.token_embd().data) {
-    KVCACHE_ASSIGN_OR_RETURN(output_, UploadF16({&model_.output()}, "output"));
+    KVCACHE_ASSIGN_OR_RETURN(output_, UploadWeights({&model_.output()}, "output"));
+  }
+  // One f16 slice buffer, as large as the largest slice of a quantised matrix.
+  int64_t slice_elems = 0;
+  auto grow = [&](const StackedWeight& W) {
+    for (const WeightPart& p : W) {
+      if (p.w.type != gguf::GgmlType::kF16)
+        slice_elems = std::max(slice_elems, DequantSliceRows(p.w) * p.w.cols);
+    }
+  };
+  for (const DeviceLayer& D : layers_) {
+    for (const StackedWeight* W : {&D.wqkv, &D.wo, &D.w_gate_up, &D.w_down}) grow(*W);
+  }
+  grow(output_.empty() ? embd_ : output_);
+  if (options_.max_batch_tokens > kMatVecMaxTokens && slice_elems > 0) {
+    KVCACHE_ASSIGN_OR_RETURN(dequant_, DeviceBuffer::Allocate(slice_elems * 2, "dequantised weight slices"));
   }
   KVCACHE_ASSIGN_OR_RETURN(output_norm_, UploadF32(model_.output_norm(), "output_norm"));
   std::vector<float> rope(static_cast<size_t>(max_positions_) * hd);
@@ -263,7 +311,6 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
   const int nh = static_cast<int>(hp.n_head), nkv = static_cast<int>(hp.n_head_kv);
   const float eps = static_cast<float>(hp.norm_rms_eps);
   cudaStream_t stream = ctx_.compute_stream();
-  cublasHandle_t blas = ctx_.cublas();
   tier0_.DropRestoreRecords();  // kernels are about to write pages
 
   KVCACHE_RETURN_IF_ERROR(Reserve(&meta_dev_, meta_ints * 4, "step metadata"));
@@ -280,7 +327,7 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
   uint16_t* xn16 = xn16_.as<uint16_t>();
   float* qkv = qkv_.as<float>();
 
-  KVCACHE_RETURN_IF_ERROR(EmbeddingLookup(embd_.as<uint16_t>(), meta + off_tokens_, t, d, x, stream));
+  KVCACHE_RETURN_IF_ERROR(EmbeddingLookup(embd_.front().w, meta + off_tokens_, t, x, stream));
   WriteKvArgs w;
   w.layout = layout_;
   w.kv_base = tier0_.slab();
@@ -307,8 +354,7 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
   for (size_t l = 0; l < layers_.size(); ++l) {
     const DeviceLayer& L = layers_[l];
     KVCACHE_RETURN_IF_ERROR(RmsNormToF16(x, nullptr, L.attn_norm.as<float>(), t, d, eps, xn16, stream));
-    KVCACHE_RETURN_IF_ERROR(
-        GemmF16(blas, L.wqkv.as<uint16_t>(), qkv_rows_, d, xn16, t, qkv, qkv_rows_, 0.0f));
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.wqkv, xn16, t, qkv, qkv_rows_, 0.0f));
     if (hp.qkv_bias)
       KVCACHE_RETURN_IF_ERROR(AddBias(qkv, t, qkv_rows_, qkv_rows_, L.bqkv.as<float>(), stream));
     if (hp.qk_norm) {
@@ -322,27 +368,48 @@ absl::Status CudaLlamaRunner::RunStep(int t, int n_want, int max_splits, int64_t
     w.layer = a.layer = static_cast<int>(l);
     KVCACHE_RETURN_IF_ERROR(WriteKv(w, stream));
     KVCACHE_RETURN_IF_ERROR(PagedAttention(a, stream));
-    KVCACHE_RETURN_IF_ERROR(
-        GemmF16(blas, L.wo.as<uint16_t>(), d, nh * hd, att16_.as<uint16_t>(), t, x, d, 1.0f));
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.wo, att16_.as<uint16_t>(), t, x, d, 1.0f));
     KVCACHE_RETURN_IF_ERROR(RmsNormToF16(x, nullptr, L.ffn_norm.as<float>(), t, d, eps, xn16, stream));
-    KVCACHE_RETURN_IF_ERROR(
-        GemmF16(blas, L.w_gate_up.as<uint16_t>(), 2 * ff, d, xn16, t, gate_up_.as<float>(), 2 * ff, 0.0f));
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.w_gate_up, xn16, t, gate_up_.as<float>(), 2 * ff, 0.0f));
     KVCACHE_RETURN_IF_ERROR(SwiGluToF16(gate_up_.as<float>(), t, ff, h16_.as<uint16_t>(), stream));
-    KVCACHE_RETURN_IF_ERROR(
-        GemmF16(blas, L.w_down.as<uint16_t>(), d, ff, h16_.as<uint16_t>(), t, x, d, 1.0f));
+    KVCACHE_RETURN_IF_ERROR(MatMul(L.w_down, h16_.as<uint16_t>(), t, x, d, 1.0f));
   }
   if (n_want > 0) {
     KVCACHE_RETURN_IF_ERROR(
         RmsNormToF16(x, meta + off_rows_, output_norm_.as<float>(), n_want, d, eps, xn16, stream));
-    const uint16_t* out_w = output_.get() != nullptr ? output_.as<uint16_t>() : embd_.as<uint16_t>();
     KVCACHE_RETURN_IF_ERROR(
-        GemmF16(blas, out_w, vocab, d, xn16, n_want, logits_dev_.as<float>(), vocab, 0.0f));
+        MatMul(output_.empty() ? embd_ : output_, xn16, n_want, logits_dev_.as<float>(), vocab, 0.0f));
     KVCACHE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_.get(), logits_dev_.get(),
                                                  int64_t{n_want} * vocab * 4, cudaMemcpyDeviceToHost, stream),
                                  "copy logits to the host");
   }
   KVCACHE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "wait for the step");
   logits->assign(logits_host_.as<float>(), logits_host_.as<float>() + int64_t{n_want} * vocab);
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaRunner::MatMul(const StackedWeight& W, const uint16_t* x, int t, float* y, int64_t ldy,
+                                     float beta) {
+  cudaStream_t stream = ctx_.compute_stream();
+  for (const WeightPart& p : W) {
+    const DeviceWeight& w = p.w;
+    float* yp = y + p.row_offset;
+    if (t <= kMatVecMaxTokens) {
+      KVCACHE_RETURN_IF_ERROR(MatVec(w, x, t, yp, ldy, beta, stream));
+    } else if (w.type == gguf::GgmlType::kF16) {
+      KVCACHE_RETURN_IF_ERROR(GemmF16(ctx_.cublas(), reinterpret_cast<const uint16_t*>(w.data), w.rows,
+                                      w.cols, x, t, yp, ldy, beta));
+    } else {
+      // Stream order keeps a slice's GEMM ahead of the next slice's dequantisation.
+      const int64_t slice = DequantSliceRows(w);
+      uint16_t* f16 = dequant_.as<uint16_t>();
+      for (int64_t r0 = 0; r0 < w.rows; r0 += slice) {
+        const int64_t n = std::min(slice, w.rows - r0);
+        KVCACHE_RETURN_IF_ERROR(DequantizeRowsToF16(w, r0, n, f16, stream));
+        KVCACHE_RETURN_IF_ERROR(GemmF16(ctx_.cublas(), f16, n, w.cols, x, t, yp + r0, ldy, beta));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -6,10 +6,13 @@
 //   x += att·Wo (GEMM with beta = 1); xn = RmsNorm(x); gu = xn·[Wgate;Wup]
 //   x += SwiGlu(gu)·Wdown
 // then logits = RmsNorm(x_last)·Woutᵀ for sequences that want them, copied back
-// to the host for the engine's CPU sampler. Weights are dequantised once at
-// Create to f16 and multiplied with cublasGemmEx (f32 accumulation, tensor
-// cores). Everything runs on the device context's compute stream; a step's only
-// host synchronisation is the logits copy at its end.
+// to the host for the engine's CPU sampler. Weights stay in their file encoding
+// on the device (weight_kernels.h): a step of up to kMatVecMaxTokens tokens
+// decodes them in registers (MatVec); a larger one dequantises them in slices to
+// f16 and multiplies with cublasGemmEx (f32 accumulation, tensor cores). The
+// activations that feed a product are f16. Everything runs on the device
+// context's compute stream; a step's only host synchronisation is the logits
+// copy at its end.
 //
 // Errors: a CUDA or cuBLAS failure fails the step (INTERNAL, the CUDA error named);
 // the process keeps running. A sticky device error (e.g. an illegal address)

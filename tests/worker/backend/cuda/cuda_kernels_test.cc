@@ -1,7 +1,9 @@
 // GPU kernels against the CPU backend. Tolerances: attention outputs within 5e-4
 // absolute (values are O(1): f32 softmax in a different summation order; K/V are
 // the same f16 bytes); KV write bit-exact; RMSNorm / SwiGLU outputs are f16, so
-// within one f16 rounding (2^-10 relative) plus 1e-5.
+// within one f16 rounding (2^-10 relative) plus 1e-5. Weight kernels against
+// gguf::DequantizeRow on the host: decoded values within one f16 rounding, dot
+// products within 1e-5 of sum |w x| (f32 sums in another order).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "common/gguf/fp16.h"
+#include "common/gguf/ggml_types.h"
 #include "gtest/gtest.h"
 #include "tests/worker/backend/cuda/gpu_test_util.h"
 #include "worker/backend/cpu/attention.h"
@@ -19,6 +22,7 @@
 #include "worker/backend/cuda/attention.h"
 #include "worker/backend/cuda/kernel_math.h"
 #include "worker/backend/cuda/norm_rope.h"
+#include "worker/backend/cuda/weight_kernels.h"
 
 namespace kvcache::cuda {
 namespace {
@@ -283,6 +287,91 @@ TEST(CudaKernelsTest, RmsNormRopeSwiGluMatchCpu) {
   for (int64_t i = 0; i < t * ff; ++i) {
     EXPECT_NEAR(gguf::Fp16ToFp32(h[i]), sref[i], std::fabs(sref[i]) * 1e-3f + 1e-5f) << i;
   }
+}
+
+// Every type the device keeps weights in: MatVec for 1..8 tokens (with beta 0
+// and 1, into a wider output), DequantizeRowsToF16 of a row range, and
+// EmbeddingLookup, all against the host decoder.
+TEST(CudaKernelsTest, WeightKernelsMatchHostDecoderForEveryType) {
+  KVCACHE_REQUIRE_GPU();
+  using gguf::GgmlType;
+  const int64_t rows = 37, cols = 512, ldy = 45;  // rows not a multiple of the 4 rows a block
+  for (GgmlType type :
+       {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0,
+        GgmlType::kQ5_1, GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    SCOPED_TRACE(gguf::TypeName(type));
+    const int64_t row_bytes = *gguf::RowBytes(type, cols);
+    const std::vector<float> src = Random(rows * cols, 11, 0.5f);
+    std::vector<uint8_t> q(rows * row_bytes);
+    std::vector<float> w(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      ASSERT_TRUE(gguf::QuantizeRow(type, &src[r * cols], &q[r * row_bytes], cols).ok());
+      ASSERT_TRUE(gguf::DequantizeRow(type, &q[r * row_bytes], &w[r * cols], cols).ok());
+    }
+    DeviceBuffer dq = Upload(q);
+    const DeviceWeight dw{type, rows, cols, row_bytes, dq.as<uint8_t>()};
+
+    for (int n_tokens : {1, 2, 3, 5, 8}) {
+      std::vector<uint16_t> x16(n_tokens * cols);
+      std::vector<float> x(n_tokens * cols);
+      const std::vector<float> xr = Random(n_tokens * cols, 12 + n_tokens);
+      for (size_t i = 0; i < x.size(); ++i) {
+        x16[i] = gguf::Fp32ToFp16(xr[i]);
+        x[i] = gguf::Fp16ToFp32(x16[i]);
+      }
+      const std::vector<float> y0 = Random(n_tokens * ldy, 13);
+      DeviceBuffer dx = Upload(x16);
+      for (float beta : {0.0f, 1.0f}) {
+        DeviceBuffer dy = Upload(y0);
+        ASSERT_TRUE(MatVec(dw, dx.as<uint16_t>(), n_tokens, dy.as<float>() + 3, ldy, beta, nullptr).ok());
+        const std::vector<float> y = Download<float>(dy, y0.size());
+        for (int t = 0; t < n_tokens; ++t) {
+          for (int64_t i = 0; i < ldy; ++i) {
+            const int64_t r = i - 3;
+            if (r < 0 || r >= rows) {  // outside the product: untouched
+              EXPECT_EQ(y[t * ldy + i], y0[t * ldy + i]) << "t " << t << " i " << i;
+              continue;
+            }
+            double want = beta * y0[t * ldy + i], mag = std::fabs(want);
+            for (int64_t c = 0; c < cols; ++c) {
+              want += static_cast<double>(w[r * cols + c]) * x[t * cols + c];
+              mag += std::fabs(static_cast<double>(w[r * cols + c]) * x[t * cols + c]);
+            }
+            EXPECT_NEAR(y[t * ldy + i], want, 1e-5 * mag + 1e-6)
+                << n_tokens << " tokens, beta " << beta << ", token " << t << " row " << r;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(MatVec(dw, dq.as<uint16_t>(), 9, nullptr, ldy, 0.0f, nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+
+    // Rows [5, 5 + 30) to f16.
+    DeviceBuffer d16 = std::move(DeviceBuffer::Allocate(30 * cols * 2, "t")).value();
+    ASSERT_TRUE(DequantizeRowsToF16(dw, 5, 30, d16.as<uint16_t>(), nullptr).ok());
+    const std::vector<uint16_t> h = Download<uint16_t>(d16, 30 * cols);
+    for (int64_t i = 0; i < 30 * cols; ++i) {
+      const float want = w[5 * cols + i];
+      ASSERT_NEAR(gguf::Fp16ToFp32(h[i]), want, std::fabs(want) * 1e-3f + 1e-6f) << i;
+    }
+    EXPECT_EQ(DequantizeRowsToF16(dw, 10, 30, d16.as<uint16_t>(), nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+
+    // Token rows 36, 0, 17, 36.
+    const std::vector<int32_t> ids = {36, 0, 17, 36};
+    DeviceBuffer dids = Upload(ids);
+    DeviceBuffer de = std::move(DeviceBuffer::Allocate(ids.size() * cols * 4, "t")).value();
+    ASSERT_TRUE(
+        EmbeddingLookup(dw, dids.as<int32_t>(), static_cast<int>(ids.size()), de.as<float>(), nullptr).ok());
+    const std::vector<float> e = Download<float>(de, ids.size() * cols);
+    for (size_t t = 0; t < ids.size(); ++t) {
+      for (int64_t c = 0; c < cols; ++c) {  // the device may fuse d * q + m into one FMA
+        ASSERT_NEAR(e[t * cols + c], w[ids[t] * cols + c], 1e-6f) << t << " " << c;
+      }
+    }
+  }
+  EXPECT_EQ(WeightKernelsSupport(gguf::GgmlType::kQ2_K, 256).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(WeightKernelsSupport(gguf::GgmlType::kF16, 20).code(), absl::StatusCode::kUnimplemented);
 }
 
 }  // namespace

@@ -1,12 +1,14 @@
 // Whole-model logits of the CUDA runner against the CPU runner, on tiny Llama
-// models (F16, Q8_0, Q4_1 weights; GQA 8/2, head_dim 64) and on SmolLM2's shapes
-// (the real file when present, else a synthetic Q4_1 model of its shapes):
+// models (every weight type the device reads, and a Q4_K_M-like mix; GQA 8/2,
+// head_dim 64) and on SmolLM2's shapes (the real file when present, else a
+// synthetic Q4_1 model of its shapes):
 // batched chunked prefill of three sessions of different lengths, then batched
 // decode, teacher-forced with the same tokens on both backends.
 //
 // The CPU runner is forced onto its exact path (weights dequantised to f32,
-// sgemm; no 8-bit activations), so the difference is the GPU's f16 weights and
-// f16 GEMM inputs: tolerance max |gpu - cpu| <= 2% of the largest |logit| + 0.01.
+// sgemm; no 8-bit activations), so the difference is the GPU's f16 activations
+// (and f16 weight slices in prompt steps): tolerance max |gpu - cpu| <= 2% of
+// the largest |logit| + 0.01.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -154,7 +156,9 @@ std::unique_ptr<model::LlamaModel> Tiny(gguf::TinyLlamaOptions o) {
 
 TEST(CudaRunnerTest, TinyModelLogitsMatchCpu) {
   KVCACHE_REQUIRE_GPU();
-  for (gguf::GgmlType type : {gguf::GgmlType::kF16, gguf::GgmlType::kQ8_0, gguf::GgmlType::kQ4_1}) {
+  for (gguf::GgmlType type :
+       {gguf::GgmlType::kF16, gguf::GgmlType::kQ8_0, gguf::GgmlType::kQ4_1, gguf::GgmlType::kQ4_0,
+        gguf::GgmlType::kQ5_0, gguf::GgmlType::kQ4_K, gguf::GgmlType::kQ5_K, gguf::GgmlType::kQ6_K}) {
     gguf::TinyLlamaOptions o;
     o.n_layer = 3;
     o.n_embd = 512;
@@ -167,6 +171,29 @@ TEST(CudaRunnerTest, TinyModelLogitsMatchCpu) {
     o.tied_embeddings = type != gguf::GgmlType::kQ8_0;
     CompareBackends(*Tiny(o), std::string("tiny ") + std::string(gguf::TypeName(type)));
   }
+}
+
+// A mix like llama.cpp's Q4_K_M, with Q, K and V in three types: the fused QKV
+// product runs as three parts writing at their row offsets, in decode (MatVec)
+// and prefill (dequantised slices + cuBLAS) steps.
+TEST(CudaRunnerTest, MixedQuantTypesMatchCpu) {
+  KVCACHE_REQUIRE_GPU();
+  gguf::TinyLlamaOptions o;
+  o.n_layer = 3;
+  o.n_embd = 512;
+  o.n_head = 8;
+  o.n_head_kv = 2;
+  o.n_ff = 1024;
+  o.n_ctx = 1024;
+  o.weight_type = gguf::GgmlType::kQ4_K;
+  o.type_overrides = {{"attn_k.weight", gguf::GgmlType::kQ5_0},
+                      {"attn_v.weight", gguf::GgmlType::kQ6_K},
+                      {"ffn_down.weight", gguf::GgmlType::kQ6_K},
+                      {"ffn_up.weight", gguf::GgmlType::kQ8_0},
+                      {"output.weight", gguf::GgmlType::kQ6_K}};
+  o.weight_scale = 0.08f;
+  o.tied_embeddings = false;
+  CompareBackends(*Tiny(o), "tiny q4_K/q5_0/q6_K/q8_0 mix");
 }
 
 // Every architecture's features (Llama 3.1 rope_freqs, Qwen 2 biases and NeoX

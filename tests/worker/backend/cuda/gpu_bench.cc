@@ -6,6 +6,17 @@
 //                             pages in shuffled order, in the KV cache manager's
 //                             batches (copy_batch_bytes) / one big pinned cudaMemcpyAsync
 //   restore_vs_pinned_memcpy  the same, pinned -> device
+//   matvec_<type>_vs_hbm      MatVec of one token over a 14336x4096 matrix (Llama 3
+//                             8B's FFN shape) in its file encoding: weight bytes
+//                             read per second / the d2d copy bandwidth
+//   matmul_<type>_t<N>_ms     the same matrix times N = 1, 8, 16, 64 tokens by the
+//                             runner's route (MatVec up to kMatVecMaxTokens, else
+//                             dequantised slices + cuBLAS), and _dequant_gemm_ms at
+//                             N = 8 (the other route at the crossover); baseline:
+//                             cuBLAS on an f16 copy (matmul_f16_t<N>_ms)
+//   runner_device_bytes       device memory a runner takes (cudaMemGetInfo before
+//                             and after CreateRunner), against the model's matrices
+//                             in the file (weights_file_bytes) and as f16
 //   decode tokens/s at batch 1, 16, 64 of SmolLM2 (the real model when present,
 //   else a synthetic Q4_1 model of SmolLM2's shapes with the tiny 323-token vocab)
 // Usage: gpu_bench [--json PATH]
@@ -22,6 +33,7 @@
 
 #include "absl/flags/parse.h"
 #include "common/bench_json.h"
+#include "common/gguf/ggml_types.h"
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/model_path.h"
 #include "common/gguf/tiny_llama.h"
@@ -30,6 +42,7 @@
 #include "worker/backend/cuda/cuda_tier_storage.h"
 #include "worker/backend/cuda/device_context.h"
 #include "worker/backend/cuda/kernel_math.h"
+#include "worker/backend/cuda/weight_kernels.h"
 #include "worker/kv/kv_cache_manager.h"
 
 extern "C" kvcache::backend::CudaBackendFactory* kvcache_cuda_backend_v1();
@@ -236,6 +249,84 @@ void OffloadRestore(std::shared_ptr<DeviceContext> ctx, bench::BenchReport& r) {
       "the same bytes; _kernel/_batched/_memcpy: the same by each CopyPath";
 }
 
+void WeightKernels(const DeviceContext& ctx, bench::BenchReport& r) {
+  cudaStream_t s = ctx.compute_stream();
+  const int64_t rows = 14336, cols = 4096;
+  const double hbm = r.baseline.at("hbm_d2d_copy_GBps") * 1e9;
+  // Activations and outputs for up to 64 tokens; one f16 slice buffer as the runner sizes it.
+  const int max_t = 64;
+  DeviceBuffer x = std::move(DeviceBuffer::Allocate(max_t * cols * 2, "bench x")).value();
+  DeviceBuffer y = std::move(DeviceBuffer::Allocate(max_t * rows * 4, "bench y")).value();
+  BENCH_CHECK(cudaMemsetAsync(x.get(), 0x3c, max_t * cols * 2, s));  // 1.0 in f16
+  const int64_t slice_rows = std::min<int64_t>(rows, (int64_t{8} << 20) / cols);
+  DeviceBuffer slice = std::move(DeviceBuffer::Allocate(slice_rows * cols * 2, "bench slice")).value();
+  // Random values quantised once on the host: one row repeated (quantising 58M
+  // values takes seconds; the kernels' speed does not depend on the values).
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-0.05f, 0.05f);
+  std::vector<float> row(cols);
+  for (float& v : row) v = u(rng);
+  for (gguf::GgmlType type :
+       {gguf::GgmlType::kF16, gguf::GgmlType::kQ4_K, gguf::GgmlType::kQ6_K, gguf::GgmlType::kQ8_0}) {
+    const std::string name(gguf::TypeName(type));
+    const int64_t row_bytes = *gguf::RowBytes(type, cols);
+    std::vector<uint8_t> one(row_bytes);
+    BENCH_CHECK(gguf::QuantizeRow(type, row.data(), one.data(), cols));
+    std::vector<uint8_t> host(rows * row_bytes);
+    for (int64_t i = 0; i < rows; ++i) std::copy(one.begin(), one.end(), host.begin() + i * row_bytes);
+    DeviceBuffer data = std::move(DeviceBuffer::Allocate(rows * row_bytes, "bench weights")).value();
+    BENCH_CHECK(cudaMemcpy(data.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+    const DeviceWeight w{type, rows, cols, row_bytes, data.as<uint8_t>()};
+    auto matvec = [&](int t) { BENCH_CHECK(MatVec(w, x.as<uint16_t>(), t, y.as<float>(), rows, 0.0f, s)); };
+    auto dequant_gemm = [&](int t) {
+      for (int64_t r0 = 0; r0 < rows; r0 += slice_rows) {
+        const int64_t n = std::min(slice_rows, rows - r0);
+        BENCH_CHECK(DequantizeRowsToF16(w, r0, n, slice.as<uint16_t>(), s));
+        BENCH_CHECK(GemmF16(ctx.cublas(), slice.as<uint16_t>(), n, cols, x.as<uint16_t>(), t,
+                            y.as<float>() + r0, rows, 0.0f));
+      }
+    };
+    auto f16_gemm = [&](int t) {
+      BENCH_CHECK(GemmF16(ctx.cublas(), reinterpret_cast<const uint16_t*>(w.data), rows, cols,
+                          x.as<uint16_t>(), t, y.as<float>(), rows, 0.0f));
+    };
+    const double mv1 = TimeMs(s, 20, [&] { matvec(1); });
+    r.metrics["matvec_" + name + "_vs_hbm"] = rows * row_bytes / (mv1 * 1e-3) / hbm;
+    for (int t : {1, 8, 16, 64}) {
+      const std::string key = "matmul_" + name + "_t" + std::to_string(t) + "_ms";
+      if (type == gguf::GgmlType::kF16) {
+        r.baseline[key] = TimeMs(s, 20, [&] { t <= kMatVecMaxTokens ? matvec(t) : f16_gemm(t); });
+        if (t == 8) r.baseline["matmul_f16_t8_gemm_ms"] = TimeMs(s, 20, [&] { f16_gemm(t); });
+      } else {
+        r.metrics[key] = TimeMs(s, 20, [&] { t <= kMatVecMaxTokens ? matvec(t) : dequant_gemm(t); });
+        if (t == 8)
+          r.metrics["matmul_" + name + "_t8_dequant_gemm_ms"] = TimeMs(s, 20, [&] { dequant_gemm(t); });
+      }
+    }
+  }
+  r.notes["weight_kernels"] =
+      "14336x4096 matrix (Llama 3 8B FFN) in each encoding; matmul_<type>_t<N>_ms is the runner's route "
+      "(MatVec up to kMatVecMaxTokens = " +
+      std::to_string(kMatVecMaxTokens) +
+      " tokens, else 16 MiB dequantised f16 slices + cublasGemmEx); baseline matmul_f16_*: f16 weights, "
+      "MatVec up to the same count, else cublasGemmEx";
+}
+
+// Bytes of the model's 2-D weight matrices: as stored, and as f16.
+std::pair<int64_t, int64_t> MatrixBytes(const model::LlamaModel& m) {
+  int64_t file = 0, f16 = 0;
+  auto add = [&](const model::WeightView& v) {
+    file += v.rows * *gguf::RowBytes(v.type, v.cols);
+    f16 += v.rows * v.cols * 2;
+  };
+  for (const model::LlamaLayer& L : m.layers()) {
+    for (const model::WeightView* v : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) add(*v);
+  }
+  add(m.token_embd());
+  if (m.output().data != m.token_embd().data) add(m.output());
+  return {file, f16};
+}
+
 void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
   std::unique_ptr<model::LlamaModel> m;
   auto real = model::LlamaModel::Load(gguf::DefaultModelPath());
@@ -263,7 +354,18 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
   o.tier0_bytes = 64 * 40 * o.shape.page_bytes();
   o.storage_factory = backend.MakeTierStorageFactory();
   auto kv = std::move(kv::KvCacheManager::Create(o)).value();
+  size_t free_before = 0, free_after = 0, total = 0;
+  BENCH_CHECK(cudaMemGetInfo(&free_before, &total));
   auto runner = std::move(backend.CreateRunner(*m, kv->tier_storage(0), o.shape, {512})).value();
+  BENCH_CHECK(cudaMemGetInfo(&free_after, &total));
+  const auto [file_bytes, f16_bytes] = MatrixBytes(*m);
+  r.metrics["runner_device_bytes"] = static_cast<double>(free_before - free_after);
+  r.metrics["weights_file_bytes"] = static_cast<double>(file_bytes);
+  r.baseline["weights_f16_bytes"] = static_cast<double>(f16_bytes);
+  r.metrics["runner_device_bytes_vs_f16_weights"] = static_cast<double>(free_before - free_after) / f16_bytes;
+  r.notes["runner_device_bytes"] =
+      "device memory CreateRunner took (cudaMemGetInfo, 2 MiB granularity): weights in their file encoding, "
+      "activations for 512 tokens, the 16 MiB f16 slice buffer, the RoPE table";
   const int context = 256, steps = 32;
   for (int batch : {1, 16, 64}) {
     std::vector<std::string> ids;
@@ -320,6 +422,7 @@ int main(int argc, char** argv) {
   r.notes["device"] = (*ctx)->Describe();
   cuda::HbmAndAttention(**ctx, r);
   cuda::OffloadRestore(*ctx, r);
+  cuda::WeightKernels(**ctx, r);
   auto backend = kvcache_cuda_backend_v1()->Create({0});
   if (!backend.ok()) {
     std::fprintf(stderr, "gpu_bench: %s\n", backend.status().ToString().c_str());
