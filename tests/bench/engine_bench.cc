@@ -11,7 +11,10 @@
 //   batched:    aggregate decode tokens/s with 1, 4, 16 concurrent sessions, and
 //               what bounds batch16_vs_single: the linear layers of a 1- and a
 //               16-token step timed alone on the model's weights, and the ratio
-//               that 16-token time allows (batch16_vs_single_matmul_ceiling)
+//               that 16-token time allows (batch16_vs_single_matmul_ceiling); and
+//               the ratio a 16-token step allows if its multiply-accumulates ran at
+//               the measured peak of the level's integer-dot instruction
+//               (batch16_vs_single_int8_peak_ceiling, int8_dot_peak_gmac_per_s)
 //   cache vs recompute: time to generate 256 tokens after a 256 (1024)-token
 //               prompt through the engine (KV cache) vs recomputing: a full
 //               prefill of the whole context for every new token on the same
@@ -464,13 +467,22 @@ int Main() {
       put(report.metrics, "step_matmuls_gmac_per_s_16_tokens", level, 16 * macs / *mm16 / 1e9);
       const double ceiling = 16 / *mm16 / batched[1];
       put(report.ratio, "batch16_vs_single_matmul_ceiling", level, ceiling);
+      // And what the machine allows at all: the step's multiply-accumulates at the
+      // peak rate of the level's integer-dot instruction, nothing else.
+      const double peak = bench::MeasureInt8DotPeak(threads, level >= cpu::CpuKernelLevel::kAvx512);
+      const double peak_ceiling = 16 / (16 * macs / peak) / batched[1];
+      put(report.baseline, "int8_dot_peak_gmac_per_s", level, peak / 1e9);
+      put(report.ratio, "step_matmuls_16_tokens_vs_int8_dot_peak", level, 16 * macs / *mm16 / peak);
+      put(report.ratio, "batch16_vs_single_int8_peak_ceiling", level, peak_ceiling);
       report.notes["batch16_bound_" + std::string(cpu::CpuKernelLevelName(level))] = absl::StrFormat(
-          "compute: the matmuls of a 16-token step take %.1f ms (%.0f GMAC/s; one token's take %.1f ms, "
-          "%.2f of the bandwidth roofline), so against one session's %.0f tokens/s batch16_vs_single "
-          "cannot exceed %.2f; the rest of the measured 16-session step (attention, norms, sampling, "
-          "scheduling) took %.1f ms",
-          *mm16 * 1e3, 16 * macs / *mm16 / 1e9, *mm1 * 1e3, weight_bytes / bw / *mm1, batched[1], ceiling,
-          (16 / batched[16] - *mm16) * 1e3);
+          "compute: the matmuls of a 16-token step take %.1f ms (%.0f GMAC/s, %.2f of this machine's "
+          "measured %s peak of %.0f GMAC/s; one token's take %.1f ms, %.2f of the bandwidth roofline), so "
+          "against one session's %.0f tokens/s batch16_vs_single cannot exceed %.2f with these kernels, "
+          "nor %.2f with any kernel built on that instruction; the rest of the measured 16-session step "
+          "(attention, norms, sampling, scheduling) took %.1f ms",
+          *mm16 * 1e3, 16 * macs / *mm16 / 1e9, 16 * macs / *mm16 / peak,
+          level >= cpu::CpuKernelLevel::kAvx512 ? "vpdpbusd" : "vpmaddubsw+vpaddw", peak / 1e9, *mm1 * 1e3,
+          weight_bytes / bw / *mm1, batched[1], ceiling, peak_ceiling, (16 / batched[16] - *mm16) * 1e3);
     }
   }
   set_level(best);  // the rest runs at the best level

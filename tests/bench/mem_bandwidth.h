@@ -1,6 +1,7 @@
-// The machine's memory read bandwidth, the yardstick of the bandwidth-fraction
-// ratios (attention_bw_fraction, weight-stream fractions), measured in the same
-// run as the figure it divides.
+// Yardsticks of the machine, measured in the same run as the figures they
+// divide: its memory read bandwidth (attention_bw_fraction, weight-stream
+// fractions) and the peak rate of its integer-dot instructions (what bounds a
+// compute-bound batched step).
 //
 // Thread-safety: reentrant; uses `threads` ComputePool threads and 512 MiB.
 #ifndef KVCACHE_TESTS_BENCH_MEM_BANDWIDTH_H_
@@ -12,6 +13,14 @@ namespace kvcache::bench {
 // `threads` threads: the fastest of 5 passes (the cores are shared, slower passes
 // measure the neighbours).
 double MeasureReadBandwidth(int threads);
+
+// Multiply-accumulates per second of the integer-dot instruction a CPU kernel
+// level is built on, on `threads` threads at once, with 12 independent chains a
+// thread (more than the latency x throughput of any core we run on): vpdpbusd
+// on zmm (64 u8 x s8 products into int32) when `vnni`, else AVX2 vpmaddubsw on
+// ymm plus the int16 add that accumulates it (32 products). No kernel that
+// issues these instructions can exceed it; the fastest of 5 runs.
+double MeasureInt8DotPeak(int threads, bool vnni);
 
 }  // namespace kvcache::bench
 
