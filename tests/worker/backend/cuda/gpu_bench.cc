@@ -13,7 +13,8 @@
 //                             runner's route (MatVec up to kMatVecMaxTokens, else
 //                             dequantised slices + cuBLAS), and _dequant_gemm_ms at
 //                             N = 8 (the other route at the crossover); baseline:
-//                             cuBLAS on an f16 copy (matmul_f16_t<N>_ms)
+//                             the f16 matrix by the same route (matmul_f16_t<N>_ms;
+//                             ratio matmul_<type>_t<N>_vs_f16)
 //   runner_device_bytes       device memory a runner takes (cudaMemGetInfo before
 //                             and after CreateRunner), against the model's matrices
 //                             in the file (weights_file_bytes) and as f16
@@ -291,7 +292,7 @@ void WeightKernels(const DeviceContext& ctx, bench::BenchReport& r) {
                           x.as<uint16_t>(), t, y.as<float>(), rows, 0.0f));
     };
     const double mv1 = TimeMs(s, 20, [&] { matvec(1); });
-    r.metrics["matvec_" + name + "_vs_hbm"] = rows * row_bytes / (mv1 * 1e-3) / hbm;
+    r.ratio["matvec_" + name + "_vs_hbm"] = rows * row_bytes / (mv1 * 1e-3) / hbm;
     for (int t : {1, 8, 16, 64}) {
       const std::string key = "matmul_" + name + "_t" + std::to_string(t) + "_ms";
       if (type == gguf::GgmlType::kF16) {
@@ -299,6 +300,9 @@ void WeightKernels(const DeviceContext& ctx, bench::BenchReport& r) {
         if (t == 8) r.baseline["matmul_f16_t8_gemm_ms"] = TimeMs(s, 20, [&] { f16_gemm(t); });
       } else {
         r.metrics[key] = TimeMs(s, 20, [&] { t <= kMatVecMaxTokens ? matvec(t) : dequant_gemm(t); });
+        // Above 1: faster than the same product on f16 weights (F16 runs first).
+        r.ratio["matmul_" + name + "_t" + std::to_string(t) + "_vs_f16"] =
+            r.baseline.at("matmul_f16_t" + std::to_string(t) + "_ms") / r.metrics[key];
         if (t == 8)
           r.metrics["matmul_" + name + "_t8_dequant_gemm_ms"] = TimeMs(s, 20, [&] { dequant_gemm(t); });
       }
@@ -362,7 +366,7 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
   r.metrics["runner_device_bytes"] = static_cast<double>(free_before - free_after);
   r.metrics["weights_file_bytes"] = static_cast<double>(file_bytes);
   r.baseline["weights_f16_bytes"] = static_cast<double>(f16_bytes);
-  r.metrics["runner_device_bytes_vs_f16_weights"] = static_cast<double>(free_before - free_after) / f16_bytes;
+  r.ratio["runner_device_bytes_vs_f16_weights"] = static_cast<double>(free_before - free_after) / f16_bytes;
   r.notes["runner_device_bytes"] =
       "device memory CreateRunner took (cudaMemGetInfo, 2 MiB granularity): weights in their file encoding, "
       "activations for 512 tokens, the 16 MiB f16 slice buffer, the RoPE table";
