@@ -6,7 +6,6 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "common/gguf/dequant_chunk.h"
 #include "common/gguf/fp16.h"
 
 namespace kvcache {
@@ -34,6 +33,13 @@ constexpr TraitsEntry kTraits[] = {
     {35, {"tq2_0", 256, 66, false}},
 };
 
+template <typename Block>
+Block LoadBlock(const uint8_t* p) {
+  Block b;
+  memcpy(&b, p, sizeof(b));
+  return b;
+}
+
 uint16_t LoadU16(const uint8_t* p) {
   uint16_t v;
   memcpy(&v, p, sizeof(v));
@@ -42,8 +48,18 @@ uint16_t LoadU16(const uint8_t* p) {
 
 void StoreU16(uint8_t* p, uint16_t v) { memcpy(p, &v, sizeof(v)); }
 
-// Packs 6-bit scales and mins the way ggml stores them (dequant_chunk.h
-// unpacks them). REQUIRES: sc[j], mn[j] < 64.
+// 6-bit scale and min number j (0..7) of a Q4_K/Q5_K super-block.
+void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+// Inverse of ScaleMinK4. REQUIRES: sc[j], mn[j] < 64.
 void PackScaleMinK4(const uint8_t* sc, const uint8_t* mn, uint8_t* q) {
   memset(q, 0, kKScaleBytes);
   for (int j = 0; j < 8; ++j) {
@@ -55,6 +71,130 @@ void PackScaleMinK4(const uint8_t* sc, const uint8_t* mn, uint8_t* q) {
       q[j - 4] |= static_cast<uint8_t>((sc[j] >> 4) << 6);
       q[j] |= static_cast<uint8_t>((mn[j] >> 4) << 6);
     }
+  }
+}
+
+// ---- Decoders: one block each, y gets block_size floats. ----
+
+void DecodeQ4_0(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ4_0>(p);
+  const float d = Fp16ToFp32(b.d);
+  for (int j = 0; j < kQK / 2; ++j) {
+    y[j] = static_cast<float>((b.qs[j] & 0x0F) - 8) * d;
+    y[j + kQK / 2] = static_cast<float>((b.qs[j] >> 4) - 8) * d;
+  }
+}
+
+void DecodeQ4_1(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ4_1>(p);
+  const float d = Fp16ToFp32(b.d);
+  const float m = Fp16ToFp32(b.m);
+  for (int j = 0; j < kQK / 2; ++j) {
+    y[j] = static_cast<float>(b.qs[j] & 0x0F) * d + m;
+    y[j + kQK / 2] = static_cast<float>(b.qs[j] >> 4) * d + m;
+  }
+}
+
+void DecodeQ5_0(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ5_0>(p);
+  const float d = Fp16ToFp32(b.d);
+  uint32_t qh;
+  memcpy(&qh, b.qh, sizeof(qh));
+  for (int j = 0; j < kQK / 2; ++j) {
+    const int xh0 = static_cast<int>(((qh >> j) << 4) & 0x10);
+    const int xh1 = static_cast<int>((qh >> (j + 12)) & 0x10);
+    y[j] = static_cast<float>(((b.qs[j] & 0x0F) | xh0) - 16) * d;
+    y[j + kQK / 2] = static_cast<float>(((b.qs[j] >> 4) | xh1) - 16) * d;
+  }
+}
+
+void DecodeQ5_1(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ5_1>(p);
+  const float d = Fp16ToFp32(b.d);
+  const float m = Fp16ToFp32(b.m);
+  uint32_t qh;
+  memcpy(&qh, b.qh, sizeof(qh));
+  for (int j = 0; j < kQK / 2; ++j) {
+    const int xh0 = static_cast<int>(((qh >> j) << 4) & 0x10);
+    const int xh1 = static_cast<int>((qh >> (j + 12)) & 0x10);
+    y[j] = static_cast<float>((b.qs[j] & 0x0F) | xh0) * d + m;
+    y[j + kQK / 2] = static_cast<float>((b.qs[j] >> 4) | xh1) * d + m;
+  }
+}
+
+void DecodeQ8_0(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ8_0>(p);
+  const float d = Fp16ToFp32(b.d);
+  for (int j = 0; j < kQK; ++j) y[j] = static_cast<float>(b.qs[j]) * d;
+}
+
+void DecodeQ4_K(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ4_K>(p);
+  const float d = Fp16ToFp32(b.d);
+  const float dmin = Fp16ToFp32(b.dmin);
+  const uint8_t* q = b.qs;
+  int is = 0;
+  for (int j = 0; j < kQKK; j += 64) {
+    uint8_t sc, m;
+    ScaleMinK4(is + 0, b.scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    ScaleMinK4(is + 1, b.scales, &sc, &m);
+    const float d2 = d * sc, m2 = dmin * m;
+    for (int l = 0; l < 32; ++l) *y++ = d1 * static_cast<float>(q[l] & 0xF) - m1;
+    for (int l = 0; l < 32; ++l) *y++ = d2 * static_cast<float>(q[l] >> 4) - m2;
+    q += 32;
+    is += 2;
+  }
+}
+
+void DecodeQ5_K(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ5_K>(p);
+  const float d = Fp16ToFp32(b.d);
+  const float dmin = Fp16ToFp32(b.dmin);
+  const uint8_t* ql = b.qs;
+  int is = 0;
+  unsigned u1 = 1, u2 = 2;
+  for (int j = 0; j < kQKK; j += 64) {
+    uint8_t sc, m;
+    ScaleMinK4(is + 0, b.scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    ScaleMinK4(is + 1, b.scales, &sc, &m);
+    const float d2 = d * sc, m2 = dmin * m;
+    for (int l = 0; l < 32; ++l) {
+      *y++ = d1 * static_cast<float>((ql[l] & 0xF) + (b.qh[l] & u1 ? 16 : 0)) - m1;
+    }
+    for (int l = 0; l < 32; ++l) {
+      *y++ = d2 * static_cast<float>((ql[l] >> 4) + (b.qh[l] & u2 ? 16 : 0)) - m2;
+    }
+    ql += 32;
+    is += 2;
+    u1 <<= 2;
+    u2 <<= 2;
+  }
+}
+
+void DecodeQ6_K(const uint8_t* p, float* y) {
+  const auto b = LoadBlock<BlockQ6_K>(p);
+  const float d = Fp16ToFp32(b.d);
+  const uint8_t* ql = b.ql;
+  const uint8_t* qh = b.qh;
+  const int8_t* sc = b.scales;
+  for (int n = 0; n < kQKK; n += 128) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = d * sc[is + 0] * static_cast<float>(q1);
+      y[l + 32] = d * sc[is + 2] * static_cast<float>(q2);
+      y[l + 64] = d * sc[is + 4] * static_cast<float>(q3);
+      y[l + 96] = d * sc[is + 6] * static_cast<float>(q4);
+    }
+    y += 128;
+    ql += 64;
+    qh += 32;
+    sc += 8;
   }
 }
 
@@ -281,21 +421,23 @@ void QuantizeQ6_K(const float* x, uint8_t* p) {
   memcpy(p, &b, sizeof(b));
 }
 
-// The block types' quantisers: block_size floats -> one block of type_size bytes.
-struct BlockQuantiser {
+// The block types' codecs: one block of type_size bytes <-> block_size floats.
+struct BlockCodec {
   GgmlType type;
+  void (*decode)(const uint8_t*, float*);
   void (*encode)(const float*, uint8_t*);
 };
 
-constexpr BlockQuantiser kQuantisers[] = {
-    {GgmlType::kQ4_0, QuantizeQ4_0}, {GgmlType::kQ4_1, QuantizeQ4_1}, {GgmlType::kQ5_0, QuantizeQ5_0},
-    {GgmlType::kQ5_1, QuantizeQ5_1}, {GgmlType::kQ8_0, QuantizeQ8_0}, {GgmlType::kQ4_K, QuantizeQ4_K},
-    {GgmlType::kQ5_K, QuantizeQ5_K}, {GgmlType::kQ6_K, QuantizeQ6_K},
+constexpr BlockCodec kCodecs[] = {
+    {GgmlType::kQ4_0, DecodeQ4_0, QuantizeQ4_0}, {GgmlType::kQ4_1, DecodeQ4_1, QuantizeQ4_1},
+    {GgmlType::kQ5_0, DecodeQ5_0, QuantizeQ5_0}, {GgmlType::kQ5_1, DecodeQ5_1, QuantizeQ5_1},
+    {GgmlType::kQ8_0, DecodeQ8_0, QuantizeQ8_0}, {GgmlType::kQ4_K, DecodeQ4_K, QuantizeQ4_K},
+    {GgmlType::kQ5_K, DecodeQ5_K, QuantizeQ5_K}, {GgmlType::kQ6_K, DecodeQ6_K, QuantizeQ6_K},
 };
 
-const BlockQuantiser* QuantiserFor(GgmlType type) {
-  for (const BlockQuantiser& q : kQuantisers) {
-    if (q.type == type) return &q;
+const BlockCodec* CodecFor(GgmlType type) {
+  for (const BlockCodec& c : kCodecs) {
+    if (c.type == type) return &c;
   }
   return nullptr;
 }
@@ -348,10 +490,11 @@ absl::Status DequantizeRow(GgmlType type, const void* src, float* dst, int64_t n
     default:
       break;
   }
-  // Every supported block type has a chunk decoder, and blocks are whole chunks.
-  VisitChunkType(type, [&](auto tag) {
-    for (int64_t c = 0; c < n / kChunk; ++c) DequantChunk8<decltype(tag)::value>(p, c, dst + c * kChunk);
-  });
+  const GgmlTypeTraits& t = TypeTraits(type);
+  const BlockCodec* codec = CodecFor(type);  // every supported block type has one
+  for (int64_t b = 0; b < n / t.block_size; ++b) {
+    codec->decode(p + b * t.type_size, dst + b * t.block_size);
+  }
   return absl::OkStatus();
 }
 
@@ -388,13 +531,13 @@ absl::Status QuantizeRow(GgmlType type, const float* src, void* dst, int64_t n) 
     default:
       break;
   }
-  const BlockQuantiser* quantiser = QuantiserFor(type);
-  if (quantiser == nullptr) {
+  const BlockCodec* codec = CodecFor(type);
+  if (codec == nullptr) {
     return absl::UnimplementedError(absl::StrCat("no quantiser for tensor type ", TypeName(type)));
   }
   const GgmlTypeTraits& t = TypeTraits(type);
   for (int64_t b = 0; b < n / t.block_size; ++b) {
-    quantiser->encode(src + b * t.block_size, p + b * t.type_size);
+    codec->encode(src + b * t.block_size, p + b * t.type_size);
   }
   return absl::OkStatus();
 }

@@ -126,8 +126,8 @@ TEST(DequantizeTest, MatchesGgufPackageOnSyntheticBlocks) {
 }
 
 // The chunk decoder the CUDA kernels run: the types it takes are exactly the
-// supported ones, and every chunk of a row equals DequantizeRow's values (for
-// block types DequantizeRow is built on it; the plain types have their own loop).
+// supported ones, and every chunk of a row equals DequantizeRow's values bit for
+// bit (the host's block decoders, which match the gguf package above).
 TEST(DequantChunkTest, EveryChunkOfEverySupportedTypeEqualsDequantizeRow) {
   int decodable = 0;
   for (uint32_t raw = 0; raw < 40; ++raw) {
