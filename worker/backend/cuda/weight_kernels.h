@@ -1,7 +1,7 @@
 // Kernels that read weights kept on the device in their GGUF encoding, so that a
 // model takes its file's size in device memory (an 8B Q4_K_M about 5 GB, not the
 // 16 GB of f16 copies). Each thread decodes 8 consecutive elements with
-// common/gguf/dequant_chunk.h, the decoder the CPU's DequantizeRow uses:
+// common/gguf/dequant_chunk.h (the CPU's DequantizeRow values, bit for bit):
 //   - MatVec: y = x·Wᵀ for up to kMatVecMaxTokens tokens, one warp per row, the
 //     weights decoded in registers (decode steps read each weight byte once);
 //   - DequantizeRowsToF16: rows of W to an f16 scratch matrix that cuBLAS then
