@@ -9,6 +9,12 @@
 # 34 SmolLM2 pages of 16 tokens) so that the six conversations do not all fit and
 # cold pages are offloaded to host RAM and restored.
 #
+# KVCACHE_DEMO_DEVICE (default cpu) is the workers' --device: cuda:0 runs the
+# same conversation on two GPU workers sharing GPU 0 (tier 0 in device memory,
+# tier 1 pinned). KVCACHE_SKIP_SETUP=1 skips scripts/setup.sh, for a machine that
+# has prebuilt binaries in KVCACHE_BUILD_DIR and the model at KVCACHE_MODEL but
+# no package registry (tests/gpu/run.sh on a GPU machine).
+#
 # The router also serves its OpenAI-compatible HTTP API (--http_listen); the
 # script prints its address and token and sends it one chat request. With
 # --serve it keeps everything running after the demo, until Ctrl-C, for the
@@ -18,7 +24,8 @@ cd "$(dirname "$0")/.."
 source scripts/common.sh
 SERVE=0
 if [ "${1:-}" = "--serve" ]; then SERVE=1; fi
-scripts/setup.sh
+if [ "${KVCACHE_SKIP_SETUP:-0}" != 1 ]; then scripts/setup.sh; fi
+DEVICE=${KVCACHE_DEMO_DEVICE:-cpu}
 
 TIER0=${KVCACHE_DEMO_TIER0_BYTES:-$((12 << 20))}
 THREADS=${KVCACHE_DEMO_THREADS:-$(nproc)}
@@ -66,11 +73,11 @@ openssl rand -hex 32 >"$RUN_DIR/cluster-token"
 DEMO_TOKEN=$(openssl rand -hex 16)
 echo "$DEMO_TOKEN default admin" >"$RUN_DIR/client-tokens"
 
-log "starting two workers (tier 0: $((TIER0 >> 20)) MiB each, $THREADS threads) and a router"
-start w0 worker/kvcache-worker --worker_id=w0 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL" \
-  --cluster_token_file="$RUN_DIR/cluster-token"
-start w1 worker/kvcache-worker --worker_id=w1 --tier0_bytes="$TIER0" --threads="$THREADS" --model="$KVCACHE_MODEL" \
-  --cluster_token_file="$RUN_DIR/cluster-token"
+log "starting two workers (--device=$DEVICE, tier 0: $((TIER0 >> 20)) MiB each, $THREADS threads) and a router"
+start w0 worker/kvcache-worker --worker_id=w0 --device="$DEVICE" --tier0_bytes="$TIER0" --threads="$THREADS" \
+  --model="$KVCACHE_MODEL" --cluster_token_file="$RUN_DIR/cluster-token"
+start w1 worker/kvcache-worker --worker_id=w1 --device="$DEVICE" --tier0_bytes="$TIER0" --threads="$THREADS" \
+  --model="$KVCACHE_MODEL" --cluster_token_file="$RUN_DIR/cluster-token"
 start router router/kvcache-router --workers="$ADDR_w0,$ADDR_w1" --min_ready_workers=2 \
   --rebalance_interval=0s --model="$KVCACHE_MODEL" --http_listen=127.0.0.1:0 \
   --cluster_token_file="$RUN_DIR/cluster-token" --auth_tokens_file="$RUN_DIR/client-tokens"

@@ -2,23 +2,29 @@
 # Builds the GPU test binaries and gpu_bench here (a development machine with the
 # project's dependencies and nvcc, no GPU needed) and packs them with the shared
 # libraries a bare CUDA machine may lack into .gpu_carry/bundle.tar.xz, for
-# `tests/gpu/run.sh --prebuilt` (run.sh picks the bundle up by itself). The CUDA
-# runtime and cuBLAS are not packed: the GPU machine's toolkit provides them.
+# `tests/gpu/run.sh --prebuilt` (run.sh picks the bundle up by itself), together
+# with the worker, router and demo for run.sh's service step. The CUDA runtime
+# and cuBLAS are not packed: the GPU machine's toolkit provides them.
 #   BUILD_DIR (default build-cuda), CUDA_ARCH (default 90), JOBS (default 2)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-cuda}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" >/dev/null
-ninja -C "$BUILD_DIR" -j"${JOBS:-2}" cuda_kernels_test cuda_tier_storage_test cuda_runner_test gpu_bench kvcache_cuda
+ninja -C "$BUILD_DIR" -j"${JOBS:-2}" cuda_kernels_test cuda_tier_storage_test cuda_runner_test gpu_bench kvcache_cuda \
+  kvcache-worker kvcache-router kvcache-demo
 STAGE="$(mktemp -d)"
-mkdir -p "$STAGE/bin" "$STAGE/lib" "$STAGE/src/include"
+mkdir -p "$STAGE/bin" "$STAGE/lib" "$STAGE/src/include" "$STAGE/build/worker" "$STAGE/build/router"
 for b in cuda_kernels_test cuda_tier_storage_test cuda_runner_test gpu_bench; do
   cp "$BUILD_DIR/tests/worker/backend/cuda/$b" "$STAGE/bin/"
 done
 cp "$BUILD_DIR/worker/libkvcache_cuda.so" "$STAGE/lib/"
+# The service, laid out as a build folder (scripts/run.sh's KVCACHE_BUILD_DIR):
+# the worker opens the plugin beside itself.
+cp "$BUILD_DIR/worker/kvcache-worker" "$BUILD_DIR/worker/libkvcache_cuda.so" "$STAGE/build/worker/"
+cp "$BUILD_DIR/router/kvcache-router" "$BUILD_DIR/router/kvcache-demo" "$STAGE/build/router/"
 # Shared libraries, except the C runtime and CUDA's own.
-for b in "$STAGE"/bin/*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
+for b in "$STAGE"/bin/* "$STAGE"/build/*/kvcache-*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|libgcc_s.so*|libstdc++.so*|libcudart*|libcublas*) ;;
     *) cp -L "$lib" "$STAGE/lib/" ;;

@@ -9,8 +9,19 @@
 #               .gpu_carry/bundle.tar.xz when present)
 #   2. test   - every `gpu`-labelled test (ctest -L gpu, or the bundle's binaries)
 #   3. bench  - gpu_bench --json $OUT_DIR/gpu.json
-#   4. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
-#      ratios) and copies the logs there.
+#   4. service - when the real model is here (KVCACHE_MODEL, or the two parts
+#               tests/gpu/split_model.sh wrote to .gpu_carry/, carried in
+#               back-to-back calls and checked against their SHA-256): scripts/run.sh, the main
+#               job, with two GPU workers (--device=cuda:0) and a router, into
+#               service.log: a multi-user conversation with forks, offload to
+#               pinned memory and restore, a migration between the GPU workers,
+#               every twin's replies compared token for token
+#   5. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
+#      ratios, the service result) and copies the logs there.
+# GPU_STEPS (default "tests bench service") picks steps 2-4 (build and summary
+# always run): split_model.sh's third call runs the service alone.
+# SERVICE_DEVICE (default cuda:0) is the service's --device; cpu dry-runs the
+# service step's plumbing (bundle, joined model, scripts/run.sh) without a GPU.
 # OUT_DIR is $OUT when set (device runs), else ${BUILD_DIR}/gpu-out.
 # Exit status: 0 all passed; 1 a test or the bench failed; 2 no GPU / cannot build.
 set -uo pipefail
@@ -19,6 +30,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu}"
 OUT_DIR="${OUT:-$BUILD_DIR/gpu-out}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
+GPU_STEPS="${GPU_STEPS:-tests bench service}"
+step() { [[ " $GPU_STEPS " == *" $1 "* ]]; }
 PREBUILT=""
 MODE=""
 while [[ $# -gt 0 ]]; do
@@ -43,7 +56,8 @@ NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
 [[ -x "$NVCC" ]] && log "nvcc: $("$NVCC" --version | tail -1)"
 
 # --- 1. Build ---------------------------------------------------------------------
-TARGETS=(cuda_kernels_test cuda_tier_storage_test cuda_runner_test gpu_bench kvcache_cuda)
+TARGETS=(cuda_kernels_test cuda_tier_storage_test cuda_runner_test gpu_bench kvcache_cuda
+  kvcache-worker kvcache-router kvcache-demo)
 BIN_DIR=""
 if [[ "$MODE" != "prebuilt" ]]; then
   if ! command -v cmake >/dev/null || [[ ! -x "$NVCC" ]]; then
@@ -96,10 +110,25 @@ PY
 fi
 log "mode=$MODE, binaries in $BIN_DIR"
 
+# The real model: KVCACHE_MODEL, else the parts split_model.sh wrote, joined.
+if [[ -z "${KVCACHE_MODEL:-}" && -f "$ROOT/.gpu_carry/model.gguf.sha256" ]]; then
+  joined="/tmp/kvcache-model/$(cat "$ROOT/.gpu_carry/model.gguf.name" 2>/dev/null || echo model.gguf)"
+  mkdir -p "$(dirname "$joined")"
+  cat "$ROOT"/.gpu_carry/model.gguf.part-* >"$joined" 2>/dev/null
+  if [[ "$(sha256sum "$joined" | awk '{print $1}')" == "$(cat "$ROOT/.gpu_carry/model.gguf.sha256")" ]]; then
+    export KVCACHE_MODEL="$joined"
+  else
+    log "model parts in .gpu_carry do not join to the recorded SHA-256 (a part missing?); no real model"
+  fi
+fi
+[[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" ]] && log "real model: $KVCACHE_MODEL"
+
 # --- 2. GPU tests -----------------------------------------------------------------
 FAILED=0
 TESTS_JSON=""
-for t in cuda_kernels_test cuda_tier_storage_test cuda_runner_test; do
+GPU_TESTS=(cuda_kernels_test cuda_tier_storage_test cuda_runner_test)
+step tests || GPU_TESTS=()
+for t in "${GPU_TESTS[@]}"; do
   t0=$(date +%s.%N)
   timeout 300 "$BIN_DIR/$t" --gtest_output=json:"$OUT_DIR/$t.json" >"$OUT_DIR/$t.log" 2>&1
   rc=$?
@@ -113,17 +142,39 @@ for t in cuda_kernels_test cuda_tier_storage_test cuda_runner_test; do
 done
 
 # --- 3. Benchmark -----------------------------------------------------------------
-timeout 240 "$BIN_DIR/gpu_bench" --json "$OUT_DIR/gpu.json" >"$OUT_DIR/gpu_bench.log" 2>&1
-BENCH_RC=$?
-[[ $BENCH_RC != 0 ]] && FAILED=1
-log "gpu_bench rc=$BENCH_RC"
-tee -a "$OUT_DIR/run.log" <"$OUT_DIR/gpu_bench.log"
+BENCH_RC=-1
+if step bench; then
+  timeout 240 "$BIN_DIR/gpu_bench" --json "$OUT_DIR/gpu.json" >"$OUT_DIR/gpu_bench.log" 2>&1
+  BENCH_RC=$?
+  [[ $BENCH_RC != 0 ]] && FAILED=1
+  log "gpu_bench rc=$BENCH_RC"
+  tee -a "$OUT_DIR/run.log" <"$OUT_DIR/gpu_bench.log"
+fi
 
-# --- 4. Summary -------------------------------------------------------------------
+# --- 4. Service -------------------------------------------------------------------
+SERVICE_RC=-1
+TWINS=0
+SERVICE_BUILD="$([[ "$MODE" == prebuilt ]] && echo "$STAGE/build" || echo "$BUILD_DIR")"
+if ! step service; then
+  :
+elif [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" && -x "$SERVICE_BUILD/worker/kvcache-worker" ]]; then
+  KVCACHE_DEMO_DEVICE="${SERVICE_DEVICE:-cuda:0}" KVCACHE_SKIP_SETUP=1 KVCACHE_BUILD_DIR="$SERVICE_BUILD" \
+    timeout 240 "$ROOT/scripts/run.sh" >"$OUT_DIR/service.log" 2>&1
+  SERVICE_RC=$?
+  TWINS=$(grep -c "identical to its twin's: yes" "$OUT_DIR/service.log")
+  [[ $SERVICE_RC != 0 ]] && FAILED=1
+  log "service (scripts/run.sh: two workers --device=${SERVICE_DEVICE:-cuda:0}, a router): rc=$SERVICE_RC, twins identical: $TWINS"
+  grep -E "cache counters|kvcache_(offload|restore|migration)_bytes_total" "$OUT_DIR/service.log" | sed 's/^/    /' |
+    tee -a "$OUT_DIR/run.log"
+else
+  log "service step skipped: no real model here (KVCACHE_MODEL, or tests/gpu/split_model.sh's parts)"
+fi
+
+# --- 5. Summary -------------------------------------------------------------------
 RATIOS="{}"
 [[ -f "$OUT_DIR/gpu.json" ]] && RATIOS="$(python3 -c "import json;print(json.dumps(json.load(open('$OUT_DIR/gpu.json')).get('ratio',{})))" 2>/dev/null || echo '{}')"
 cat >"$OUT_DIR/summary.json" <<JSON
-{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
+{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"service_rc":$SERVICE_RC,"service_twins_identical":$TWINS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
 JSON
 log "summary: $(cat "$OUT_DIR/summary.json")"
 exit $FAILED
