@@ -19,7 +19,7 @@
 #   5. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
 #      ratios, the service result) and copies the logs there.
 # GPU_STEPS (default "tests bench service") picks steps 2-4 (build and summary
-# always run): split_model.sh's third call runs the service alone.
+# always run), to rerun one of them alone.
 # SERVICE_DEVICE (default cuda:0) is the service's --device; cpu dry-runs the
 # service step's plumbing (bundle, joined model, scripts/run.sh) without a GPU.
 # OUT_DIR is $OUT when set (device runs), else ${BUILD_DIR}/gpu-out.

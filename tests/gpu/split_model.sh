@@ -4,12 +4,12 @@
 # call carries at most 64 MiB with the working tree (3.8 MB), and files a call
 # leaves on the machine stay there while it is warm (30 s). With the 16 MB
 # bundle from tests/gpu/pack.sh, three back-to-back calls:
-#   1. carry .gpu_carry/bundle.tar.xz and .gpu_carry/model.gguf.part-aa (and the
-#      .sha256 and .name files); run tests/gpu/run.sh (kernel tests and bench;
-#      the service step waits for the whole model)
+#   1. carry .gpu_carry/bundle.tar.xz, .gpu_carry/model.gguf.part-aa and the
+#      .sha256 and .name files; run `true`
 #   2. carry .gpu_carry/model.gguf.part-ab; run `true`
-#   3. carry .gpu_carry/model.gguf.part-ac; run GPU_STEPS=service tests/gpu/run.sh
-# run.sh joins the parts and checks the hash before the service step.
+#   3. carry .gpu_carry/model.gguf.part-ac; run tests/gpu/run.sh, which joins the
+#      parts, checks the hash and runs everything on the real model (the GPU
+#      greedy test, logits against the CPU, gpu_bench's decode, the service)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"

@@ -21,32 +21,38 @@
 #include "worker/backend/cpu/matmul.h"
 #include "worker/kv/kv_cache_manager.h"
 #include "worker/model/llama_model.h"
+#include "worker/model/model_runner.h"
 #include "worker/model/sampler.h"
 
 namespace kvcache {
 namespace testing {
 
-// A KV cache of 64 pages of 16 tokens and a CPU runner over `model`. An
-// exact-math engine keeps f32 K/V and runs every matmul on dequantised f32
-// weights (no 8-bit activation blocks): on the Q4_1 model its logits equal a
-// float64 forward pass within 2e-3 (llama_reference_test).
+// The options of a KV cache of 64 pages of 16 tokens for `model`.
+inline kv::KvCacheOptions ReferenceKvOptions(const model::LlamaModel& model, kv::KvDtype dtype) {
+  const auto& hp = model.hparams();
+  kv::KvCacheOptions ko;
+  ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),
+                         static_cast<int>(hp.n_head_kv),
+                         static_cast<int>(hp.head_dim),
+                         dtype,
+                         16,
+                         0};
+  ko.model_id = model.model_id();
+  ko.tier0_bytes = 64 * ko.shape.page_bytes();
+  return ko;
+}
+
+// A KV cache (ReferenceKvOptions) and a runner over a model: by default the CPU
+// runner. An exact-math CPU engine keeps f32 K/V and runs every matmul on
+// dequantised f32 weights (no 8-bit activation blocks): on the Q4_1 model its
+// logits equal a float64 forward pass within 2e-3 (llama_reference_test).
 class ReferenceEngine {
  public:
   enum class Math { kServing, kExact };
 
   ReferenceEngine(const model::LlamaModel* model, kv::KvDtype dtype, Math math = Math::kServing)
       : math_(math) {
-    const auto& hp = model->hparams();
-    kv::KvCacheOptions ko;
-    ko.shape = kv::KvShape{static_cast<int>(hp.n_layer),
-                           static_cast<int>(hp.n_head_kv),
-                           static_cast<int>(hp.head_dim),
-                           dtype,
-                           16,
-                           0};
-    ko.model_id = model->model_id();
-    ko.tier0_bytes = 64 * ko.shape.page_bytes();
-    auto kv = kv::KvCacheManager::Create(ko);
+    auto kv = kv::KvCacheManager::Create(ReferenceKvOptions(*model, dtype));
     EXPECT_TRUE(kv.ok()) << kv.status();
     if (!kv.ok()) return;
     kv_ = std::move(*kv);
@@ -54,6 +60,10 @@ class ReferenceEngine {
     EXPECT_TRUE(r.ok()) << r.status();
     if (r.ok()) runner_ = std::move(*r);
   }
+  // Another backend's runner over `kv` (e.g. the CUDA runner with tier 0 on the
+  // device); serving math.
+  ReferenceEngine(std::unique_ptr<kv::KvCacheManager> kv, model::ModelRunnerPtr runner)
+      : math_(Math::kServing), kv_(std::move(kv)), runner_(std::move(runner)) {}
 
   bool ok() const { return runner_ != nullptr; }
   kv::KvCacheManager* kv() { return kv_.get(); }
@@ -80,7 +90,7 @@ class ReferenceEngine {
  private:
   const Math math_;
   std::unique_ptr<kv::KvCacheManager> kv_;
-  std::unique_ptr<cpu::CpuLlamaRunner> runner_;
+  model::ModelRunnerPtr runner_;
 };
 
 // How our decisions compared with llama.cpp's on one prompt.

@@ -20,7 +20,9 @@
 #include "common/gguf/model_path.h"
 #include "common/gguf/tiny_llama.h"
 #include "gtest/gtest.h"
+#include "tests/common/gguf/reference_data.h"
 #include "tests/worker/backend/cuda/gpu_test_util.h"
+#include "tests/worker/model/greedy_reference.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
 #include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cuda/cuda_backend.h"
@@ -216,6 +218,41 @@ TEST(CudaRunnerTest, SmolLM2LogitsMatchCpu) {
   gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
   o.weight_scale = 0.06f;
   CompareBackends(*Tiny(o), "synthetic SmolLM2-shaped Q4_1");
+}
+
+// The CPU engine's teacher-forced greedy test on the GPU runner: llama.cpp's
+// greedy tokens for the recorded prompts (tests/data/llamacpp_greedy.json), fed
+// back one at a time; every step where llama.cpp's top-2 margin is at least 0.5
+// must have llama.cpp's token as our argmax. Needs the real SmolLM2 Q4_1 file
+// (KVCACHE_MODEL; tests/gpu/run.sh joins the parts split_model.sh carries).
+TEST(CudaRunnerTest, GreedyDecisionsMatchLlamaCppOnTheRealModel) {
+  KVCACHE_REQUIRE_GPU();
+  auto real = model::LlamaModel::Load(gguf::DefaultModelPath());
+  if (!real.ok()) GTEST_SKIP() << "the real model is not here: " << real.status();
+  auto ref = ::kvcache::testing::LoadReference("llamacpp_greedy.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto backend = kvcache_cuda_backend_v1()->Create({0});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  kv::KvCacheOptions ko = ::kvcache::testing::ReferenceKvOptions(**real, kv::KvDtype::kF16);
+  ko.storage_factory = (*backend)->MakeTierStorageFactory();
+  auto kv = kv::KvCacheManager::Create(ko);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  auto runner = (*backend)->CreateRunner(**real, (*kv)->tier_storage(0), ko.shape, {256});
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ::kvcache::testing::ReferenceEngine engine(std::move(*kv), std::move(*runner));
+  int index = 0, decided = 0, agree = 0;
+  for (const auto& p : ref->fields().at("prompts").list_value().values()) {
+    const std::string name = p.struct_value().fields().at("name").string_value();
+    SCOPED_TRACE(name);
+    const ::kvcache::testing::GreedyComparison c = ::kvcache::testing::CompareWithLlamaCppGreedy(
+        engine, "gpu-" + std::to_string(index++), p.struct_value(), 32, 0.5f, "gpu " + name);
+    decided += c.decided;
+    agree += c.agree;
+  }
+  std::printf("GPU greedy vs llama.cpp: %d/%d decisions with margin >= 0.5 equal over %d prompts\n", agree,
+              decided, index);
+  EXPECT_GE(index, 4);
+  EXPECT_GT(decided, 0);
 }
 
 TEST(CudaRunnerTest, BadBatchIsInvalidArgumentAndTheRunnerKeepsWorking) {
