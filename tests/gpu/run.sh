@@ -7,7 +7,9 @@
 #               are missing there, falls back to a prebuilt bundle made by
 #               tests/gpu/pack.sh on a development machine (--prebuilt FILE, or
 #               .gpu_carry/bundle.tar.xz when present)
-#   2. test   - every `gpu`-labelled test (ctest -L gpu, or the bundle's binaries)
+#   2. test   - every `gpu`-labelled test (ctest -L gpu, or the bundle's binaries);
+#               then (step "sanitizer") cuda_kernels_test under compute-sanitizer's
+#               memcheck, when the toolkit has it
 #   3. bench  - gpu_bench --json $OUT_DIR/gpu.json
 #   4. service - when the real model is here (KVCACHE_MODEL, or the two parts
 #               tests/gpu/split_model.sh wrote to .gpu_carry/, carried in
@@ -18,7 +20,7 @@
 #               every twin's replies compared token for token
 #   5. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
 #      ratios, the service result) and copies the logs there.
-# GPU_STEPS (default "tests bench service") picks steps 2-4 (build and summary
+# GPU_STEPS (default "tests sanitizer bench service") picks steps 2-4 (build and summary
 # always run), to rerun one of them alone.
 # SERVICE_DEVICE (default cuda:0) is the service's --device; cpu dry-runs the
 # service step's plumbing (bundle, joined model, scripts/run.sh) without a GPU.
@@ -30,7 +32,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu}"
 OUT_DIR="${OUT:-$BUILD_DIR/gpu-out}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
-GPU_STEPS="${GPU_STEPS:-tests bench service}"
+GPU_STEPS="${GPU_STEPS:-tests sanitizer bench service}"
 step() { [[ " $GPU_STEPS " == *" $1 "* ]]; }
 PREBUILT=""
 MODE=""
@@ -141,6 +143,18 @@ for t in "${GPU_TESTS[@]}"; do
   TESTS_JSON+="${TESTS_JSON:+,}{\"name\":\"$t\",\"result\":\"$result\",\"rc\":$rc,\"seconds\":$dt}"
 done
 
+SANITIZER_RC=-1
+SANITIZER="$(command -v compute-sanitizer || echo "$(dirname "$NVCC")/compute-sanitizer")"
+if step sanitizer && [[ -x "$SANITIZER" ]]; then
+  timeout 300 "$SANITIZER" --tool memcheck --leak-check full --error-exitcode 9 "$BIN_DIR/cuda_kernels_test" \
+    >"$OUT_DIR/memcheck.log" 2>&1
+  SANITIZER_RC=$?
+  [[ $SANITIZER_RC != 0 ]] && FAILED=1
+  log "compute-sanitizer memcheck of cuda_kernels_test: rc=$SANITIZER_RC, $(grep -m1 'ERROR SUMMARY' "$OUT_DIR/memcheck.log")"
+elif step sanitizer; then
+  log "compute-sanitizer not found; memcheck skipped"
+fi
+
 # --- 3. Benchmark -----------------------------------------------------------------
 BENCH_RC=-1
 if step bench; then
@@ -174,7 +188,7 @@ fi
 RATIOS="{}"
 [[ -f "$OUT_DIR/gpu.json" ]] && RATIOS="$(python3 -c "import json;print(json.dumps(json.load(open('$OUT_DIR/gpu.json')).get('ratio',{})))" 2>/dev/null || echo '{}')"
 cat >"$OUT_DIR/summary.json" <<JSON
-{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"service_rc":$SERVICE_RC,"service_twins_identical":$TWINS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
+{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"memcheck_rc":$SANITIZER_RC,"service_rc":$SERVICE_RC,"service_twins_identical":$TWINS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
 JSON
 log "summary: $(cat "$OUT_DIR/summary.json")"
 exit $FAILED
