@@ -11,17 +11,18 @@
 #               then (step "sanitizer") cuda_kernels_test under compute-sanitizer's
 #               memcheck, when the toolkit has it
 #   3. bench  - gpu_bench --json $OUT_DIR/gpu.json
-#   4. service - when the real model is here (KVCACHE_MODEL, or the two parts
+#   4. service - when the real model is here (KVCACHE_MODEL, or the parts
 #               tests/gpu/split_model.sh wrote to .gpu_carry/, carried in
-#               back-to-back calls and checked against their SHA-256): scripts/run.sh, the main
-#               job, with two GPU workers (--device=cuda:0) and a router, into
-#               service.log: a multi-user conversation with forks, offload to
-#               pinned memory and restore, a migration between the GPU workers,
-#               every twin's replies compared token for token
+#               back-to-back calls and checked against their SHA-256; the tests
+#               and the bench then use it too): scripts/run.sh, the main job, with
+#               two GPU workers (--device=cuda:0) and a router, into service.log:
+#               a multi-user conversation with forks, offload to pinned memory and
+#               restore, a migration between the GPU workers, every twin's replies
+#               compared token for token (needs openssl and curl on the machine)
 #   5. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
 #      ratios, the service result) and copies the logs there.
-# GPU_STEPS (default "tests sanitizer bench service") picks steps 2-4 (build and summary
-# always run), to rerun one of them alone.
+# GPU_STEPS (default "tests sanitizer bench service") picks steps 2-4 (build and
+# summary always run), to rerun one of them alone.
 # SERVICE_DEVICE (default cuda:0) is the service's --device; cpu dry-runs the
 # service step's plumbing (bundle, joined model, scripts/run.sh) without a GPU.
 # OUT_DIR is $OUT when set (device runs), else ${BUILD_DIR}/gpu-out.
