@@ -34,6 +34,10 @@ done
 # machine's nvcc can compile-check the kernels.
 ABSL_INC="$(dirname "$(find /usr/include /usr/local/include -maxdepth 2 -type d -name absl 2>/dev/null | head -1)")"
 [[ -n "$ABSL_INC" ]] && cp -r "$ABSL_INC/absl" "$STAGE/src/include/"
+# The pure-Python packages transformers needs to read a GGUF (hf_peer.py), in
+# case the GPU machine's Python lacks them.
+mkdir -p "$STAGE/wheels"
+python3 -m pip download -q --no-deps gguf accelerate -d "$STAGE/wheels" || echo "no wheels for hf_peer.py"
 echo "built $(date -u +%FT%TZ) on $(hostname) from $(git -C "$ROOT" rev-parse --short HEAD)+worktree, sm_$CUDA_ARCH" >"$STAGE/BUILD_INFO"
 mkdir -p "$ROOT/.gpu_carry"
 grep -qx '/.gpu_carry/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.gpu_carry/' >>"$ROOT/.git/info/exclude"

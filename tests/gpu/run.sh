@@ -10,7 +10,12 @@
 #   2. test   - every `gpu`-labelled test (ctest -L gpu, or the bundle's binaries);
 #               then (step "sanitizer") cuda_kernels_test under compute-sanitizer's
 #               memcheck, when the toolkit has it
-#   3. bench  - gpu_bench --json $OUT_DIR/gpu.json
+#   3. bench  - gpu_bench --json $OUT_DIR/gpu.json; then (step "peer", with the
+#               real model) tests/gpu/hf_peer.py: transformers on the same GGUF
+#               with its static KV cache (the machine's torch and transformers;
+#               gguf and accelerate from the bundle's wheels if missing) into
+#               hf.json, and our decode and cached time to first token against it
+#               (decode_vs_hf_batch<B>, ttft_cached_vs_hf_recompute in summary.json)
 #   4. service - when the real model is here (KVCACHE_MODEL, or the parts
 #               tests/gpu/split_model.sh wrote to .gpu_carry/, carried in
 #               back-to-back calls and checked against their SHA-256; the tests
@@ -21,10 +26,12 @@
 #               compared token for token (needs openssl and curl on the machine)
 #   5. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
 #      ratios, the service result) and copies the logs there.
-# GPU_STEPS (default "tests sanitizer bench service") picks steps 2-4 (build and
+# GPU_STEPS (default "tests sanitizer bench peer service") picks steps 2-4 (build and
 # summary always run), to rerun one of them alone.
 # SERVICE_DEVICE (default cuda:0) is the service's --device; cpu dry-runs the
 # service step's plumbing (bundle, joined model, scripts/run.sh) without a GPU.
+# HF_PEER_ARGS adds flags to hf_peer.py (e.g. "--device cpu --dtype float32" for
+# a dry run).
 # OUT_DIR is $OUT when set (device runs), else ${BUILD_DIR}/gpu-out.
 # Exit status: 0 all passed; 1 a test or the bench failed; 2 no GPU / cannot build.
 set -uo pipefail
@@ -33,7 +40,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu}"
 OUT_DIR="${OUT:-$BUILD_DIR/gpu-out}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
-GPU_STEPS="${GPU_STEPS:-tests sanitizer bench service}"
+GPU_STEPS="${GPU_STEPS:-tests sanitizer bench peer service}"
 step() { [[ " $GPU_STEPS " == *" $1 "* ]]; }
 PREBUILT=""
 MODE=""
@@ -166,6 +173,21 @@ if step bench; then
   tee -a "$OUT_DIR/run.log" <"$OUT_DIR/gpu_bench.log"
 fi
 
+PEER_RC=-1
+if step peer && [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" ]]; then
+  if ! python3 -c "import gguf, accelerate" 2>/dev/null && [[ -n "${STAGE:-}" && -d "$STAGE/wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/kvcache-py "$STAGE"/wheels/*.whl \
+      >>"$OUT_DIR/hf_peer.log" 2>&1
+    export PYTHONPATH="/tmp/kvcache-py${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # shellcheck disable=SC2086  # HF_PEER_ARGS: extra flags, split on spaces
+  timeout 300 python3 "$ROOT/tests/gpu/hf_peer.py" --model "$KVCACHE_MODEL" --json "$OUT_DIR/hf.json" \
+    ${HF_PEER_ARGS:-} >>"$OUT_DIR/hf_peer.log" 2>&1
+  PEER_RC=$?
+  log "transformers peer (hf_peer.py): rc=$PEER_RC"
+  grep -vE "it/s\]|^\s*$" "$OUT_DIR/hf_peer.log" | tail -6 | sed 's/^/    /' | tee -a "$OUT_DIR/run.log"
+fi
+
 # --- 4. Service -------------------------------------------------------------------
 SERVICE_RC=-1
 TWINS=0
@@ -186,10 +208,30 @@ else
 fi
 
 # --- 5. Summary -------------------------------------------------------------------
-RATIOS="{}"
-[[ -f "$OUT_DIR/gpu.json" ]] && RATIOS="$(python3 -c "import json;print(json.dumps(json.load(open('$OUT_DIR/gpu.json')).get('ratio',{})))" 2>/dev/null || echo '{}')"
+# gpu_bench's ratios, and ours against the transformers peer (above 1: we are faster).
+RATIOS="$(OUT_DIR="$OUT_DIR" python3 - <<'PY' 2>/dev/null || echo '{}'
+import json, os
+out = os.environ["OUT_DIR"]
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+gpu, hf = load("gpu.json"), load("hf.json").get("metrics", {})
+ratio = dict(gpu.get("ratio", {}))
+ours = gpu.get("metrics", {})
+for b in (1, 16, 64):
+    theirs = hf.get(f"hf_decode_tokens_per_s_batch{b}")
+    if theirs and ours.get(f"decode_tokens_per_s_batch{b}"):
+        ratio[f"decode_vs_hf_batch{b}"] = ours[f"decode_tokens_per_s_batch{b}"] / theirs
+if hf.get("hf_ttft_recompute_2000_ms") and ours.get("ttft_cached_history2000_ms"):
+    ratio["ttft_cached_vs_hf_recompute"] = hf["hf_ttft_recompute_2000_ms"] / ours["ttft_cached_history2000_ms"]
+print(json.dumps(ratio))
+PY
+)"
 cat >"$OUT_DIR/summary.json" <<JSON
-{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"memcheck_rc":$SANITIZER_RC,"service_rc":$SERVICE_RC,"service_twins_identical":$TWINS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
+{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"memcheck_rc":$SANITIZER_RC,"peer_rc":$PEER_RC,"service_rc":$SERVICE_RC,"service_twins_identical":$TWINS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
 JSON
 log "summary: $(cat "$OUT_DIR/summary.json")"
 exit $FAILED
