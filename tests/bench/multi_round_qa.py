@@ -460,11 +460,13 @@ def combine(pairs, json_path):
         for k, v in rep.get("notes", {}).items():
             notes[f"{prefix}_{k}"] = v
     for shape, by_mode in shapes.items():
-        aff = by_mode.get("affinity")
+        # The gRPC affinity run, or (a run over HTTP only) affinity_http.
+        ref = "affinity" if "affinity" in by_mode else "affinity_http"
+        aff = by_mode.get(ref)
         if not aff:
             continue
         for mode, m in by_mode.items():
-            if mode == "affinity":
+            if mode == ref:
                 continue
             for key, lower_better in COMPARED:
                 a, b = aff.get(key), m.get(key)
@@ -472,7 +474,7 @@ def combine(pairs, json_path):
                     continue
                 name = f"{shape + '_' if shape else ''}affinity_vs_{mode}_{key.removesuffix('_ms')}"
                 ratio[name] = b / a if lower_better else a / b
-                if mode != "affinity":
+                if mode != ref:
                     baseline[f"{shape + '_' if shape else ''}{mode}_{key}"] = b
     for shape, by_mode in shapes.items():
         print(f"== shape {shape or '-'} ==")

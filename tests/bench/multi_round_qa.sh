@@ -29,8 +29,10 @@
 # Modes (MODES, default "affinity affinity_http round_robin llama_server"):
 #   affinity, round_robin, random   a kvcache router (--placement=...) over two
 #                                   workers, driven over gRPC
-#   affinity_http                   the same router driven through its OpenAI
-#                                   HTTP API (the client path of llama-server)
+#   affinity_http (round_robin_http, random_http)
+#                                   the same router driven through its OpenAI
+#                                   HTTP API (the client path of llama-server;
+#                                   needs no grpcio)
 #   affinity_token_budget           affinity with --max_step_ms=-1 (prefill chunks
 #                                   bounded by --max_batch_tokens only), shape a
 #                                   only unless TOKEN_BUDGET_SHAPES says otherwise
@@ -46,7 +48,8 @@
 #
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
 # Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, SHAPES, MODES, THREADS (2),
-#   DURATION (240 s per mode at most), FRACTION (0.6), TOKEN_BUDGET_SHAPES ("a").
+#   DURATION (240 s per mode at most), FRACTION (0.6), TOKEN_BUDGET_SHAPES ("a"),
+#   WORKER_FLAGS (more kvcache worker flags, e.g. --device=cuda:0 on a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/common.sh
@@ -59,6 +62,7 @@ TOKEN_BUDGET_SHAPES=${TOKEN_BUDGET_SHAPES:-a}
 THREADS=${THREADS:-2}
 DURATION=${DURATION:-240}
 FRACTION=${FRACTION:-0.6}
+read -r -a WORKER_EXTRA <<<"${WORKER_FLAGS:-}"
 # K and V bytes per token of SmolLM2-135M with f16 pages: 2 * 30 layers * 3 KV heads * 64 * 2 bytes.
 KV_BYTES_PER_TOKEN=${KV_BYTES_PER_TOKEN:-23040}
 RUN_ID=$(python3 -c 'import uuid; print(uuid.uuid4())')
@@ -213,12 +217,11 @@ for shape in $SHAPES; do
         wait_http "http://127.0.0.1:$port/v1/models" || { failed=1; stop_all; continue; }
         "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --label="$mode" --json="$json" || failed=1
         ;;
-      affinity | affinity_http | affinity_token_budget | round_robin | random)
-        placement=$mode
-        step=()
+      affinity | affinity_http | affinity_token_budget | round_robin | round_robin_http | random | random_http)
+        placement=${mode%_http}
+        step=("${WORKER_EXTRA[@]}")
         case $mode in
-          affinity_http) placement=affinity ;;
-          affinity_token_budget) placement=affinity; step=(--max_step_ms=-1) ;;
+          affinity_token_budget) placement=affinity; step+=(--max_step_ms=-1) ;;
         esac
         workers=()
         for i in $(seq 1 "$WORKERS"); do
@@ -229,7 +232,7 @@ for shape in $SHAPES; do
         start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --http_listen=127.0.0.1:0 \
           --workers="$(IFS=,; echo "${workers[*]}")" \
           --placement="$placement" --model="$KVCACHE_MODEL" --allow_unauthenticated
-        if [ "$mode" = affinity_http ]; then
+        if [[ $mode == *_http ]]; then
           wait_http "http://$HTTP_ADDRESS/ready" || { failed=1; stop_all; continue; }
           model=$(curl -sf "http://$HTTP_ADDRESS/v1/models" |
                   python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')

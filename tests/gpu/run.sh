@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs the CUDA backend's GPU checks on a machine with an NVIDIA GPU and the CUDA
-# toolkit, in one go (well under 8 minutes on an H100/H200):
+# toolkit, in one go (sized for one 10-minute device call: the kernel tests and
+# gpu_bench took under 8 minutes on an H200 before the later steps were added;
+# GPU_STEPS splits the run over two calls if it does not fit):
 #   1. build  - cmake + ninja of the GPU tests, gpu_bench and the plugin
 #               (-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}) in ${BUILD_DIR:-build-gpu};
 #               when the project's host dependencies (gRPC, abseil, GoogleTest...)
@@ -23,24 +25,40 @@
 #               two GPU workers (--device=cuda:0) and a router, into service.log:
 #               a multi-user conversation with forks, offload to pinned memory and
 #               restore, a migration between the GPU workers, every twin's replies
-#               compared token for token (needs openssl and curl on the machine)
+#               compared token for token (needs openssl and curl on the machine);
+#               then (step "qa") a short multi-round QA load, affinity against
+#               round-robin over two GPU workers, through the router's HTTP API
+#               (tests/bench/multi_round_qa.sh shape a, 4 users x 3 rounds; Python's
+#               standard library only) into multi_round_qa.json
 #   5. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
 #      ratios, the service result) and copies the logs there.
-# GPU_STEPS (default "tests sanitizer bench peer service") picks steps 2-4 (build and
+# GPU_STEPS (default "tests sanitizer bench peer service qa") picks steps 2-4 (build and
 # summary always run), to rerun one of them alone.
 # SERVICE_DEVICE (default cuda:0) is the service's --device; cpu dry-runs the
 # service step's plumbing (bundle, joined model, scripts/run.sh) without a GPU.
 # HF_PEER_ARGS adds flags to hf_peer.py (e.g. "--device cpu --dtype float32" for
 # a dry run).
-# OUT_DIR is $OUT when set (device runs), else ${BUILD_DIR}/gpu-out.
+# Every file goes to a work folder; at exit the results (summary.json, run.log,
+# gpu.json, hf.json, multi_round_qa.json) and logs.tar.xz of everything else go
+# to $OUT when set (a device call returns at most 8 files), else
+# ${BUILD_DIR}/gpu-out.
 # Exit status: 0 all passed; 1 a test or the bench failed; 2 no GPU / cannot build.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu}"
-OUT_DIR="${OUT:-$BUILD_DIR/gpu-out}"
+FINAL_DIR="${OUT:-$BUILD_DIR/gpu-out}"
+OUT_DIR="$(mktemp -d /tmp/kvcache-gpu-out.XXXXXX)"
+finish() {
+  mkdir -p "$FINAL_DIR"
+  for f in summary.json run.log gpu.json hf.json multi_round_qa.json; do
+    [[ -f "$OUT_DIR/$f" ]] && cp "$OUT_DIR/$f" "$FINAL_DIR/"
+  done
+  tar -cJf "$FINAL_DIR/logs.tar.xz" -C "$OUT_DIR" .
+}
+trap finish EXIT
 CUDA_ARCH="${CUDA_ARCH:-90}"
-GPU_STEPS="${GPU_STEPS:-tests sanitizer bench peer service}"
+GPU_STEPS="${GPU_STEPS:-tests sanitizer bench peer service qa}"
 step() { [[ " $GPU_STEPS " == *" $1 "* ]]; }
 PREBUILT=""
 MODE=""
@@ -207,6 +225,18 @@ else
   log "service step skipped: no real model here (KVCACHE_MODEL, or tests/gpu/split_model.sh's parts)"
 fi
 
+QA_RC=-1
+if step qa && [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" && -x "$SERVICE_BUILD/worker/kvcache-worker" ]]; then
+  SHAPES=a MODES="affinity_http round_robin_http" TOKEN_BUDGET_SHAPES="" A_USERS=4 A_ROUNDS=3 THREADS=8 DURATION=90 \
+    WORKER_FLAGS="--device=${SERVICE_DEVICE:-cuda:0}" KVCACHE_BUILD_DIR="$SERVICE_BUILD" \
+    timeout 300 "$ROOT/tests/bench/multi_round_qa.sh" "$OUT_DIR/qa" >"$OUT_DIR/qa.log" 2>&1
+  QA_RC=$?
+  [[ -f "$OUT_DIR/qa/multi_round_qa.json" ]] && cp "$OUT_DIR/qa/multi_round_qa.json" "$OUT_DIR/"
+  [[ $QA_RC != 0 ]] && FAILED=1
+  log "multi-round QA, affinity vs round-robin on GPU workers: rc=$QA_RC"
+  grep -E "affinity_vs_round_robin_http_(ttft|output)" "$OUT_DIR/qa.log" | sed 's/^/    /' | tee -a "$OUT_DIR/run.log"
+fi
+
 # --- 5. Summary -------------------------------------------------------------------
 # gpu_bench's ratios, and ours against the transformers peer (above 1: we are faster).
 RATIOS="$(OUT_DIR="$OUT_DIR" python3 - <<'PY' 2>/dev/null || echo '{}'
@@ -231,7 +261,7 @@ print(json.dumps(ratio))
 PY
 )"
 cat >"$OUT_DIR/summary.json" <<JSON
-{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"memcheck_rc":$SANITIZER_RC,"peer_rc":$PEER_RC,"service_rc":$SERVICE_RC,"service_twins_identical":$TWINS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
+{"mode":"$MODE","gpu":"$(head -1 "$OUT_DIR/nvidia-smi.txt" | sed 's/"/ /g')","tests":[${TESTS_JSON}],"bench_rc":$BENCH_RC,"ratio":$RATIOS,"memcheck_rc":$SANITIZER_RC,"peer_rc":$PEER_RC,"service_rc":$SERVICE_RC,"qa_rc":$QA_RC,"service_twins_identical":$TWINS,"seconds":$(( $(date +%s) - START )),"ok":$([[ $FAILED == 0 ]] && echo true || echo false)}
 JSON
 log "summary: $(cat "$OUT_DIR/summary.json")"
 exit $FAILED
