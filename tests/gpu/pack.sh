@@ -24,7 +24,8 @@ cp "$BUILD_DIR/worker/libkvcache_cuda.so" "$STAGE/lib/"
 cp "$BUILD_DIR/worker/kvcache-worker" "$BUILD_DIR/worker/libkvcache_cuda.so" "$STAGE/build/worker/"
 cp "$BUILD_DIR/router/kvcache-router" "$BUILD_DIR/router/kvcache-demo" "$STAGE/build/router/"
 # Shared libraries, except the C runtime and CUDA's own.
-for b in "$STAGE"/bin/* "$STAGE"/build/*/kvcache-*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
+for b in "$STAGE"/bin/* "$STAGE"/build/*/kvcache-*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u |
+while read -r lib; do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|libgcc_s.so*|libstdc++.so*|libcudart*|libcublas*) ;;
     *) cp -L "$lib" "$STAGE/lib/" ;;

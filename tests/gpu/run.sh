@@ -176,7 +176,8 @@ if step sanitizer && [[ -x "$SANITIZER" ]]; then
     >"$OUT_DIR/memcheck.log" 2>&1
   SANITIZER_RC=$?
   [[ $SANITIZER_RC != 0 ]] && FAILED=1
-  log "compute-sanitizer memcheck of cuda_kernels_test: rc=$SANITIZER_RC, $(grep -m1 'ERROR SUMMARY' "$OUT_DIR/memcheck.log")"
+  log "compute-sanitizer memcheck of cuda_kernels_test: rc=$SANITIZER_RC," \
+    "$(grep -m1 'ERROR SUMMARY' "$OUT_DIR/memcheck.log")"
 elif step sanitizer; then
   log "compute-sanitizer not found; memcheck skipped"
 fi
@@ -218,7 +219,8 @@ elif [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" && -x "$SERVICE_BUILD/wor
   SERVICE_RC=$?
   TWINS=$(grep -c "identical to its twin's: yes" "$OUT_DIR/service.log")
   [[ $SERVICE_RC != 0 ]] && FAILED=1
-  log "service (scripts/run.sh: two workers --device=${SERVICE_DEVICE:-cuda:0}, a router): rc=$SERVICE_RC, twins identical: $TWINS"
+  log "service (scripts/run.sh: two workers --device=${SERVICE_DEVICE:-cuda:0}, a router): rc=$SERVICE_RC," \
+    "twins identical: $TWINS"
   grep -E "cache counters|kvcache_(offload|restore|migration)_bytes_total" "$OUT_DIR/service.log" | sed 's/^/    /' |
     tee -a "$OUT_DIR/run.log"
 else
