@@ -64,6 +64,7 @@ struct Engine::Request {
   std::vector<int32_t> context;  // every token of the conversation so far
   std::vector<int32_t> pending;  // tokens of `context` without K/V yet, in order
   int64_t prefix_restored = 0;   // of the cached tokens attached before it started, from tier 1
+  int64_t admitted_at_prefill = 0;  // the engine's prefilled_tokens_ when it was admitted
   GenerateResult result;
 };
 
@@ -478,14 +479,20 @@ bool Engine::Step() {
                                 : kAutoStepTimeFactor * decodes;
       prefill_seconds = target - decodes;
     }
-    // Decodes in admission order; prompts shortest remaining first (ties: oldest),
-    // so a conversation's short next turn is not queued behind a long cold prompt.
+    // Decodes in admission order; prompts shortest remaining first, so that a
+    // conversation's short next turn is not queued behind a long cold prompt, aged
+    // by the prompt work done since each arrived (ties: oldest): a prompt's key
+    // falls by one for every prompt token the engine computes after admitting it,
+    // so a long prompt waits at most about its own length in other prompts' work
+    // (shortest-first alone starves it while shorter turns keep arriving).
     std::vector<Request*> order;
     for (auto& rp : active_) order.push_back(rp.get());
     if (pass == 1) {
-      std::stable_sort(order.begin(), order.end(), [](const Request* a, const Request* b) {
-        return a->pending.size() < b->pending.size();
-      });
+      auto key = [this](const Request* r) {
+        return static_cast<int64_t>(r->pending.size()) - (prefilled_tokens_ - r->admitted_at_prefill);
+      };
+      std::stable_sort(order.begin(), order.end(),
+                       [&key](const Request* a, const Request* b) { return key(a) < key(b); });
     }
     for (Request* rp : order) {
       Request& r = *rp;
@@ -606,6 +613,7 @@ bool Engine::Step() {
   }
 
   const absl::Time end = absl::Now();
+  prefilled_tokens_ += prefill_tokens;
   recent_decode_.emplace_back(end, decode_tokens);
   while (!recent_decode_.empty() && end - recent_decode_.front().first > absl::Seconds(1)) {
     recent_decode_.pop_front();
@@ -693,7 +701,10 @@ void Engine::Loop() {
                            : absl::DeadlineExceededError("deadline passed while the request was queued"),
              std::nullopt);
     }
-    for (auto& r : admitted) active_.push_back(std::move(r));
+    for (auto& r : admitted) {
+      r->admitted_at_prefill = prefilled_tokens_;
+      active_.push_back(std::move(r));
+    }
     const absl::Time now = absl::Now();
     for (auto& rp : active_) {
       Request& r = *rp;

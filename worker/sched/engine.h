@@ -4,13 +4,12 @@
 // One engine thread runs steps. Each step decodes one token for every running
 // request that has finished its prompt, then spends the rest of the step on
 // chunked prefill of the others, shortest remaining prompt first (a short turn
-// is not queued behind a long cold prompt; ties: oldest first): at most
-// --max_batch_tokens tokens
-// in all, and, while anything decodes, only as many prefill tokens as fit in the
-// step-time target (max_step_time, predicted by a StepCostModel fitted to the
-// engine's own step timings), so that a long prompt never stalls running streams
-// for more than about one target. Prefill chunks end on page boundaries; at each
-// boundary a prefilling request picks up pages that are cached by then
+// is not queued behind a long cold prompt), aged by the prompt work done since
+// each prompt arrived so that a long one is never starved (ties: oldest first):
+// at most --max_batch_tokens tokens in all, and, while anything decodes, only as many prefill tokens as fit
+// in the step-time target (max_step_time, predicted by a StepCostModel fitted to the engine's own step
+// timings), so that a long prompt never stalls running streams for more than about one target. Prefill chunks
+// end on page boundaries; at each boundary a prefilling request picks up pages that are cached by then
 // (AttachPrefix), and a request whose next page another request is computing in
 // the same step waits for it instead of computing it again, so a burst of
 // requests sharing a long system prompt computes it once. Before a
@@ -325,6 +324,7 @@ class Engine {
 
   // Engine thread only.
   std::vector<std::unique_ptr<Request>> active_;
+  int64_t prefilled_tokens_ = 0;  // prompt tokens computed since start (ages waiting prompts)
   std::deque<std::pair<absl::Time, int>> recent_decode_;  // (step end, tokens)
   struct PrefillStep {
     absl::Time end;

@@ -1,6 +1,7 @@
 // Engine scheduling tests against the pure-logic model of fake_runner.h.
 #include "worker/sched/engine.h"
 
+#include <atomic>
 #include <cstring>
 #include <thread>
 
@@ -475,6 +476,77 @@ TEST_F(EngineTest, BurstSharingAPrefixComputesItOnce) {
   EXPECT_GE(cached, (kUsers - 1) * kShared);
   EXPECT_EQ(prefill_tokens + cached, kUsers * (kShared + kPrivate))
       << "every prompt token is either computed or served from cache";
+}
+
+TEST_F(EngineTest, LongPromptIsNotStarvedByShorterOnes) {
+  // Every step has room for one 32-token prompt, and a new short prompt arrives
+  // whenever one finishes. Shortest-first alone would run the 320-token prompt
+  // only after the last short one; aged by the prompt work done since it
+  // arrived, it goes first once the engine has computed about its own length.
+  EngineOptions options;
+  options.max_batch_tokens = 32;
+  options.max_step_time = absl::Milliseconds(-1);  // the token budget alone sizes chunks
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/0, options);
+  constexpr int kLong = 320, kShort = 32, kShorts = 40;
+
+  class Counting : public Collector {
+   public:
+    explicit Counting(std::atomic<int>* finished) : finished_(finished) {}
+    void OnDone(const absl::Status& s, const GenerateResult& r) override {
+      finished_->fetch_add(1);
+      Collector::OnDone(s, r);
+    }
+
+   private:
+    std::atomic<int>* finished_;
+  };
+  std::atomic<int> shorts_finished{0};
+  std::atomic<int> shorts_before_long{-1};
+  class Long : public Collector {
+   public:
+    Long(std::atomic<int>* finished, std::atomic<int>* before) : finished_(finished), before_(before) {}
+    void OnToken(int32_t id, absl::string_view text) override {
+      if (tokens.empty()) before_->store(finished_->load());
+      Collector::OnToken(id, text);
+    }
+
+   private:
+    std::atomic<int>* finished_;
+    std::atomic<int>* before_;
+  };
+  Long long_out(&shorts_finished, &shorts_before_long);
+  std::vector<std::unique_ptr<Counting>> shorts;
+  for (int i = 0; i < kShorts; ++i) shorts.push_back(std::make_unique<Counting>(&shorts_finished));
+  int submitted = 0;  // engine thread (step callback) once steps run
+  auto submit_short = [&] {
+    const int i = submitted++;
+    ASSERT_TRUE(
+        engine_->Submit(Req("", RequestMode::kFullContext, Prompt(kShort, 100 + i), 1), shorts[i].get())
+            .ok());
+  };
+  runner_->LimitSteps(0);
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(kLong, 7), 1), &long_out).ok());
+  submit_short();
+  submit_short();
+  // Two short prompts are always queued: the next arrives before the next step.
+  engine_->SetStepCallback([&](const StepStats&) {
+    while (submitted < kShorts && submitted - shorts_finished.load() < 2) submit_short();
+  });
+  runner_->LimitSteps(-1);
+  long_out.Wait();
+  ASSERT_TRUE(long_out.status.ok()) << long_out.status;
+  EXPECT_EQ(long_out.tokens, Expected(Prompt(kLong, 7), 1));
+  for (auto& c : shorts) c->Wait();
+  engine_->SetStepCallback(nullptr);
+  for (int i = 0; i < kShorts; ++i) {
+    ASSERT_TRUE(shorts[i]->status.ok()) << shorts[i]->status;
+    EXPECT_EQ(shorts[i]->tokens, Expected(Prompt(kShort, 100 + i), 1)) << "short " << i;
+  }
+  // Short prompts still go first while the long one is fresh (first come, first
+  // served would answer it before any), and it goes first after about
+  // kLong / kShort of them (shortest-first alone: after all kShorts).
+  EXPECT_GE(shorts_before_long.load(), kLong / kShort / 2);
+  EXPECT_LE(shorts_before_long.load(), kLong / kShort + 4);
 }
 
 TEST_F(EngineTest, NewSessionRestoresAPrefixFoundInTier1) {
