@@ -774,6 +774,15 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
     v1::SessionInfo info;
     ASSERT_TRUE(s->ForkSession(&c, fr, &info).ok());
   }
+  // The client's pin moves with the session.
+  {
+    grpc::ClientContext c;
+    v1::PinSessionRequest pr;
+    pr.set_session_id("moving");
+    pr.set_pinned(true);
+    v1::SessionInfo info;
+    ASSERT_TRUE(s->PinSession(&c, pr, &info).ok());
+  }
   // The source's Watch, from before the move.
   grpc::ClientContext wctx;
   wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
@@ -791,6 +800,7 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   }
   EXPECT_GT(mr.bytes_moved(), 0);
   EXPECT_EQ(mr.session().worker_id(), "dst");
+  EXPECT_TRUE(mr.session().pinned());
   // The source announces the move as worker.proto says: SESSION_EXPORTED naming
   // the new holder, not SESSION_DROPPED.
   bool exported = false;
@@ -835,6 +845,40 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   EXPECT_EQ(self_st.error_code(), grpc::ALREADY_EXISTS) << self_st.error_message();
   EXPECT_THAT(self_st.error_message(), HasSubstr("the session stays here"));
   EXPECT_TRUE(Generate(s.get(), Text("reference", " and still", 2, v1::APPEND)).status.ok());
+
+  // A pinned session whose pin the target's quota cannot take stays here, pinned.
+  auto small = StartWorker({"--worker_id=small", "--tenant_max_pinned_pages=1"});
+  ASSERT_NE(small, nullptr);
+  {
+    grpc::ClientContext c;
+    v1::PinSessionRequest pr;
+    pr.set_session_id("reference");
+    pr.set_pinned(true);
+    v1::SessionInfo info;
+    ASSERT_TRUE(s->PinSession(&c, pr, &info).ok());
+  }
+  grpc::ClientContext quota_ctx;
+  v1::MigrateSessionRequest to_small;
+  to_small.set_session_id("reference");
+  to_small.set_target_address(small->grpc_address());
+  const grpc::Status quota_st = s->MigrateSession(&quota_ctx, to_small, &unused);
+  EXPECT_EQ(quota_st.error_code(), grpc::RESOURCE_EXHAUSTED) << quota_st.error_message();
+  EXPECT_THAT(quota_st.error_message(), HasSubstr("the session stays here"));
+  {
+    grpc::ClientContext c;
+    v1::SessionRequest gr;
+    gr.set_session_id("reference");
+    v1::SessionInfo info;
+    ASSERT_TRUE(s->GetSession(&c, gr, &info).ok());
+    EXPECT_TRUE(info.pinned());
+  }
+  {
+    grpc::ClientContext c;
+    v1::ListSessionsResponse listed;
+    ASSERT_TRUE(
+        v1::Worker::NewStub(small->channel())->ListSessions(&c, v1::ListSessionsRequest(), &listed).ok());
+    EXPECT_EQ(listed.sessions_size(), 0);
+  }
 }
 
 // Every MigrateSession runs on a background thread of the source, and every

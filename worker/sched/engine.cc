@@ -961,7 +961,7 @@ absl::StatusOr<std::unique_ptr<kv::SessionImporter>> Engine::BeginImport() {
 }
 
 absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& importer,
-                                                     std::vector<int32_t> context) {
+                                                     std::vector<int32_t> context, bool pinned) {
   const std::string& key = importer.session_id();
   const kv::SessionName name = kv::SplitSessionKey(key);
   auto adopt = [&]() -> absl::Status {
@@ -978,6 +978,11 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
           absl::StrCat("session '", name.id, "': cached tokens are not a prefix of its context"));
     }
     absl::MutexLock lock(&mu_);
+    if (pinned) {
+      KVCACHE_ASSIGN_OR_RETURN(kv::SessionInfo info, kv_->GetSession(key));
+      KVCACHE_RETURN_IF_ERROR(CheckPinQuota(name.tenant, key, info.tier0_pages + info.tier1_pages));
+      KVCACHE_RETURN_IF_ERROR(kv_->PinSession(key));
+    }
     AddSessionLocked(key, SessionState{name.tenant, std::move(context), absl::Now()});
     return absl::OkStatus();
   };

@@ -215,14 +215,16 @@ class Engine {
   // Import: BeginImport returns an importer that stages a session's pages in
   // the KV cache; feed it the chunks, and once it has committed, FinishImport
   // makes the session this engine's with `context` (the tokens it continues
-  // from; empty: the cached tokens). INVALID_ARGUMENT when the cached tokens are
-  // not a prefix of `context` or a token is outside the vocabulary; on any
+  // from; empty: the cached tokens), pinned when `pinned` (the exporter's pin).
+  // INVALID_ARGUMENT when the cached tokens are not a prefix of `context` or a
+  // token is outside the vocabulary, RESOURCE_EXHAUSTED when the pin would pass
+  // the tenant's pinned-pages quota; on any
   // failure the imported pages are released and no session remains. Dropping an
   // importer that never committed leaves no trace either.
   absl::StatusOr<std::unique_ptr<kv::SessionImporter>> BeginImport();
   // REQUIRES: importer.committed(). Returns the session's name.
   absl::StatusOr<kv::SessionName> FinishImport(const kv::SessionImporter& importer,
-                                               std::vector<int32_t> context);
+                                               std::vector<int32_t> context, bool pinned = false);
   // Export: BeginExport marks the session exporting (reported as migrating; it
   // never expires meanwhile) and returns an exporter over its pages. EndExport
   // ends that; a non-empty `handed_to` names the worker that holds the session

@@ -222,6 +222,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     if (chunk_.has_begin()) {
       if (absl::Status st = ValidateSessionId(chunk_.begin().session_id()); !st.ok()) return Done(st);
     }
+    const bool pinned = chunk_.has_commit() && chunk_.commit().pinned();
     bytes_ += chunk_.ByteSizeLong();
     std::vector<int32_t> context;
     auto c = FromWire(chunk_, &context);
@@ -229,7 +230,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     absl::Status st = importer_->Add(*c);
     if (!st.ok()) return Done(st);
     if (importer_->committed()) {
-      auto name = service_->engine_->FinishImport(*importer_, std::move(context));
+      auto name = service_->engine_->FinishImport(*importer_, std::move(context), pinned);
       if (!name.ok()) return Done(name.status());
       service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_),
                                       absl::Now() - started_);
@@ -553,8 +554,10 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   KVCACHE_ASSIGN_OR_RETURN(std::unique_ptr<kv::SessionExporter> exporter,
                            engine_->BeginExport(session_id, tenant, eo));
   bool write_failed = false;  // the target ended the import stream
+  bool pinned = false;
   auto send = [&](const kv::KvChunk& chunk, const std::vector<int32_t>& context) {
     v1::SessionChunk msg = ToWire(chunk, index++, context);
+    if (msg.has_commit()) msg.mutable_commit()->set_pinned(pinned);
     bytes += static_cast<int64_t>(msg.ByteSizeLong());
     write_failed = !writer->Write(msg);
     return !write_failed;
@@ -588,6 +591,9 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
     engine_->Release(session_id, tenant);
     return fail(context.status());
   }
+  // The client's pin moves with the session (read while no call can change it).
+  auto held = kv_->GetSession(kv::SessionKey(tenant, session_id));
+  pinned = held.ok() && held->user_pinned;
   while (true) {
     auto more = exporter->NextFinal(&chunk);
     if (!more.ok()) {
