@@ -74,6 +74,48 @@ int DispatchLedger::LeadingPages(const std::string& worker, absl::Span<const Blo
   return n;
 }
 
+void DispatchLedger::SessionDispatched(const SessionKey& session, const std::string& worker) {
+  absl::MutexLock lock(&mu_);
+  ++sessions_[session][worker];
+}
+
+void DispatchLedger::SessionFinished(const SessionKey& session, const std::string& worker) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  assert(it != sessions_.end());
+  if (it == sessions_.end()) return;
+  auto w = it->second.find(worker);
+  assert(w != it->second.end());
+  if (w != it->second.end() && --w->second == 0) it->second.erase(w);
+  if (it->second.empty()) sessions_.erase(it);
+  const absl::Time now = absl::Now();
+  recent_sessions_[session] = RecentSession{worker, now + kFinishedGrace};
+  if (recent_sessions_.size() >= recent_purge_at_) {
+    absl::erase_if(recent_sessions_, [now](const auto& e) { return e.second.until <= now; });
+    recent_purge_at_ = std::max<size_t>(1024, 2 * recent_sessions_.size());
+  }
+}
+
+std::optional<std::string> DispatchLedger::SessionWorker(const SessionKey& session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return std::nullopt;
+  return it->second.begin()->first;
+}
+
+std::optional<std::string> DispatchLedger::RecentSessionWorker(const SessionKey& session) const {
+  absl::MutexLock lock(&mu_);
+  if (auto it = sessions_.find(session); it != sessions_.end()) return it->second.begin()->first;
+  auto r = recent_sessions_.find(session);
+  if (r == recent_sessions_.end() || r->second.until <= absl::Now()) return std::nullopt;
+  return r->second.worker;
+}
+
+size_t DispatchLedger::sessions_tracked() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.size();
+}
+
 size_t DispatchLedger::workers_tracked() const {
   absl::MutexLock lock(&mu_);
   return workers_.size();

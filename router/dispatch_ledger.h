@@ -18,6 +18,7 @@
 #define KVCACHE_ROUTER_DISPATCH_LEDGER_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/block_hash.h"
+#include "router/directory.h"
 
 namespace kvcache::router {
 
@@ -51,11 +53,25 @@ class DispatchLedger {
               bool computed = false);
   static constexpr absl::Duration kFinishedGrace = absl::Seconds(2);
 
+  // Named sessions: a request on `session` was sent to `worker` / ended there.
+  // While one is in flight, SessionWorker names its worker, and placement sends
+  // the session's next request there too (whatever the placement mode): the
+  // worker refuses a second request on a busy session with ABORTED, so that two
+  // concurrent first requests on a new id never create it on two workers.
+  void SessionDispatched(const SessionKey& session, const std::string& worker);
+  void SessionFinished(const SessionKey& session, const std::string& worker);
+  std::optional<std::string> SessionWorker(const SessionKey& session) const;
+  // The worker a request on `session` is in flight on, or where one ended in
+  // the last kFinishedGrace (the worker's placement event may not have reached
+  // the directory yet): where the session lives as far as this router knows.
+  std::optional<std::string> RecentSessionWorker(const SessionKey& session) const;
+
   Outstanding Get(const std::string& worker) const;
   // Leading pages of `chain` that requests in flight on `worker` are computing.
   int LeadingPages(const std::string& worker, absl::Span<const BlockHash> chain) const;
-  // Workers with anything outstanding (for leak tests).
+  // Workers with anything outstanding, and sessions in flight (for leak tests).
   size_t workers_tracked() const;
+  size_t sessions_tracked() const;
 
  private:
   struct PerWorker {
@@ -71,6 +87,16 @@ class DispatchLedger {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, PerWorker> workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Finished> finished_ ABSL_GUARDED_BY(mu_);
+  // session -> worker -> requests in flight there (one worker but in a race).
+  absl::flat_hash_map<SessionKey, absl::flat_hash_map<std::string, int>> sessions_ ABSL_GUARDED_BY(mu_);
+  struct RecentSession {
+    std::string worker;
+    absl::Time until;
+  };
+  // Sessions whose last request here ended within kFinishedGrace (purged as
+  // finished_ is).
+  absl::flat_hash_map<SessionKey, RecentSession> recent_sessions_ ABSL_GUARDED_BY(mu_);
+  size_t recent_purge_at_ ABSL_GUARDED_BY(mu_) = 1024;
 };
 
 }  // namespace kvcache::router

@@ -198,6 +198,19 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     dispatched_prefill_ =
         append_ ? context : std::max<int64_t>(1, context - placement_.predicted_cached_tokens);
     router_->ledger_.Dispatch(placement_.worker, chain_, dispatched_prefill_);
+    if (!request_.session_id().empty()) {
+      const SessionKey key{request_.tenant(), request_.session_id()};
+      // A FULL_CONTEXT turn that another worker serves moves the session
+      // there; the copy it leaves behind is closed once the turn has created
+      // the session on its new worker.
+      stale_copy_.clear();
+      if (!append_) {
+        std::optional<std::string> home = router_->ledger_.RecentSessionWorker(key);
+        if (auto loc = router_->directory_->FindSession(key)) home = loc->worker;
+        if (home && *home != placement_.worker) stale_copy_ = *home;
+      }
+      router_->ledger_.SessionDispatched(key, placement_.worker);
+    }
     call->Start();  // last: its callbacks may run at once, on other threads
   }
 
@@ -242,6 +255,15 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       }
       router_->ledger_.Finish(placement_.worker, chain_, dispatched_prefill_, /*computed=*/st.ok());
       dispatched_prefill_ = 0;
+      if (!request_.session_id().empty()) {
+        const SessionKey key{request_.tenant(), request_.session_id()};
+        router_->ledger_.SessionFinished(key, placement_.worker);
+        // Its new worker holds the session once a token came (or it ended OK).
+        if (!stale_copy_.empty() && (st.ok() || emitted_.size() > continued_from_)) {
+          router_->CloseStaleCopy(key, stale_copy_);
+        }
+        stale_copy_.clear();
+      }
     }
     last_ = st;
     if (st.ok()) return Finish(st);
@@ -340,6 +362,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   std::vector<WorkerId> tried_;
   int attempts_ = 0;
   Placement placement_;  // the current attempt's
+  WorkerId stale_copy_;  // the worker the session was on when this attempt moved it, if so
   // The current attempt's entry in the router's DispatchLedger: its prompt's
   // page chain (empty unless placed by affinity), and its prompt tokens until
   // the first token arrives.
@@ -401,6 +424,7 @@ void RouterService::EndCall() {
 }
 
 bool RouterService::MustWaitForSession(const SessionKey& key) const {
+  if (ledger_.SessionWorker(key).has_value()) return false;  // Place sends it after that request
   auto loc = directory_->FindSession(key);
   return !loc.has_value() || pool_->Draining(loc->worker);
 }
@@ -417,6 +441,15 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
   // Sessions are the tenant's own: another tenant's session by this id is not
   // found, exactly like one that never existed.
   const SessionKey session{tenant, session_id};
+  // A request on the session is in flight through this router: this one goes
+  // to the same worker, in every placement mode (see DispatchLedger).
+  if (!session_id.empty()) {
+    if (std::optional<std::string> busy = ledger_.SessionWorker(session); busy && !excluded(*busy)) {
+      for (const WorkerView& w : healthy) {
+        if (w.address == *busy) return Placement{w.address, PlacementReason::kAffinity, 0, 0};
+      }
+    }
+  }
   std::optional<SessionLocation> loc;
   if (append) {
     auto found = directory_->Lookup(session, wait);
@@ -538,6 +571,25 @@ void CallWorker(std::shared_ptr<grpc::Channel> channel, std::chrono::system_cloc
 }
 
 }  // namespace
+
+void RouterService::CloseStaleCopy(const SessionKey& key, const WorkerId& worker) {
+  auto channel = pool_->Channel(worker);
+  if (channel == nullptr) return;  // gone with its worker
+  v1::SessionRequest req;
+  req.set_session_id(key.session_id);
+  req.set_tenant(key.tenant);
+  KV_LOG_INFO("session '{}' moved off worker {} by a FULL_CONTEXT turn; closing the copy there",
+              key.session_id, worker);
+  CallWorker<v1::SessionRequest, v1::CloseSessionResponse>(
+      std::move(channel), std::chrono::system_clock::now() + std::chrono::seconds(10),
+      &v1::Worker::StubInterface::async_interface::CloseSession, std::move(req),
+      [id = key.session_id, worker](const grpc::Status& st, v1::CloseSessionResponse*) {
+        if (!st.ok() && st.error_code() != grpc::NOT_FOUND) {
+          KV_LOG_WARN("closing the stale copy of session '{}' on {} failed: {}", id, worker,
+                      st.error_message());
+        }
+      });
+}
 
 // One session call (GetSession, CloseSession, ForkSession, PinSession) on the
 // worker that holds the session, as the client call's reactor: a client that

@@ -157,6 +157,11 @@ class RouterService final : public v1::KvCache::CallbackService {
                                   const std::vector<int32_t>& tokens, const std::vector<WorkerId>& exclude,
                                   absl::Duration wait = absl::ZeroDuration(),
                                   std::vector<BlockHash>* chain = nullptr);
+  // Closes the copy of session `key` that `worker` still holds after a
+  // FULL_CONTEXT request on it was served by another worker (round-robin or
+  // random placement, or a retry): a session lives on one worker. Fire and
+  // forget: a copy that is busy or gone stays as it is (logged).
+  void CloseStaleCopy(const SessionKey& key, const WorkerId& worker);
   void Rebalance();
   // Moves the sessions of workers that report `draining` (SIGTERM) elsewhere.
   void EvacuateDraining();

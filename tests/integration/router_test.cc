@@ -437,6 +437,77 @@ TEST_F(RouterTest, ForkOntoAnIdHeldOnAnotherWorkerIsAlreadyExists) {
   EXPECT_EQ(named_dst, 1);
 }
 
+// The number of the workers' own session lists that hold session `id`.
+int HoldersOf(const std::vector<std::unique_ptr<testing::ServerUnderTest>>& workers, const std::string& id) {
+  int holders = 0;
+  for (const auto& w : workers) {
+    grpc::ClientContext c;
+    v1::ListSessionsResponse listed;
+    EXPECT_TRUE(v1::Worker::NewStub(w->channel())->ListSessions(&c, v1::ListSessionsRequest(), &listed).ok());
+    for (const auto& s : listed.sessions()) holders += s.session_id() == id ? 1 : 0;
+  }
+  return holders;
+}
+
+TEST_F(RouterTest, RequestOnASessionInFlightGoesToItsWorkerAndIsAborted) {
+  // A second request on an id whose first request is still running: placement
+  // alone would send it to the idle worker and create the session there too.
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  grpc::ClientContext first_ctx;
+  first_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto first = stub->Generate(&first_ctx, Text("race", std::string(100, 'r'), 1900));
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(first->Read(&msg));  // streaming: in flight on its worker
+  for (v1::Mode mode : {v1::FULL_CONTEXT, v1::APPEND}) {
+    Reply second = Generate(stub.get(), Text("race", "another conversation", 4, mode));
+    EXPECT_EQ(second.status.error_code(), grpc::ABORTED) << second.status.error_message();
+  }
+  first_ctx.TryCancel();
+  while (first->Read(&msg)) {
+  }
+  first->Finish();
+  EXPECT_EQ(HoldersOf(workers_, "race"), 1);
+}
+
+TEST_F(RouterTest, RoundRobinMovesASessionAndClosesTheCopyItLeaves) {
+  // Round-robin placement sends each FULL_CONTEXT turn to the next worker; the
+  // session moves with the turn, and the copy on its previous worker is closed.
+  StartWorkers(2);
+  auto router = StartRouter({"--placement=round_robin"});
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  std::string history = std::string(120, 'h');
+  Reply r1 = Generate(stub.get(), Text("moving", history, 4));
+  ASSERT_TRUE(r1.status.ok()) << r1.status.error_message();
+  const std::string first = r1.final.worker_id();
+  auto& first_worker = workers_[first == "w0" ? 0 : 1];
+  // The first worker's Watch, from before the turn that moves the session.
+  grpc::ClientContext wctx;
+  wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto watch = v1::Worker::NewStub(first_worker->channel())->Watch(&wctx, v1::WatchRequest());
+  history += r1.text + " and more";
+  Reply r2 = Generate(stub.get(), Text("moving", history, 4));
+  ASSERT_TRUE(r2.status.ok()) << r2.status.error_message();
+  EXPECT_NE(r2.final.worker_id(), first);
+  v1::WatchEvent ev;
+  bool dropped = false;
+  while (!dropped && watch->Read(&ev)) {
+    dropped = ev.has_event() && ev.event().session_id() == "moving" &&
+              ev.event().kind() == v1::CacheEvent::SESSION_DROPPED;
+  }
+  EXPECT_TRUE(dropped) << "the copy on " << first << " was not closed";
+  wctx.TryCancel();
+  watch->Finish();
+  EXPECT_EQ(HoldersOf(workers_, "moving"), 1);
+  // APPEND follows the session to where it lives now.
+  Reply r3 = Generate(stub.get(), Text("moving", " next", 4, v1::APPEND));
+  ASSERT_TRUE(r3.status.ok()) << r3.status.error_message();
+  EXPECT_EQ(r3.final.worker_id(), r2.final.worker_id());
+}
+
 TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
   StartWorkers(2);
   auto router = StartRouter();
