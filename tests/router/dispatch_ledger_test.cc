@@ -51,5 +51,24 @@ TEST(DispatchLedgerTest, ComputedPagesCountForAGracePeriodAfterFinish) {
   EXPECT_EQ(ledger.workers_tracked(), 0u);  // nothing outstanding
 }
 
+TEST(DispatchLedgerTest, SessionsInFlightNameTheirWorkerUntilTheLastEnds) {
+  DispatchLedger ledger;
+  const SessionKey s{"tenant", "s"};
+  const SessionKey other{"other-tenant", "s"};
+  EXPECT_FALSE(ledger.SessionWorker(s).has_value());
+  ledger.SessionDispatched(s, "w1");
+  ledger.SessionDispatched(s, "w1");  // a second request, refused there
+  EXPECT_EQ(ledger.SessionWorker(s), "w1");
+  EXPECT_FALSE(ledger.SessionWorker(other).has_value());  // tenants are separate
+  ledger.SessionFinished(s, "w1");
+  EXPECT_EQ(ledger.SessionWorker(s), "w1");
+  ledger.SessionFinished(s, "w1");
+  EXPECT_FALSE(ledger.SessionWorker(s).has_value());
+  EXPECT_EQ(ledger.sessions_tracked(), 0u);
+  // Where it ended stays known for the grace period (the directory may trail).
+  EXPECT_EQ(ledger.RecentSessionWorker(s), "w1");
+  EXPECT_FALSE(ledger.RecentSessionWorker(other).has_value());
+}
+
 }  // namespace
 }  // namespace kvcache::router
