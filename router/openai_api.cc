@@ -196,11 +196,15 @@ absl::Status RefuseUnsupported(const Json& body) {
       if (p != 0) return FieldError(field, "is not supported (only 0)");
     }
   }
-  for (const char* field : {"logprobs", "top_logprobs"}) {
-    if (const Json* v = Member(body, field)) {
-      const bool asked = v->is_boolean() ? v->get<bool>() : !(v->is_number() && v->get<double>() == 0);
-      if (asked) return FieldError(field, "is not supported");
-    }
+  // Chat's logprobs is a boolean; the legacy completions API's is a count of
+  // alternatives, and any count (0 too) asks for the sampled tokens' log
+  // probabilities. top_logprobs = 0 asks for nothing.
+  if (const Json* v = Member(body, "logprobs"); v != nullptr && !(v->is_boolean() && !v->get<bool>())) {
+    return FieldError("logprobs", "is not supported");
+  }
+  if (const Json* v = Member(body, "top_logprobs");
+      v != nullptr && !(v->is_number() && v->get<double>() == 0)) {
+    return FieldError("top_logprobs", "is not supported");
   }
   if (const Json* v = Member(body, "echo"); v != nullptr && !(v->is_boolean() && !v->get<bool>())) {
     return FieldError("echo", "is not supported");

@@ -154,6 +154,12 @@ TEST(OpenAiParseTest, BadInputIsInvalidArgumentNamingTheField) {
       {Endpoint::kCompletions, R"({"prompt": [-1]})", "prompt", "token id"},
       {Endpoint::kCompletions, R"({"prompt": {}})", "prompt", "string"},
       {Endpoint::kCompletions, R"({"prompt": "x", "echo": true})", "echo", "not supported"},
+      // The legacy API's logprobs counts alternatives: 0 still asks for the
+      // sampled tokens' log probabilities.
+      {Endpoint::kCompletions, R"({"prompt": "x", "logprobs": 0})", "logprobs", "not supported"},
+      {Endpoint::kChatCompletions,
+       R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 2})", "logprobs",
+       "not supported"},
   };
   for (const Case& c : cases) {
     auto r = ParseRequest(c.endpoint, c.body, "");
@@ -165,7 +171,8 @@ TEST(OpenAiParseTest, BadInputIsInvalidArgumentNamingTheField) {
 }
 
 TEST(OpenAiParseTest, DefaultValuedUnsupportedFieldsAreAccepted) {
-  auto r = Chat(R"({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
+  auto r =
+      Chat(R"({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false, "top_logprobs": 0,
                     "presence_penalty": 0, "frequency_penalty": 0.0, "tools": [], "logit_bias": {},
                     "response_format": {"type": "text"}, "echo": false})");
   EXPECT_TRUE(r.ok()) << r.status();
