@@ -61,6 +61,8 @@ struct Engine::Request {
   bool done = false;
   bool decoding = false;         // the prompt is in the cache; pending holds the sampled token
   bool created_session = false;  // Prepare created the (named) session for this request
+  bool had_session = false;      // the engine knew the session before this request
+  std::vector<int32_t> previous_context;  // its context then (see Finish)
   std::vector<int32_t> context;  // every token of the conversation so far
   std::vector<int32_t> pending;  // tokens of `context` without K/V yet, in order
   int64_t prefix_restored = 0;   // of the cached tokens attached before it started, from tier 1
@@ -237,6 +239,8 @@ bool Engine::Prepare(Request& r) {
       known = it->second.context;
     }
   }
+  r.had_session = exists;
+  if (exists) r.previous_context = known;
   if (q.mode == RequestMode::kAppend) {
     if (!exists) {  // closed between Submit and now
       Finish(r, absl::NotFoundError(absl::StrCat("session '", q.session_id, "' not found")), std::nullopt);
@@ -311,7 +315,23 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
   // A request that created its session and failed before its first token leaves
   // no session behind: the client was told it failed, and an empty session would
   // hold one of the tenant's session slots until --session_idle_ttl.
-  const bool discard = r.created_session && !status.ok() && r.result.output.empty();
+  const bool failed_silent = !status.ok() && r.result.output.empty();
+  const bool discard = r.created_session && !r.had_session && failed_silent;
+  // A request that failed before its first token on a session that existed
+  // leaves the session's conversation as it was (a client that retries the turn
+  // must not find its input there twice), and the cache holds K/V for a prefix
+  // of that conversation again: it is cut back to what the two share (a
+  // sliding window that released those pages keeps the request's context).
+  bool revert = r.prepared && r.had_session && failed_silent;
+  if (revert && kv_->GetSession(r.sid).ok()) {
+    absl::StatusOr<std::vector<int32_t>> held = kv_->GetTokens(r.sid);
+    size_t lcp = 0;
+    if (held.ok()) {
+      const size_t limit = std::min(held->size(), r.previous_context.size());
+      while (lcp < limit && (*held)[lcp] == r.previous_context[lcp]) ++lcp;
+    }
+    revert = held.ok() && (lcp == held->size() || kv_->Truncate(r.sid, static_cast<int64_t>(lcp)).ok());
+  }
   if (r.prepared && !r.sid.empty()) {
     if (r.ephemeral || discard) {
       (void)kv_->CloseSession(r.sid);
@@ -331,7 +351,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
     } else if (r.prepared) {
       auto it = sessions_.find(r.sid);
       if (it != sessions_.end()) {
-        it->second.context = r.context;
+        it->second.context = revert ? std::move(r.previous_context) : r.context;
         it->second.last_used = now;
       }
     }

@@ -24,8 +24,9 @@
 // prefix of the same tenant) and prefills the rest. APPEND extends a live
 // session. After a request the session holds its context and every generated
 // token; the last sampled token has no K/V yet and is fed first by the next
-// APPEND. Two requests on one session are never interleaved: the second is
-// refused with ABORTED.
+// APPEND. A request that fails before its first token leaves the session as it
+// was (a session it created is closed). Two requests on one session are never
+// interleaved: the second is refused with ABORTED.
 //
 // Thread-safety: Submit, Cancel and the session calls are safe from any thread.
 // Observers are called on the engine thread, never under an engine lock; they

@@ -549,6 +549,51 @@ TEST_F(EngineTest, LongPromptIsNotStarvedByShorterOnes) {
   EXPECT_LE(shorts_before_long.load(), kLong / kShort + 4);
 }
 
+TEST_F(EngineTest, RequestFailingBeforeItsFirstTokenLeavesTheSessionAsItWas) {
+  // A FULL_CONTEXT turn with another history, and an APPEND, each cancelled
+  // after a prompt chunk has gone into the session's cache but before a token:
+  // the session keeps its conversation, its cache holds a prefix of it, and the
+  // next APPEND continues it as if neither had happened.
+  EngineOptions options;
+  options.max_batch_tokens = 32;
+  options.max_step_time = absl::Milliseconds(-1);
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, options);
+  Collector first;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(40), 3), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  std::vector<int32_t> conversation = Prompt(40);
+  conversation.insert(conversation.end(), first.tokens.begin(), first.tokens.end());
+  ASSERT_EQ(*engine_->Context("s", "t"), conversation);
+
+  for (RequestMode mode : {RequestMode::kFullContext, RequestMode::kAppend}) {
+    SCOPED_TRACE(mode == RequestMode::kFullContext ? "FULL_CONTEXT" : "APPEND");
+    const int steps = runner_->steps();
+    runner_->LimitSteps(steps + 1);  // one prompt chunk of the 100 tokens, then hold
+    Collector failed;
+    auto id = engine_->Submit(Req("s", mode, Prompt(100, 3), 3), &failed);
+    ASSERT_TRUE(id.ok()) << id.status();
+    runner_->WaitForSteps(steps + 1);
+    engine_->Cancel(*id);
+    runner_->LimitSteps(-1);
+    failed.Wait();
+    EXPECT_EQ(failed.status.code(), absl::StatusCode::kCancelled);
+    EXPECT_TRUE(failed.tokens.empty());
+    EXPECT_EQ(*engine_->Context("s", "t"), conversation);
+    auto held = kv_->GetTokens(kv::SessionKey("t", "s"));
+    ASSERT_TRUE(held.ok()) << held.status();
+    ASSERT_LE(held->size(), conversation.size());
+    EXPECT_TRUE(std::equal(held->begin(), held->end(), conversation.begin()));
+  }
+  Collector next;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(5, 9), 4), &next).ok());
+  next.Wait();
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  std::vector<int32_t> expected_context = conversation;
+  for (int32_t t : Prompt(5, 9)) expected_context.push_back(t);
+  EXPECT_EQ(next.tokens, Expected(expected_context, 4));
+}
+
 TEST_F(EngineTest, NewSessionRestoresAPrefixFoundInTier1) {
   Build(/*tier0_pages=*/16, /*tier1_pages=*/64);
   const std::vector<int32_t> system = Prompt(160);

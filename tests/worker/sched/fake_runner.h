@@ -92,6 +92,12 @@ class FakeRunner : public model::ModelRunner {
     absl::MutexLock lock(&step_mu_);
     return steps_;
   }
+  // Blocks until `n` steps have entered Forward.
+  void WaitForSteps(int n) {
+    absl::MutexLock lock(&step_mu_);
+    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) { return steps_ >= n; };
+    step_mu_.Await(absl::Condition(&reached));
+  }
 
   absl::Notification* gate_ = nullptr;
   int max_sequences_ = 0;
