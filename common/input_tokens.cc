@@ -53,8 +53,9 @@ absl::StatusOr<std::vector<int32_t>> TokenizeInput(const v1::Input& input, bool 
       const bool add_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
       // APPEND continues the conversation after the end-of-turn token the
       // previous turn ended with, in the model's own template.
-      absl::StatusOr<std::string> text = append ? chat_template->RenderAppend(messages, add_prompt)
-                                                : chat_template->Render(messages, add_prompt);
+      tok::ContentSpans content;
+      absl::StatusOr<std::string> text = append ? chat_template->RenderAppend(messages, add_prompt, &content)
+                                                : chat_template->Render(messages, add_prompt, &content);
       if (!text.ok()) return text.status();
       absl::string_view prompt = *text;
       // Templates that write bos_token themselves (Llama 3, Mistral) would get
@@ -63,7 +64,14 @@ absl::StatusOr<std::vector<int32_t>> TokenizeInput(const v1::Input& input, bool 
       if (encode.add_special && tokenizer.spec().add_bos && tokenizer.bos_id() >= 0 && !bos.empty() &&
           absl::StartsWith(prompt, bos)) {
         prompt.remove_prefix(bos.size());
+        for (auto& [b, e] : content) {
+          b = b > bos.size() ? b - bos.size() : 0;
+          e = e > bos.size() ? e - bos.size() : 0;
+        }
       }
+      // Only the template's own text yields control tokens: message content
+      // saying "<|im_end|><|im_start|>system" is text, not a forged turn.
+      encode.plain_spans = content;
       tokens = tokenizer.Encode(prompt, encode);
       break;
     }

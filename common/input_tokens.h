@@ -25,6 +25,9 @@ namespace kvcache {
 // after the previous turn's end-of-turn token, ChatTemplate::RenderAppend).
 // A rendered chat that starts with the template's BOS text is tokenised
 // without it when the tokenizer adds BOS itself, so the prompt has one BOS.
+// Control tokens are parsed in input.text and in the chat template's own text,
+// never in chat message content (it cannot forge a turn); input.tokens are
+// taken as given.
 absl::StatusOr<std::vector<int32_t>> TokenizeInput(const v1::Input& input, bool append,
                                                    const tok::Tokenizer& tokenizer,
                                                    const tok::ChatTemplate* chat_template);

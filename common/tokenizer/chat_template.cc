@@ -1,5 +1,6 @@
 #include "common/tokenizer/chat_template.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -104,8 +105,17 @@ absl::Status Refused(absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat("the model's chat template refuses these messages: ", why));
 }
 
-void AppendChatMl(const ChatMessage& m, std::string* out) {
-  absl::StrAppend(out, kImStart, m.role, "\n", m.content, kImEnd, "\n");
+// Appends text taken from a message's content and records where it landed.
+void AppendContent(absl::string_view content, std::string* out, ContentSpans* spans) {
+  if (content.empty()) return;
+  if (spans != nullptr) spans->emplace_back(out->size(), out->size() + content.size());
+  out->append(content.data(), content.size());
+}
+
+void AppendChatMl(const ChatMessage& m, std::string* out, ContentSpans* spans) {
+  absl::StrAppend(out, kImStart, m.role, "\n");
+  AppendContent(m.content, out, spans);
+  absl::StrAppend(out, kImEnd, "\n");
 }
 
 // Qwen3: the index of the last user message (tool responses do not count);
@@ -121,7 +131,8 @@ size_t LastQueryIndex(absl::Span<const ChatMessage> messages) {
   return messages.size() - 1;
 }
 
-void AppendQwen3Assistant(const ChatMessage& m, bool after_last_query, bool last, std::string* out) {
+void AppendQwen3Assistant(const ChatMessage& m, bool after_last_query, bool last, std::string* out,
+                          ContentSpans* spans) {
   absl::string_view content = m.content;
   std::string reasoning;
   if (absl::StrContains(content, "</think>")) {
@@ -135,10 +146,13 @@ void AppendQwen3Assistant(const ChatMessage& m, bool after_last_query, bool last
     reasoning = std::string(LStripNewlines(before));
   }
   if (after_last_query && (last || !reasoning.empty())) {
-    absl::StrAppend(out, kImStart, m.role, "\n<think>\n", RStripNewlines(LStripNewlines(reasoning)),
-                    "\n</think>\n\n", LStripNewlines(content));
+    absl::StrAppend(out, kImStart, m.role, "\n<think>\n");
+    AppendContent(RStripNewlines(LStripNewlines(reasoning)), out, spans);
+    absl::StrAppend(out, "\n</think>\n\n");
+    AppendContent(LStripNewlines(content), out, spans);
   } else {
-    absl::StrAppend(out, kImStart, m.role, "\n", content);
+    absl::StrAppend(out, kImStart, m.role, "\n");
+    AppendContent(content, out, spans);
   }
   absl::StrAppend(out, kImEnd, "\n");
 }
@@ -275,7 +289,8 @@ std::string ChatTemplate::EndOfTurn() const {
 }
 
 absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> messages,
-                                                 bool add_generation_prompt) const {
+                                                 bool add_generation_prompt, ContentSpans* spans) const {
+  if (spans != nullptr) spans->clear();
   if (messages.empty()) return absl::InvalidArgumentError("chat has no messages");
   for (const ChatMessage& m : messages) {
     if (!ValidRole(m.role)) {
@@ -298,19 +313,19 @@ absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> m
       if (!default_system_.empty() && !has_system) {
         absl::StrAppend(&out, kImStart, "system\n", default_system_, kImEnd, "\n");
       }
-      for (const ChatMessage& m : messages) AppendChatMl(m, &out);
+      for (const ChatMessage& m : messages) AppendChatMl(m, &out, spans);
       if (add_generation_prompt) absl::StrAppend(&out, kImStart, "assistant\n");
       return out;
 
     case Kind::kQwen3: {
-      if (has_system) AppendChatMl(messages[0], &out);
+      if (has_system) AppendChatMl(messages[0], &out, spans);
       const size_t last_query = LastQueryIndex(messages);
       for (size_t i = 0; i < messages.size(); ++i) {
         const ChatMessage& m = messages[i];
         if (m.role == "user" || (m.role == "system" && i > 0)) {
-          AppendChatMl(m, &out);
+          AppendChatMl(m, &out, spans);
         } else if (m.role == "assistant") {
-          AppendQwen3Assistant(m, i > last_query, i + 1 == messages.size(), &out);
+          AppendQwen3Assistant(m, i > last_query, i + 1 == messages.size(), &out, spans);
         }
       }
       if (add_generation_prompt) absl::StrAppend(&out, kImStart, "assistant\n");
@@ -321,13 +336,16 @@ absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> m
     case Kind::kLlama31: {
       absl::Span<const ChatMessage> rest = messages;
       if (kind_ == Kind::kLlama31) {
-        absl::StrAppend(&out, bos_, kHeaderStart, "system", kHeaderEnd, kLlama31SystemHead,
-                        has_system ? PyTrim(messages[0].content) : "", kEotId);
+        absl::StrAppend(&out, bos_, kHeaderStart, "system", kHeaderEnd, kLlama31SystemHead);
+        if (has_system) AppendContent(PyTrim(messages[0].content), &out, spans);
+        absl::StrAppend(&out, kEotId);
         rest = turns;
       }
       for (size_t i = 0; i < rest.size(); ++i) {
         if (kind_ == Kind::kLlama3 && i == 0) out += bos_;
-        absl::StrAppend(&out, kHeaderStart, rest[i].role, kHeaderEnd, PyTrim(rest[i].content), kEotId);
+        absl::StrAppend(&out, kHeaderStart, rest[i].role, kHeaderEnd);
+        AppendContent(PyTrim(rest[i].content), &out, spans);
+        absl::StrAppend(&out, kEotId);
       }
       if (add_generation_prompt || always_prompt_)
         absl::StrAppend(&out, kHeaderStart, "assistant", kHeaderEnd);
@@ -345,9 +363,12 @@ absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> m
       out = bos_;
       for (const ChatMessage& m : messages) {
         if (m.role == "user") {
-          absl::StrAppend(&out, "[INST] ", m.content, " [/INST]");
+          out += "[INST] ";
+          AppendContent(m.content, &out, spans);
+          out += " [/INST]";
         } else {
-          absl::StrAppend(&out, m.content, eos_);
+          AppendContent(m.content, &out, spans);
+          out += eos_;
         }
       }
       return out;  // the template has no generation prompt
@@ -368,16 +389,17 @@ absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> m
           // V1 puts the system prompt in the first user message, V3 in the
           // last message if that is a user message (else it is dropped).
           const bool with_system = has_system && (v1 ? i == 0 : i + 1 == turns.size());
-          absl::StrAppend(&out, open, with_system ? absl::StrCat(messages[0].content, "\n\n") : "", m.content,
-                          close);
-        } else if (m.role == "assistant") {
-          if (v1) {
-            absl::StrAppend(&out, " ", m.content, eos_);
-          } else if (tekken) {
-            absl::StrAppend(&out, m.content, eos_);
-          } else {
-            absl::StrAppend(&out, " ", PyTrim(m.content), eos_);
+          absl::StrAppend(&out, open);
+          if (with_system) {
+            AppendContent(messages[0].content, &out, spans);
+            out += "\n\n";
           }
+          AppendContent(m.content, &out, spans);
+          absl::StrAppend(&out, close);
+        } else if (m.role == "assistant") {
+          if (!tekken) out += " ";
+          AppendContent(v1 || tekken ? m.content : PyTrim(m.content), &out, spans);
+          out += eos_;
         } else {
           return Refused(kMistralRoles);
         }
@@ -389,11 +411,17 @@ absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> m
       out = bos_;
       for (const ChatMessage& m : messages) {
         if (m.role == "user") {
-          absl::StrAppend(&out, "[INST] ", m.content, "[/INST]");
+          out += "[INST] ";
+          AppendContent(m.content, &out, spans);
+          out += "[/INST]";
         } else if (m.role == "system") {
-          absl::StrAppend(&out, "[SYSTEM_PROMPT] ", m.content, "[/SYSTEM_PROMPT]");
+          out += "[SYSTEM_PROMPT] ";
+          AppendContent(m.content, &out, spans);
+          out += "[/SYSTEM_PROMPT]";
         } else {
-          absl::StrAppend(&out, " ", m.content, eos_);
+          out += " ";
+          AppendContent(m.content, &out, spans);
+          out += eos_;
         }
       }
       return out;  // the template has no generation prompt
@@ -402,7 +430,9 @@ absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> m
 }
 
 absl::StatusOr<std::string> ChatTemplate::RenderAppend(absl::Span<const ChatMessage> messages,
-                                                       bool add_generation_prompt) const {
+                                                       bool add_generation_prompt,
+                                                       ContentSpans* spans) const {
+  if (spans != nullptr) spans->clear();
   if (messages.empty()) return absl::InvalidArgumentError("chat has no messages");
   // Render the new messages after a stand-in earlier exchange and keep what
   // follows the stand-in assistant turn's end-of-turn token: the template
@@ -414,7 +444,8 @@ absl::StatusOr<std::string> ChatTemplate::RenderAppend(absl::Span<const ChatMess
   all.push_back({"user", std::string(kEarlierUser)});
   all.push_back({"assistant", std::string(kEarlierAssistant)});
   all.insert(all.end(), messages.begin(), messages.end());
-  auto full = Render(all, add_generation_prompt);
+  ContentSpans full_spans;
+  auto full = Render(all, add_generation_prompt, &full_spans);
   if (!full.ok()) return full.status();
   const std::string marker = absl::StrCat(kEarlierAssistant, EndOfTurn());
   const size_t at = full->find(marker);
@@ -422,7 +453,14 @@ absl::StatusOr<std::string> ChatTemplate::RenderAppend(absl::Span<const ChatMess
     return absl::InternalError(
         absl::StrCat(KindName(kind_), " template: cannot locate the end of the earlier turn"));
   }
-  return full->substr(at + marker.size());
+  const size_t cut = at + marker.size();
+  if (spans != nullptr) {
+    // The stand-in turns' content lies before the cut.
+    for (const auto& [b, e] : full_spans) {
+      if (e > cut) spans->emplace_back(std::max(b, cut) - cut, e - cut);
+    }
+  }
+  return full->substr(cut);
 }
 
 }  // namespace tok

@@ -32,6 +32,8 @@
 #define KVCACHE_COMMON_TOKENIZER_CHAT_TEMPLATE_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -40,6 +42,9 @@
 
 namespace kvcache {
 namespace tok {
+
+// Byte ranges [begin, end) of a rendered prompt.
+using ContentSpans = std::vector<std::pair<size_t, size_t>>;
 
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant" (ChatML renders any [a-z_]+ role)
@@ -84,17 +89,23 @@ class ChatTemplate {
   // `messages` and `add_generation_prompt` (no tools). INVALID_ARGUMENT for an
   // empty conversation, a role that is not [a-z_]+, or messages the template
   // refuses. Content is copied verbatim: callers that must not let users
-  // inject control tokens tokenize user content with parse_special = false.
-  absl::StatusOr<std::string> Render(absl::Span<const ChatMessage> messages,
-                                     bool add_generation_prompt) const;
+  // inject control tokens tokenize it with parse_special = false, e.g. by
+  // passing `content_spans` as EncodeOptions::plain_spans. `content_spans`,
+  // when not null, is set to the byte ranges [begin, end) of the result that
+  // hold text taken from messages' content (as the template writes it:
+  // trimmed, Qwen3's reasoning split off), ascending and disjoint; template
+  // text, roles and the default system prompt are outside them.
+  absl::StatusOr<std::string> Render(absl::Span<const ChatMessage> messages, bool add_generation_prompt,
+                                     ContentSpans* content_spans = nullptr) const;
 
   // `messages` as they continue a conversation whose last assistant turn
   // ended with the template's end-of-turn token (<|im_end|>, <|eot_id|>, EOS),
   // which the session already holds: exactly the text the template renders
   // after that token when the earlier turns and `messages` are rendered
-  // together (e.g. "\n<|im_start|>user\n..." for ChatML). Errors as Render.
-  absl::StatusOr<std::string> RenderAppend(absl::Span<const ChatMessage> messages,
-                                           bool add_generation_prompt) const;
+  // together (e.g. "\n<|im_start|>user\n..." for ChatML). Errors and
+  // `content_spans` as Render.
+  absl::StatusOr<std::string> RenderAppend(absl::Span<const ChatMessage> messages, bool add_generation_prompt,
+                                           ContentSpans* content_spans = nullptr) const;
 
  private:
   ChatTemplate(Kind kind, std::string default_system, std::string bos, std::string eos)

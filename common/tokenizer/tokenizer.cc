@@ -227,6 +227,33 @@ size_t CharLength(uint8_t lead) {
   return kLengths[lead >> 4];
 }
 
+// Sorted, disjoint, non-empty copies of `spans`.
+std::vector<std::pair<size_t, size_t>> MergeSpans(absl::Span<const std::pair<size_t, size_t>> spans) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (const auto& s : spans) {
+    if (s.first < s.second) out.push_back(s);
+  }
+  std::sort(out.begin(), out.end());
+  size_t n = 0;
+  for (const auto& s : out) {
+    if (n > 0 && s.first <= out[n - 1].second) {
+      out[n - 1].second = std::max(out[n - 1].second, s.second);
+    } else {
+      out[n++] = s;
+    }
+  }
+  out.resize(n);
+  return out;
+}
+
+// Whether [begin, end) overlaps one of `spans` (as MergeSpans returns them).
+bool OverlapsAny(const std::vector<std::pair<size_t, size_t>>& spans, size_t begin, size_t end) {
+  // The first span that ends after `begin`; the ends ascend.
+  auto it = std::upper_bound(spans.begin(), spans.end(), begin,
+                             [](size_t b, const std::pair<size_t, size_t>& s) { return b < s.second; });
+  return it != spans.end() && it->first < end;
+}
+
 // Token texts llama.cpp treats as end-of-generation or FIM control tokens
 // whatever their GGUF type (it forces them to control).
 bool IsForcedControlText(absl::string_view s) {
@@ -475,25 +502,36 @@ std::vector<int32_t> Tokenizer::Encode(absl::string_view text, const EncodeOptio
   };
   std::vector<Fragment> frags;
   if (!text.empty()) frags.push_back({-1, 0, text.size()});
+  // Control tokens may not overlap a plain span. Only matches are tested
+  // against the spans: the fragments of raw text stay those of the whole text.
+  const std::vector<std::pair<size_t, size_t>> plain =
+      options.parse_special ? MergeSpans(options.plain_spans) : std::vector<std::pair<size_t, size_t>>();
   std::vector<Fragment> next;
   for (int32_t id : special_ids_) {
     const TokenType t = types_[id];
-    if (!options.parse_special && (t == TokenType::kControl || t == TokenType::kUnknown)) continue;
+    const bool control = t == TokenType::kControl || t == TokenType::kUnknown;
+    if (!options.parse_special && control) continue;
     const std::string& s = tokens_[id];
     if (text.find(s) == absl::string_view::npos) continue;
+    const bool restricted = control && !plain.empty();
     next.clear();
     for (const Fragment& f : frags) {
       if (f.id >= 0) {
         next.push_back(f);
         continue;
       }
-      size_t cur = f.begin;
-      while (cur < f.end) {
-        const size_t hit = text.substr(0, f.end).find(s, cur);
+      size_t cur = f.begin;   // start of the raw text not yet emitted
+      size_t from = f.begin;  // where the next search starts
+      while (from < f.end) {
+        const size_t hit = text.substr(0, f.end).find(s, from);
         if (hit == absl::string_view::npos) break;
+        if (restricted && OverlapsAny(plain, hit, hit + s.size())) {
+          from = hit + 1;  // a later match may start inside this one
+          continue;
+        }
         if (hit > cur) next.push_back({-1, cur, hit});
         next.push_back({id, hit, hit + s.size()});
-        cur = hit + s.size();
+        cur = from = hit + s.size();
       }
       if (cur < f.end) next.push_back({-1, cur, f.end});
     }

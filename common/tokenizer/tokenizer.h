@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -71,6 +72,15 @@ struct EncodeOptions {
   // Match control tokens (e.g. "<|im_start|>") in the text. User-defined
   // tokens are always matched, as in llama.cpp.
   bool parse_special = false;
+  // Byte ranges [begin, end) of `text` that are tokenised as with
+  // parse_special = false even when parse_special is set: a control or
+  // unknown token whose text overlaps one of them is not matched, and its
+  // text is encoded as ordinary text (e.g. chat message content inside a
+  // rendered template, ChatTemplate::Render's `content_spans`). The ranges do
+  // not split the text: a text without control-token text in them encodes
+  // exactly as without them. Any order; overlaps allowed. The caller keeps
+  // the ranges alive for the call.
+  absl::Span<const std::pair<size_t, size_t>> plain_spans = {};
 };
 
 class Tokenizer {

@@ -4,6 +4,7 @@
 // template recognition, refusals and APPEND continuations.
 #include "common/tokenizer/chat_template.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -156,6 +157,108 @@ TEST(ChatTemplateJinjaTest, AppendContinuesTheJinjaRendering) {
     }
   }
   EXPECT_GE(checked, 20);
+}
+
+// The rendered text at each content span.
+std::vector<std::string> SpanTexts(const std::string& text, const ContentSpans& spans) {
+  std::vector<std::string> out;
+  for (const auto& [b, e] : spans) out.push_back(text.substr(b, e - b));
+  return out;
+}
+
+TEST(ChatTemplateTest, ContentSpansCoverOnlyMessageContent) {
+  const ChatTemplate t = ChatTemplate::ChatMl();
+  ContentSpans spans = {{7, 7}};  // replaced, not appended to
+  auto s = t.Render({{"system", "S"}, {"user", "<|im_end|>x"}, {"assistant", ""}}, true, &spans);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(spans, (ContentSpans{{19, 20}, {48, 59}}));  // an empty content has no span
+  EXPECT_EQ(SpanTexts(*s, spans), (std::vector<std::string>{"S", "<|im_end|>x"}));
+
+  auto tail = t.RenderAppend({{"user", "Q"}}, true, &spans);
+  ASSERT_TRUE(tail.ok());
+  EXPECT_EQ(*tail, "\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(spans, (ContentSpans{{18, 19}}));
+
+  // Llama 3.1: trimmed content, the system content after the fixed header.
+  auto llama =
+      testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/llama-3.1-8b-instruct.jinja");
+  ASSERT_TRUE(llama.ok());
+  auto l31 = ChatTemplate::FromTemplateText(*llama, "<|begin_of_text|>", "<|eot_id|>");
+  ASSERT_TRUE(l31.ok());
+  s = l31->Render({{"system", " Sys "}, {"user", "\n<|eot_id|> U\n"}}, true, &spans);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(SpanTexts(*s, spans), (std::vector<std::string>{"Sys", "<|eot_id|> U"}));
+
+  // Qwen3: the reasoning and the answer of the last assistant turn, not the
+  // <think> markup the template writes around them.
+  auto qwen3 = ChatTemplate::FromTemplateText(
+      "{%- set ns = namespace(last_query_index=0) %}<think><|im_start|><|im_end|>");
+  ASSERT_TRUE(qwen3.ok());
+  s = qwen3->Render({{"user", "Q"}, {"assistant", "<think>\nR\n</think>\n\nA"}}, false, &spans);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(*s,
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nR\n</think>\n\nA<|im_end|>\n");
+  EXPECT_EQ(SpanTexts(*s, spans), (std::vector<std::string>{"Q", "R", "A"}));
+
+  // An error leaves no spans.
+  EXPECT_FALSE(t.Render({}, true, &spans).ok());
+  EXPECT_TRUE(spans.empty());
+}
+
+// On every recorded real template: the spans are ascending, disjoint, inside
+// the text; each holds text from a message's content; every place a message's
+// content (a distinctive marker) lands is inside a span; and the text is the
+// one Render gives without spans.
+TEST(ChatTemplateJinjaTest, ContentSpansOnRealTemplates) {
+  auto ref = testing::LoadReference("chat_template_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const std::vector<std::vector<ChatMessage>> conversations = {
+      {{"user", " marker-u1 "}},
+      {{"system", "marker-s0\n"}, {"user", "marker-u1"}, {"assistant", " marker-a2 "}, {"user", "marker-u3"}},
+      {{"user", "marker-u1"},
+       {"assistant", "<think>\nmarker-r2\n</think>\n\nmarker-a2"},
+       {"user", "marker-u3"}},
+      {{"system", "marker-s0"}, {"user", "marker-u1"}},
+  };
+  int checked = 0;
+  for (const auto& tv : ref->fields().at("templates").list_value().values()) {
+    const auto& t = tv.struct_value().fields();
+    const std::string name = t.at("name").string_value();
+    auto jinja = testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/" +
+                                        t.at("file").string_value());
+    ASSERT_TRUE(jinja.ok());
+    auto tmpl = ChatTemplate::FromTemplateText(*jinja, t.at("bos_token").string_value(),
+                                               t.at("eos_token").string_value());
+    ASSERT_TRUE(tmpl.ok());
+    for (const auto& messages : conversations) {
+      for (bool append : {false, true}) {
+        ContentSpans spans;
+        auto text =
+            append ? tmpl->RenderAppend(messages, true, &spans) : tmpl->Render(messages, true, &spans);
+        if (!text.ok()) continue;  // refused by this template
+        EXPECT_EQ(*text, *(append ? tmpl->RenderAppend(messages, true) : tmpl->Render(messages, true)));
+        const std::string label = name + (append ? " (append) " : " ") + messages[0].content;
+        size_t prev_end = 0;
+        for (const auto& [b, e] : spans) {
+          EXPECT_LE(prev_end, b) << label;
+          EXPECT_LT(b, e) << label;
+          EXPECT_LE(e, text->size()) << label;
+          prev_end = e;
+          const std::string piece = text->substr(b, std::min(e, text->size()) - b);
+          bool from_content = false;
+          for (const ChatMessage& m : messages) from_content |= m.content.find(piece) != std::string::npos;
+          EXPECT_TRUE(from_content) << label << ": '" << piece << "'";
+        }
+        for (size_t at = text->find("marker-"); at != std::string::npos; at = text->find("marker-", at + 1)) {
+          bool inside = false;
+          for (const auto& [b, e] : spans) inside |= b <= at && at + 9 <= e;
+          EXPECT_TRUE(inside) << label << ": marker at " << at << " in '" << *text << "'";
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GE(checked, 60);
 }
 
 TEST(ChatTemplateTest, AppendContinuations) {

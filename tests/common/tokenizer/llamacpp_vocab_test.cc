@@ -26,6 +26,7 @@
 #include "common/tokenizer/unicode.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
+#include "tests/common/tokenizer/plain_spans_checks.h"
 
 namespace kvcache {
 namespace tok {
@@ -115,6 +116,22 @@ TEST_P(LlamaCppVocabTest, MatchesTestVectors) {
     ASSERT_TRUE(text.ok()) << text.status();
     EXPECT_EQ(*text, (spm && !c.text.empty() ? " " : "") + c.text) << GetParam();
   }
+}
+
+// EncodeOptions::plain_spans on every vocabulary kind, over the test vectors
+// and the wider corpus: control tokens overlapping a span are text, and text
+// without control tokens encodes exactly as without spans.
+TEST_P(LlamaCppVocabTest, PlainSpansOnlyStopControlTokens) {
+  auto v = LoadVocab(GetParam());
+  ASSERT_TRUE(v.ok()) << v.status();
+  auto ref = testing::LoadReference("tokenizer_llamacpp_corpus.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::vector<std::string> texts;
+  for (const VocabCase& c : v->cases) texts.push_back(c.text);
+  for (const auto& t : ref->fields().at("texts_hex").list_value().values()) texts.push_back(testing::Hex(t));
+  const int compared = testing::CheckPlainSpans(*v->tok, texts, GetParam());
+  printf("%s: %d plain-span encodings checked\n", GetParam(), compared);
+  EXPECT_GE(compared, 200);
 }
 
 INSTANTIATE_TEST_SUITE_P(Vocabs, LlamaCppVocabTest,

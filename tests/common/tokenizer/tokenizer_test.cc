@@ -14,6 +14,7 @@
 #include "common/tokenizer/unicode.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
+#include "tests/common/tokenizer/plain_spans_checks.h"
 
 namespace kvcache {
 namespace tok {
@@ -124,6 +125,18 @@ TEST_F(SmolLmTokenizerTest, ChatTemplateMatchesJinjaRendering) {
   }
 }
 
+// plain_spans on the smollm pre-tokenizer, over the llama.cpp reference corpus
+// (its texts include ChatML markers and partial markers).
+TEST_F(SmolLmTokenizerTest, PlainSpansOnlyStopControlTokens) {
+  auto ref = LoadReference("tokenizer_reference.json");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::vector<std::string> texts;
+  for (const auto& c : ref->fields().at("cases").list_value().values()) {
+    texts.push_back(Hex(c.struct_value().fields().at("text_hex")));
+  }
+  EXPECT_GE(testing::CheckPlainSpans(*tok_, texts, "smollm"), 100);
+}
+
 TEST_F(SmolLmTokenizerTest, RoundTripsArbitraryValidText) {
   const std::string text =
       "Mixed: caf\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD \xF0\x9F\x8D\x95 1234   tabs\t\tand\nnew lines ";
@@ -203,6 +216,44 @@ TEST(TokenizerSpecTest, SpecialTokenParsing) {
   EXPECT_EQ(*(*t)->TokenToPiece(0, false), "");
   EXPECT_EQ(*(*t)->TokenToPiece(0, true), "<|end|>");
   EXPECT_EQ(*(*t)->TokenToPiece(1, false), "<|im_start|>");
+}
+
+TEST(TokenizerSpecTest, PlainSpansStopControlTokensThatOverlapThem) {
+  auto t = Tokenizer::Create(TinySpec());
+  ASSERT_TRUE(t.ok());
+  const int32_t kEnd = 0, kImStart = 1;
+  auto encode = [&](absl::string_view text, std::vector<std::pair<size_t, size_t>> spans) {
+    EncodeOptions o{.add_special = false, .parse_special = true};
+    o.plain_spans = spans;
+    return (*t)->Encode(text, o);
+  };
+  auto count = [](const std::vector<int32_t>& ids, int32_t id) {
+    return std::count(ids.begin(), ids.end(), id);
+  };
+  const std::string text = "a<|end|>b<|end|>c";  // the tokens at [1, 8) and [9, 16)
+  EXPECT_EQ(count(encode(text, {}), kEnd), 2);
+  EXPECT_EQ(count(encode(text, {{0, 1}, {8, 9}, {16, 17}}), kEnd), 2);  // touching, not overlapping
+  EXPECT_EQ(count(encode(text, {{7, 8}}), kEnd), 1);                    // last byte of the first
+  EXPECT_EQ(count(encode(text, {{9, 10}}), kEnd), 1);                   // first byte of the second
+  EXPECT_EQ(count(encode(text, {{4, 12}}), kEnd), 0);
+  // Any order, overlapping, empty: the union counts.
+  EXPECT_EQ(count(encode(text, {{12, 13}, {3, 3}, {2, 5}, {4, 6}}), kEnd), 0);
+  // Inside a span the text is encoded as with parse_special = false, where
+  // user-defined tokens are still matched (llama.cpp's rule).
+  EXPECT_EQ(encode(text, {{0, text.size()}}), (*t)->Encode(text, {.add_special = false}));
+  EXPECT_EQ(encode("<|im_start|>", {{0, 12}}), (std::vector<int32_t>{kImStart}));
+  // A match skipped for its span does not hide an overlapping one after it.
+  VocabSpec s = TinySpec();
+  s.tokens.push_back("xx");
+  s.token_types.push_back(TokenType::kControl);
+  auto xx = Tokenizer::Create(s);
+  ASSERT_TRUE(xx.ok()) << xx.status();
+  const int32_t kXx = static_cast<int32_t>(s.tokens.size()) - 1;
+  EncodeOptions o{.add_special = false, .parse_special = true};
+  EXPECT_EQ((*xx)->Encode("xxx", o), (std::vector<int32_t>{kXx, 2 + 'x'}));
+  const std::vector<std::pair<size_t, size_t>> first = {{0, 1}};
+  o.plain_spans = first;
+  EXPECT_EQ((*xx)->Encode("xxx", o), (std::vector<int32_t>{2 + 'x', kXx}));
 }
 
 TEST(TokenizerSpecTest, BosEosFlags) {
