@@ -475,37 +475,51 @@ TEST_F(RouterTest, RequestOnASessionInFlightGoesToItsWorkerAndIsAborted) {
 TEST_F(RouterTest, RoundRobinMovesASessionAndClosesTheCopyItLeaves) {
   // Round-robin placement sends each FULL_CONTEXT turn to the next worker; the
   // session moves with the turn, and the copy on its previous worker is closed.
+  // A copy left there would take the next APPEND when the session comes back to
+  // a worker that held it before (a worker announces a session when it creates
+  // it): the reply would continue an older state of the conversation.
   StartWorkers(2);
   auto router = StartRouter({"--placement=round_robin"});
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   std::string history = std::string(120, 'h');
-  Reply r1 = Generate(stub.get(), Text("moving", history, 4));
-  ASSERT_TRUE(r1.status.ok()) << r1.status.error_message();
-  const std::string first = r1.final.worker_id();
-  auto& first_worker = workers_[first == "w0" ? 0 : 1];
-  // The first worker's Watch, from before the turn that moves the session.
-  grpc::ClientContext wctx;
-  wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  auto watch = v1::Worker::NewStub(first_worker->channel())->Watch(&wctx, v1::WatchRequest());
-  history += r1.text + " and more";
-  Reply r2 = Generate(stub.get(), Text("moving", history, 4));
-  ASSERT_TRUE(r2.status.ok()) << r2.status.error_message();
-  EXPECT_NE(r2.final.worker_id(), first);
-  v1::WatchEvent ev;
-  bool dropped = false;
-  while (!dropped && watch->Read(&ev)) {
-    dropped = ev.has_event() && ev.event().session_id() == "moving" &&
-              ev.event().kind() == v1::CacheEvent::SESSION_DROPPED;
+  Reply last;
+  for (int turn = 0; turn < 3; ++turn) {
+    // The Watch of the worker that holds the session, from before the turn
+    // that moves it elsewhere.
+    std::unique_ptr<grpc::ClientContext> wctx;
+    std::unique_ptr<grpc::ClientReader<v1::WatchEvent>> watch;
+    if (turn > 0) {
+      auto& holder = workers_[last.final.worker_id() == "w0" ? 0 : 1];
+      wctx = std::make_unique<grpc::ClientContext>();
+      wctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      watch = v1::Worker::NewStub(holder->channel())->Watch(wctx.get(), v1::WatchRequest());
+    }
+    Reply r = Generate(stub.get(), Text("moving", history, 4));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    if (turn > 0) {
+      EXPECT_NE(r.final.worker_id(), last.final.worker_id());
+      v1::WatchEvent ev;
+      bool dropped = false;
+      while (!dropped && watch->Read(&ev)) {
+        dropped = ev.has_event() && ev.event().session_id() == "moving" &&
+                  ev.event().kind() == v1::CacheEvent::SESSION_DROPPED;
+      }
+      EXPECT_TRUE(dropped) << "turn " << turn << ": the copy on " << last.final.worker_id()
+                           << " was not closed";
+      wctx->TryCancel();
+      watch->Finish();
+      EXPECT_EQ(HoldersOf(workers_, "moving"), 1);
+    }
+    history += r.text + " and more";
+    last = std::move(r);
   }
-  EXPECT_TRUE(dropped) << "the copy on " << first << " was not closed";
-  wctx.TryCancel();
-  watch->Finish();
-  EXPECT_EQ(HoldersOf(workers_, "moving"), 1);
-  // APPEND follows the session to where it lives now.
-  Reply r3 = Generate(stub.get(), Text("moving", " next", 4, v1::APPEND));
-  ASSERT_TRUE(r3.status.ok()) << r3.status.error_message();
-  EXPECT_EQ(r3.final.worker_id(), r2.final.worker_id());
+  // APPEND continues the whole conversation, where it lives now.
+  Reply next = Generate(stub.get(), Text("moving", " next", 4, v1::APPEND));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.final.worker_id(), last.final.worker_id());
+  EXPECT_GT(next.final.usage().prompt_tokens(),
+            last.final.usage().prompt_tokens() + last.final.usage().generated_tokens());
 }
 
 TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
