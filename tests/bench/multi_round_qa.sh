@@ -16,8 +16,9 @@
 #      ~1,000-token shared system prompt, a long per-user history (2,000 tokens
 #      of notes), ~100-token answers: 6 users x 4 rounds, a new user every 4 s,
 #      3 s between rounds
-#   c  shape a with tier 1 twice tier 0 (TIER1_RATIO=2): round-robin can keep
-#      most histories in host RAM, the unfavourable case for affinity
+#   c  shape a with tier 1 twice tier 0 (TIER1_RATIO=2): made for round-robin
+#      to keep most histories in host RAM (it cannot since a session lives on
+#      one worker: the copy a moved session leaves behind is closed)
 #   a4, b4  shapes a and b on a fleet of four workers (WORKERS=4) of one thread
 #      each, oversubscribing THREADS=2 cores twice: a user's turns under
 #      round-robin meet each worker once per four turns, not every other turn.
