@@ -59,13 +59,12 @@ struct Engine::Request {
   bool prepared = false;
   bool started = false;
   bool done = false;
-  bool decoding = false;         // the prompt is in the cache; pending holds the sampled token
-  bool created_session = false;  // Prepare created the (named) session for this request
-  bool had_session = false;      // the engine knew the session before this request
-  std::vector<int32_t> previous_context;  // its context then (see Finish)
-  std::vector<int32_t> context;  // every token of the conversation so far
-  std::vector<int32_t> pending;  // tokens of `context` without K/V yet, in order
-  int64_t prefix_restored = 0;   // of the cached tokens attached before it started, from tier 1
+  bool decoding = false;            // the prompt is in the cache; pending holds the sampled token
+  bool created_session = false;     // Prepare created the (named) session for this request
+  bool had_session = false;         // the engine knew the session before this request (see Finish)
+  std::vector<int32_t> context;     // every token of the conversation so far
+  std::vector<int32_t> pending;     // tokens of `context` without K/V yet, in order
+  int64_t prefix_restored = 0;      // of the cached tokens attached before it started, from tier 1
   int64_t admitted_at_prefill = 0;  // the engine's prefilled_tokens_ when it was admitted
   GenerateResult result;
 };
@@ -240,7 +239,6 @@ bool Engine::Prepare(Request& r) {
     }
   }
   r.had_session = exists;
-  if (exists) r.previous_context = known;
   if (q.mode == RequestMode::kAppend) {
     if (!exists) {  // closed between Submit and now
       Finish(r, absl::NotFoundError(absl::StrCat("session '", q.session_id, "' not found")), std::nullopt);
@@ -294,7 +292,8 @@ bool Engine::Prepare(Request& r) {
                                       &r.prefix_restored);
     cached = attached.ok() ? *attached : 0;
     absl::MutexLock lock(&mu_);
-    AddSessionLocked(r.sid, SessionState{q.tenant, r.context, absl::Now()});
+    // A session the engine knows keeps its entry (and its context, until Finish).
+    if (!r.had_session) AddSessionLocked(r.sid, SessionState{q.tenant, r.context, absl::Now()});
     r.created_session = !r.ephemeral;
   }
   r.pending.assign(r.context.begin() + cached, r.context.end());
@@ -318,17 +317,23 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
   const bool failed_silent = !status.ok() && r.result.output.empty();
   const bool discard = r.created_session && !r.had_session && failed_silent;
   // A request that failed before its first token on a session that existed
-  // leaves the session's conversation as it was (a client that retries the turn
-  // must not find its input there twice), and the cache holds K/V for a prefix
-  // of that conversation again: it is cut back to what the two share (a
-  // sliding window that released those pages keeps the request's context).
+  // leaves the session's conversation as it was (sessions_ still holds it: a
+  // client that retries the turn must not find its input there twice), and the
+  // cache holds K/V for a prefix of that conversation again: it is cut back to
+  // what the two share (a sliding window that released those pages keeps the
+  // request's context).
   bool revert = r.prepared && r.had_session && failed_silent;
   if (revert && kv_->GetSession(r.sid).ok()) {
+    std::vector<int32_t> previous;
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto it = sessions_.find(r.sid); it != sessions_.end()) previous = it->second.context;
+    }
     absl::StatusOr<std::vector<int32_t>> held = kv_->GetTokens(r.sid);
     size_t lcp = 0;
     if (held.ok()) {
-      const size_t limit = std::min(held->size(), r.previous_context.size());
-      while (lcp < limit && (*held)[lcp] == r.previous_context[lcp]) ++lcp;
+      const size_t limit = std::min(held->size(), previous.size());
+      while (lcp < limit && (*held)[lcp] == previous[lcp]) ++lcp;
     }
     revert = held.ok() && (lcp == held->size() || kv_->Truncate(r.sid, static_cast<int64_t>(lcp)).ok());
   }
@@ -351,7 +356,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
     } else if (r.prepared) {
       auto it = sessions_.find(r.sid);
       if (it != sessions_.end()) {
-        it->second.context = revert ? std::move(r.previous_context) : r.context;
+        if (!revert) it->second.context = r.context;
         it->second.last_used = now;
       }
     }

@@ -510,9 +510,8 @@ grpc::ServerWriteReactor<v1::SessionChunk>* WorkerService::ExportSession(
     return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(st);
   }
   if (request->max_chunk_bytes() < 0) {
-    return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(
-        absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes ", request->max_chunk_bytes(),
-                                                " is negative (0: the default)")));
+    return new RefusedCall<grpc::ServerWriteReactor<v1::SessionChunk>>(absl::InvalidArgumentError(
+        absl::StrCat("max_chunk_bytes ", request->max_chunk_bytes(), " is negative (0: the default)")));
   }
   auto* reactor = new ExportReactor(this, request->session_id(), TenantOf(request->tenant()));
   int64_t max_chunk = request->max_chunk_bytes() == 0 ? options_.max_chunk_bytes : request->max_chunk_bytes();
