@@ -763,6 +763,22 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   ASSERT_NE(dst, nullptr);
   auto s = v1::Worker::NewStub(src->channel());
   auto d = v1::Worker::NewStub(dst->channel());
+  auto pin = [&s](const std::string& id) {
+    grpc::ClientContext c;
+    v1::PinSessionRequest pr;
+    pr.set_session_id(id);
+    pr.set_pinned(true);
+    v1::SessionInfo info;
+    return s->PinSession(&c, pr, &info);
+  };
+  v1::MigrateSessionResponse unused;
+  auto migrate = [&s](const std::string& id, const std::string& target, v1::MigrateSessionResponse* out) {
+    grpc::ClientContext c;
+    v1::MigrateSessionRequest req;
+    req.set_session_id(id);
+    req.set_target_address(target);
+    return s->MigrateSession(&c, req, out);
+  };
   Turn t1 = Generate(s.get(), Text("moving", std::string(300, 'm'), 10));
   ASSERT_TRUE(t1.status.ok());
   // A copy stays on the source as the reference.
@@ -775,14 +791,7 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
     ASSERT_TRUE(s->ForkSession(&c, fr, &info).ok());
   }
   // The client's pin moves with the session.
-  {
-    grpc::ClientContext c;
-    v1::PinSessionRequest pr;
-    pr.set_session_id("moving");
-    pr.set_pinned(true);
-    v1::SessionInfo info;
-    ASSERT_TRUE(s->PinSession(&c, pr, &info).ok());
-  }
+  ASSERT_TRUE(pin("moving").ok());
   // The source's Watch, from before the move.
   grpc::ClientContext wctx;
   wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
@@ -791,11 +800,7 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   ASSERT_TRUE(watch->Read(&ev));  // the snapshot
   v1::MigrateSessionResponse mr;
   {
-    grpc::ClientContext c;
-    v1::MigrateSessionRequest req;
-    req.set_session_id("moving");
-    req.set_target_address(dst->grpc_address());
-    grpc::Status st = s->MigrateSession(&c, req, &mr);
+    grpc::Status st = migrate("moving", dst->grpc_address(), &mr);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
   EXPECT_GT(mr.bytes_moved(), 0);
@@ -828,20 +833,11 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   EXPECT_GT(moved.final.usage().cached_tokens(), 300);
 
   // A migration to a dead address fails and leaves the session where it was.
-  grpc::ClientContext c;
-  v1::MigrateSessionRequest bad;
-  bad.set_session_id("reference");
-  bad.set_target_address("127.0.0.1:1");
-  v1::MigrateSessionResponse unused;
-  EXPECT_FALSE(s->MigrateSession(&c, bad, &unused).ok());
+  EXPECT_FALSE(migrate("reference", "127.0.0.1:1", &unused).ok());
   EXPECT_TRUE(Generate(s.get(), Text("reference", " still here", 2, v1::APPEND)).status.ok());
   // A target that already holds the id (here: the source itself) refuses the
   // import, and the caller hears the target's reason, not a CANCELLED.
-  grpc::ClientContext self_ctx;
-  v1::MigrateSessionRequest to_self;
-  to_self.set_session_id("reference");
-  to_self.set_target_address(src->grpc_address());
-  const grpc::Status self_st = s->MigrateSession(&self_ctx, to_self, &unused);
+  const grpc::Status self_st = migrate("reference", src->grpc_address(), &unused);
   EXPECT_EQ(self_st.error_code(), grpc::ALREADY_EXISTS) << self_st.error_message();
   EXPECT_THAT(self_st.error_message(), HasSubstr("the session stays here"));
   EXPECT_TRUE(Generate(s.get(), Text("reference", " and still", 2, v1::APPEND)).status.ok());
@@ -849,19 +845,8 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   // A pinned session whose pin the target's quota cannot take stays here, pinned.
   auto small = StartWorker({"--worker_id=small", "--tenant_max_pinned_pages=1"});
   ASSERT_NE(small, nullptr);
-  {
-    grpc::ClientContext c;
-    v1::PinSessionRequest pr;
-    pr.set_session_id("reference");
-    pr.set_pinned(true);
-    v1::SessionInfo info;
-    ASSERT_TRUE(s->PinSession(&c, pr, &info).ok());
-  }
-  grpc::ClientContext quota_ctx;
-  v1::MigrateSessionRequest to_small;
-  to_small.set_session_id("reference");
-  to_small.set_target_address(small->grpc_address());
-  const grpc::Status quota_st = s->MigrateSession(&quota_ctx, to_small, &unused);
+  ASSERT_TRUE(pin("reference").ok());
+  const grpc::Status quota_st = migrate("reference", small->grpc_address(), &unused);
   EXPECT_EQ(quota_st.error_code(), grpc::RESOURCE_EXHAUSTED) << quota_st.error_message();
   EXPECT_THAT(quota_st.error_message(), HasSubstr("the session stays here"));
   {

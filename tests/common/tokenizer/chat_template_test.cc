@@ -75,6 +75,17 @@ std::vector<ChatMessage> Messages(const google::protobuf::Value& conversation) {
   return out;
 }
 
+// The template of one entry of chat_template_reference.json's "templates",
+// read from tests/data/chat_templates with the entry's BOS and EOS texts.
+absl::StatusOr<ChatTemplate> RecordedTemplate(
+    const google::protobuf::Map<std::string, google::protobuf::Value>& t) {
+  auto jinja = testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/" +
+                                      t.at("file").string_value());
+  if (!jinja.ok()) return jinja.status();
+  return ChatTemplate::FromTemplateText(*jinja, t.at("bos_token").string_value(),
+                                        t.at("eos_token").string_value());
+}
+
 TEST(ChatTemplateJinjaTest, RendersAsJinja2OnRealTemplates) {
   auto ref = testing::LoadReference("chat_template_reference.json");
   ASSERT_TRUE(ref.ok()) << ref.status();
@@ -84,11 +95,7 @@ TEST(ChatTemplateJinjaTest, RendersAsJinja2OnRealTemplates) {
   for (const auto& tv : templates) {
     const auto& t = tv.struct_value().fields();
     const std::string name = t.at("name").string_value();
-    auto jinja = testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/" +
-                                        t.at("file").string_value());
-    ASSERT_TRUE(jinja.ok()) << jinja.status();
-    auto tmpl = ChatTemplate::FromTemplateText(*jinja, t.at("bos_token").string_value(),
-                                               t.at("eos_token").string_value());
+    auto tmpl = RecordedTemplate(t);
     ASSERT_TRUE(tmpl.ok()) << name << ": " << tmpl.status();
     ASSERT_EQ(ExpectedKinds().count(name), 1u) << name;
     EXPECT_EQ(tmpl->kind(), ExpectedKinds().at(name)) << name;
@@ -127,12 +134,8 @@ TEST(ChatTemplateJinjaTest, AppendContinuesTheJinjaRendering) {
     const auto& t = tv.struct_value().fields();
     const std::string name = t.at("name").string_value();
     if (name == "qwen3") continue;  // rewrites earlier assistant turns; tested below
-    auto jinja = testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/" +
-                                        t.at("file").string_value());
-    ASSERT_TRUE(jinja.ok());
-    auto tmpl = ChatTemplate::FromTemplateText(*jinja, t.at("bos_token").string_value(),
-                                               t.at("eos_token").string_value());
-    ASSERT_TRUE(tmpl.ok());
+    auto tmpl = RecordedTemplate(t);
+    ASSERT_TRUE(tmpl.ok()) << name << ": " << tmpl.status();
     const std::string eot = tmpl->kind() == ChatTemplate::Kind::kChatMl    ? "<|im_end|>"
                             : tmpl->kind() == ChatTemplate::Kind::kLlama3  ? "<|eot_id|>"
                             : tmpl->kind() == ChatTemplate::Kind::kLlama31 ? "<|eot_id|>"
@@ -224,12 +227,8 @@ TEST(ChatTemplateJinjaTest, ContentSpansOnRealTemplates) {
   for (const auto& tv : ref->fields().at("templates").list_value().values()) {
     const auto& t = tv.struct_value().fields();
     const std::string name = t.at("name").string_value();
-    auto jinja = testing::ReadFileBytes(testing::SourceDir() + "/tests/data/chat_templates/" +
-                                        t.at("file").string_value());
-    ASSERT_TRUE(jinja.ok());
-    auto tmpl = ChatTemplate::FromTemplateText(*jinja, t.at("bos_token").string_value(),
-                                               t.at("eos_token").string_value());
-    ASSERT_TRUE(tmpl.ok());
+    auto tmpl = RecordedTemplate(t);
+    ASSERT_TRUE(tmpl.ok()) << name << ": " << tmpl.status();
     for (const auto& messages : conversations) {
       for (bool append : {false, true}) {
         ContentSpans spans;
