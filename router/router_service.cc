@@ -205,8 +205,11 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       // the session on its new worker.
       stale_copy_.clear();
       if (!append_) {
-        std::optional<std::string> home = router_->ledger_.RecentSessionWorker(key);
-        if (auto loc = router_->directory_->FindSession(key)) home = loc->worker;
+        // The directory, or this router's own recent request while the
+        // worker's placement event is on its way.
+        auto loc = router_->directory_->FindSession(key);
+        std::optional<std::string> home =
+            loc ? std::optional<std::string>(loc->worker) : router_->ledger_.RecentSessionWorker(key);
         if (home && *home != placement_.worker) stale_copy_ = *home;
       }
       router_->ledger_.SessionDispatched(key, placement_.worker);
