@@ -191,7 +191,7 @@ void ServerProcess::SetReady(bool ready) {
 }
 
 absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
-                                  std::function<void()> on_shutdown) {
+                                  std::function<void(absl::Time deadline)> on_shutdown) {
   if (services.empty()) {
     // The default health service alone crashes gRPC 1.51; refuse early.
     return absl::InvalidArgumentError("Serve needs at least one service");
@@ -240,11 +240,11 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
 
   shutdown_requested_.WaitForNotification();
 
-  if (on_shutdown) on_shutdown();
+  const absl::Time deadline = absl::Now() + options_.shutdown_deadline;
+  if (on_shutdown) on_shutdown(deadline);
   health->SetServingStatus(kReadinessService, false);
   health->SetServingStatus(kLivenessService, false);
   health->SetServingStatus("", false);
-  const absl::Time deadline = absl::Now() + options_.shutdown_deadline;
   for (Frontend* f : frontends_) f->Drain(deadline);
   server->Shutdown(absl::ToChronoTime(deadline));
   server->Wait();

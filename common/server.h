@@ -88,11 +88,13 @@ class ServerProcess {
   // outlive this object), starts the frontends, prints "<name> listening
   // grpc=HOST:PORT metrics=HOST:PORT" (and each frontend's field) on stdout,
   // marks readiness SERVING, then blocks until a
-  // signal or RequestShutdown. Then readiness and liveness turn NOT_SERVING,
-  // running RPCs get `shutdown_deadline` to finish, and Serve returns.
-  // `on_shutdown` (optional) runs first, before the server stops accepting.
+  // signal or RequestShutdown. Then `on_shutdown` (optional) runs, before the
+  // server stops accepting, with the shutdown's deadline (`shutdown_deadline`
+  // from the signal); readiness and liveness turn NOT_SERVING; RPCs still
+  // running get what is left until that deadline (then they are cancelled), and
+  // Serve returns. One deadline covers the whole shutdown.
   absl::Status Serve(const std::vector<grpc::Service*>& services,
-                     std::function<void()> on_shutdown = nullptr);
+                     std::function<void(absl::Time deadline)> on_shutdown = nullptr);
 
   // Readiness (not liveness). Safe before Serve (applied when it starts).
   void SetReady(bool ready);

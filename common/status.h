@@ -18,6 +18,11 @@ namespace kvcache {
 // router that sees it knows the worker is alive and its sessions are on their
 // way elsewhere (not lost), even before the worker's Watch stream says so.
 inline constexpr char kWorkerDrainingMessage[] = "worker is draining";
+// The status message of a Generate stream that a draining worker cut after
+// --drain_deadline (UNAVAILABLE): the session kept every token the stream
+// delivered and moves to another worker; an APPEND continues it there.
+inline constexpr char kStreamCutByDrainMessage[] =
+    "worker is draining: stream cut; the session keeps the tokens sent and moves to another worker";
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -47,7 +47,7 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
         return true;
       }
       if (!CloseLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reader fell behind; reconnect"),
-                       &finish)) {
+                       /*drop_queued=*/true, &finish)) {
         return false;
       }
     }
@@ -56,12 +56,14 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
   }
 
   // Finishes with `status` once the queue is written (at once when a write
-  // failed). Later calls are ignored.
+  // failed), an error status too: the client reads every message pushed before
+  // it (a Generate stream cut by a drain delivers every token its session
+  // kept). Later calls are ignored.
   void Close(const grpc::Status& status) {
     grpc::Status finish;
     {
       absl::MutexLock lock(&mu_);
-      if (!CloseLocked(status, &finish)) return;
+      if (!CloseLocked(status, /*drop_queued=*/false, &finish)) return;
     }
     // Outside the lock: gRPC may call OnDone (which deletes this) on another
     // thread as soon as Finish is called.
@@ -118,11 +120,13 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
 
  private:
   // True when the caller must call Finish(*finish) once it released mu_.
-  bool CloseLocked(const grpc::Status& status, grpc::Status* finish) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // `drop_queued`: messages not yet being written are dropped.
+  bool CloseLocked(const grpc::Status& status, bool drop_queued, grpc::Status* finish)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (closed_) return false;
     closed_ = true;
     status_ = status;
-    if (!status.ok()) queue_.erase(queue_.begin() + (writing_ ? 1 : 0), queue_.end());
+    if (drop_queued) queue_.erase(queue_.begin() + (writing_ ? 1 : 0), queue_.end());
     if (!writing_ && !finish_sent_) {
       finish_sent_ = true;
       *finish = status_;

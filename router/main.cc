@@ -239,7 +239,7 @@ int Run() {
       }
     }
   });
-  absl::Status served = (*process)->Serve({&service, &admin}, [&] {
+  absl::Status served = (*process)->Serve({&service, &admin}, [&](absl::Time) {
     stop_readiness.Notify();
     pool.Stop();
   });

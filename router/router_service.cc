@@ -278,7 +278,11 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     // that reached it before its session moved follows the session.
     const bool drain_refusal =
         st.error_code() == grpc::UNAVAILABLE && st.error_message() == kWorkerDrainingMessage;
-    if (drain_refusal) router_->pool_->MarkDraining(placement_.worker);
+    // A draining worker cut the stream at its --drain_deadline: the session kept
+    // what was sent and moves on; it is not lost.
+    const bool drain_cut =
+        st.error_code() == grpc::UNAVAILABLE && st.error_message() == kStreamCutByDrainMessage;
+    if (drain_refusal || drain_cut) router_->pool_->MarkDraining(placement_.worker);
     if (append_ && drain_refusal && !lost_midstream && attempts_ < router_->options_.max_attempts) {
       KV_LOG_INFO("session '{}' is on draining worker {}; waiting for it to move", request_.session_id(),
                   placement_.worker);
@@ -299,8 +303,15 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       if (router_->executor_.Schedule([this, from, wait] { FollowMovedSession(from, wait); })) return;
       return Finish(st);
     }
-    if (st.error_code() == grpc::UNAVAILABLE && !drain_refusal)
+    if (st.error_code() == grpc::UNAVAILABLE && !drain_refusal && !drain_cut)
       router_->pool_->MarkSuspect(placement_.worker);
+    if (append_ && drain_cut) {
+      return Finish(
+          grpc::Status(grpc::UNAVAILABLE,
+                       absl::StrCat("worker ", placement_.worker, " is draining and cut this stream after ",
+                                    emitted_.size(), " tokens; session '", request_.session_id(),
+                                    "' keeps them and moves to another worker: continue it with APPEND")));
+    }
     if (append_ && (lost_midstream || st.error_code() == grpc::UNAVAILABLE)) {
       return Finish(grpc::Status(
           grpc::UNAVAILABLE,

@@ -2,6 +2,7 @@
 // cache in pages (tier 0: backend memory, tier 1: host RAM).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -13,6 +14,7 @@
 #include "common/logging.h"
 #include "common/peer_auth.h"
 #include "common/server.h"
+#include "common/status.h"
 #include "common/status_macros.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
@@ -63,7 +65,9 @@ ABSL_FLAG(absl::Duration, session_idle_ttl, absl::Hours(4),
 ABSL_FLAG(int32_t, watch_snapshot_part, 4096,
           "Sessions and block hashes per Watch snapshot message (larger snapshots come in parts)");
 ABSL_FLAG(absl::Duration, load_report_interval, absl::Seconds(1), "Watch load report period");
-ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30), "How long a drain waits for running streams");
+ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30),
+          "How long a drain (admin Drain, or SIGTERM: at most two thirds of --shutdown_deadline) lets "
+          "running streams finish before their sessions move");
 
 namespace kvcache {
 namespace {
@@ -270,18 +274,29 @@ int Run() {
       "model {} ({} layers, {} KV heads, head_dim {}); KV {} per token, tier 0 {} pages, tier 1 {} pages",
       so.model_id, hp.n_layer, hp.n_head_kv, hp.head_dim, ko.shape.bytes_per_token(),
       (*kv)->tier_capacity_pages(0), (*kv)->tier_capacity_pages(1));
-  absl::Status served = (*process)->Serve({&service}, [&] {
+  absl::Status served = (*process)->Serve({&service}, [&](absl::Time deadline) {
     // SIGTERM or a finished drain: stop taking work (readiness NOT_SERVING; the
-    // routers see `draining` on Watch and migrate this worker's sessions away),
-    // let running streams finish, wait for the sessions to leave, then end the
-    // Watch streams so the server can stop. All within --shutdown_deadline.
-    const absl::Time deadline = absl::Now() + options->shutdown_deadline;
+    // routers see `draining` on Watch and migrate this worker's idle sessions
+    // away, and each busy one once its stream ends), let running streams finish
+    // for --drain_deadline but at most two thirds of --shutdown_deadline, then
+    // cut the rest (their clients get UNAVAILABLE kStreamCutByDrainMessage and
+    // the sessions keep what was sent, so they can move too), wait for the
+    // sessions to leave, then end the Watch streams so the server can stop. All
+    // within --shutdown_deadline.
     service.BeginDrain();
-    (*engine)->WaitIdle(deadline - absl::Now());
+    const absl::Time streams_end =
+        std::min(deadline - (deadline - absl::Now()) / 3, absl::Now() + so.drain_deadline);
+    if (!(*engine)->WaitIdle(streams_end - absl::Now())) {
+      const int cut = (*engine)->CutRequests(absl::UnavailableError(kStreamCutByDrainMessage));
+      KV_LOG_WARN("drain: cut {} requests still running after {}; their sessions move with the rest", cut,
+                  absl::FormatDuration(so.drain_deadline));
+      (*engine)->WaitIdle(deadline - absl::Now());
+    }
     // Only a router that watches us can move the sessions.
     if (hub.subscribers() == 0) {
       const size_t left = (*engine)->Sessions().size();
-      if (left > 0) KV_LOG_WARN("shutting down with {} sessions and no router to move them: they end here", left);
+      if (left > 0)
+        KV_LOG_WARN("shutting down with {} sessions and no router to move them: they end here", left);
     } else if (!(*engine)->WaitNoSessions(deadline - absl::Now())) {
       KV_LOG_WARN("shutting down with {} sessions still here (no router moved them in time)",
                   (*engine)->Sessions().size());

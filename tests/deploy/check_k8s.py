@@ -63,7 +63,7 @@ SECRET_FILES = [
 # Drain timing (deploy/README.md, "Drain timing"). README.md's benchmarks: migrating a 4,000-token
 # SmolLM2 session (92.16 MB of KV) took 274 ms, i.e. 336 MB/s per migration.
 MIGRATION_BYTES_PER_S = 336e6
-STREAMS_S = 60          # running streams may finish within the deadline
+STREAMS_S = 60          # running streams may finish within the deadline (--drain_deadline)
 MIGRATION_MARGIN = 1.5  # on the time to migrate tier 0 + tier 1
 EXIT_S = 30             # grace period beyond --shutdown_deadline: last migrations in flight, exit
 ADAPTER_VALUES = os.path.join(K8S, "components", "autoscaling", "prometheus-adapter-values.yaml")
@@ -287,6 +287,8 @@ def check_container(variant, role, pod, c, configmaps, tls):
         err(variant, f"{where}: grpc port {ports.get('grpc')}, want {want_grpc}")
     required = ["model", "tls_cert", "tls_key", "tls_client_ca", "shutdown_deadline", "log_level",
                 "cluster_token_file"]
+    if role == "worker":
+        required += ["drain_deadline"]
     if role == "router":
         required += ["auth_tokens_file", "worker_tls_ca", "worker_tls_cert", "worker_tls_key"]
     for f in required:
@@ -354,6 +356,11 @@ def check_container(variant, role, pod, c, configmaps, tls):
                        if expand(flags.get(k, "")).isdigit())
         migrate_s = kv_bytes / MIGRATION_BYTES_PER_S
         need = STREAMS_S + MIGRATION_MARGIN * migrate_s
+        # Streams get --drain_deadline (capped at two thirds of the deadline), then are cut.
+        streams = duration_seconds(expand(flags.get("drain_deadline", "")))
+        if streams is None or streams > STREAMS_S:
+            err(variant, f"{where}: --drain_deadline={expand(flags.get('drain_deadline', ''))} must be at "
+                         f"most the {STREAMS_S}s the deadline budgets for streams")
         if deadline < need:
             err(variant, f"{where}: --shutdown_deadline {deadline}s < {STREAMS_S}s for streams + "
                          f"{MIGRATION_MARGIN} x {migrate_s:.0f}s to migrate {kv_bytes / 2**30:.1f} GiB "

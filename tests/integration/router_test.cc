@@ -583,6 +583,59 @@ TEST_F(RouterTest, SigtermedWorkerHandsItsSessionsOver) {
   }
 }
 
+TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndItsSessionMovesWithWhatWasSent) {
+  // A stream that outlives --drain_deadline is cut (not left running until the
+  // process dies): its client gets UNAVAILABLE saying the session moves, every
+  // token it was sent arrives before that status, the session keeps exactly
+  // those tokens and moves, and the next APPEND continues the conversation the
+  // client saw.
+  StartWorkers(2, {"--drain_deadline=0s", "--shutdown_deadline=20s"});
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  std::vector<int32_t> seen = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24};
+  Reply first = Generate(stub.get(), testing::TokensRequest("cut", seen, 2));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+  const std::string leaving = first.final.worker_id();
+  auto& proc = workers_[leaving == "w0" ? 0 : 1]->process();
+
+  const std::vector<int32_t> turn = {30, 31, 32};
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = stub->Generate(&ctx, testing::TokensRequest("cut", turn, 1900, v1::APPEND));
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg) && msg.has_token());
+  std::vector<int32_t> streamed = {msg.token().id()};
+  proc.Signal(SIGTERM);
+  while (reader->Read(&msg)) {
+    ASSERT_TRUE(msg.has_token()) << "the stream was not cut";
+    streamed.push_back(msg.token().id());
+  }
+  const grpc::Status cut = reader->Finish();
+  EXPECT_EQ(cut.error_code(), grpc::UNAVAILABLE) << cut.error_message();
+  EXPECT_THAT(cut.error_message(), HasSubstr("keeps them and moves to another worker"));
+  EXPECT_LT(streamed.size(), 1900u);
+  auto status = proc.Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.ok()) << "worker did not exit after SIGTERM";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+
+  seen.insert(seen.end(), turn.begin(), turn.end());
+  seen.insert(seen.end(), streamed.begin(), streamed.end());
+  const std::vector<int32_t> next = {40, 41};
+  Reply after = Generate(stub.get(), testing::TokensRequest("cut", next, 4, v1::APPEND));
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_NE(after.final.worker_id(), leaving);
+  EXPECT_EQ(after.final.usage().prompt_tokens(), static_cast<int>(seen.size() + next.size()))
+      << "the session holds a token its client never saw, or lost one";
+  EXPECT_GE(after.final.usage().cached_tokens(), static_cast<int>(seen.size()) - 1)
+      << "recomputed, not moved";
+  seen.insert(seen.end(), next.begin(), next.end());
+  Reply reference = Generate(stub.get(), testing::TokensRequest("reference", seen, 4));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  EXPECT_EQ(after.tokens, reference.tokens);
+}
+
 TEST_F(RouterTest, TokensMapToTenantsAndTenantsAreIsolated) {
   StartWorkers(1);
   const std::string tokens = ::testing::TempDir() + "/kvcache_tokens.txt";

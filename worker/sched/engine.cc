@@ -209,8 +209,15 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
 void Engine::Cancel(uint64_t request_id) {
   absl::MutexLock lock(&mu_);
   if (!live_.contains(request_id)) return;  // done already (or never submitted)
-  cancelled_.insert(request_id);
+  cancelled_.emplace(request_id, absl::CancelledError("request cancelled"));
   wake_.Signal();
+}
+
+int Engine::CutRequests(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  for (uint64_t id : live_) cancelled_.insert_or_assign(id, status);
+  wake_.Signal();
+  return static_cast<int>(live_.size());
 }
 
 size_t Engine::tracked_request_ids() const {
@@ -609,6 +616,18 @@ bool Engine::Step() {
     return true;
   }
 
+  // Requests cancelled while the step ran (their client stopped reading, or a
+  // drain cut them) and requests past their deadline end here without this
+  // step's token: it would reach nobody, yet the session would keep it, and the
+  // conversation would then hold a token its client never saw.
+  absl::flat_hash_map<uint64_t, absl::Status> gone;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Planned& p : plan) {
+      if (auto it = cancelled_.find(p.r->id); it != cancelled_.end()) gone.emplace(it->first, it->second);
+    }
+  }
+  const absl::Time forward_end = absl::Now();
   const int64_t vocab = runner_->hparams().n_vocab;
   size_t row = 0;
   for (size_t i = 0; i < plan.size(); ++i) {
@@ -624,6 +643,14 @@ bool Engine::Step() {
     if (!batch[i].want_logits) continue;
     absl::Span<const float> lg(logits.data() + row * vocab, static_cast<size_t>(vocab));
     ++row;
+    if (auto it = gone.find(r.id); it != gone.end()) {
+      Finish(r, it->second, std::nullopt);
+      continue;
+    }
+    if (forward_end > r.req.deadline) {
+      Finish(r, absl::DeadlineExceededError("deadline passed before generation ended"), std::nullopt);
+      continue;
+    }
     const int32_t token = r.sampler.Sample(lg);
     if (r.result.output.empty()) r.result.time_to_first_token = absl::Now() - r.submitted;
     r.result.output.push_back(token);
@@ -686,7 +713,7 @@ void Engine::Loop() {
   while (true) {
     std::vector<std::unique_ptr<Request>> admitted;
     std::vector<std::unique_ptr<Request>> expired;  // left the queue cancelled or late
-    absl::flat_hash_set<uint64_t> cancelled;
+    absl::flat_hash_map<uint64_t, absl::Status> cancelled;
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
@@ -729,10 +756,13 @@ void Engine::Loop() {
           absl::Now() + std::clamp(options_.session_idle_ttl / 8, absl::Milliseconds(10), absl::Seconds(1));
     }
     for (auto& r : expired) {
-      const bool was_cancelled = cancelled.contains(r->id);
+      auto it = cancelled.find(r->id);
       Finish(*r,
-             was_cancelled ? absl::CancelledError("request cancelled while queued")
-                           : absl::DeadlineExceededError("deadline passed while the request was queued"),
+             it == cancelled.end()
+                 ? absl::DeadlineExceededError("deadline passed while the request was queued")
+             : it->second.code() == absl::StatusCode::kCancelled
+                 ? absl::CancelledError("request cancelled while queued")
+                 : it->second,
              std::nullopt);
     }
     for (auto& r : admitted) {
@@ -744,8 +774,8 @@ void Engine::Loop() {
       Request& r = *rp;
       if (stopping) {
         Finish(r, absl::UnavailableError("worker is shutting down"), std::nullopt);
-      } else if (cancelled.contains(r.id)) {
-        Finish(r, absl::CancelledError("request cancelled"), std::nullopt);
+      } else if (auto it = cancelled.find(r.id); it != cancelled.end()) {
+        Finish(r, it->second, std::nullopt);
       } else if (now > r.req.deadline) {
         Finish(r, absl::DeadlineExceededError("deadline passed before generation ended"), std::nullopt);
       } else if (!r.prepared) {

@@ -184,8 +184,14 @@ class Engine {
   // UNAVAILABLE (stopping). Returns a request id for Cancel.
   absl::StatusOr<uint64_t> Submit(GenerateRequest request, GenerateObserver* observer);
   // Cancels a request (no-op when already done). Its OnDone reports CANCELLED, at
-  // the next step boundary, also while it is still queued.
+  // the next step boundary, also while it is still queued; the token of a step
+  // that was running meanwhile is neither sent nor kept in the session.
   void Cancel(uint64_t request_id);
+  // Ends every queued and running request with `status` at the next step
+  // boundary, as Cancel does (a running one keeps the tokens it has sent), and
+  // keeps the engine running: a drain cuts its streams this way so that their
+  // sessions can move. Returns how many requests it cut.
+  int CutRequests(const absl::Status& status);
   // Request ids the engine still tracks (live or cancelled, not finished); 0 when
   // idle. For leak tests.
   size_t tracked_request_ids() const;
@@ -318,7 +324,8 @@ class Engine {
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> tenant_sessions_ ABSL_GUARDED_BY(mu_);  // tenant -> sessions_
   absl::flat_hash_set<uint64_t> live_ ABSL_GUARDED_BY(mu_);                     // submitted, not finished
-  absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);                // subset of live_
+  // Live requests to end at the next step boundary, with their status.
+  absl::flat_hash_map<uint64_t, absl::Status> cancelled_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);         // tenant -> requests
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

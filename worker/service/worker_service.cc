@@ -665,8 +665,14 @@ void WorkerService::BeginDrain() {
 v1::DrainResponse WorkerService::DrainAndMigrate(const std::vector<std::string>& targets,
                                                  absl::Duration deadline) {
   BeginDrain();
-  if (!engine_->WaitIdle(deadline))
-    KV_LOG_WARN("drain: requests still running after {}", absl::FormatDuration(deadline));
+  if (!engine_->WaitIdle(deadline)) {
+    // Cut what still runs (its clients keep what was sent, and so do the
+    // sessions) so that every session can move.
+    const int cut = engine_->CutRequests(absl::UnavailableError(kStreamCutByDrainMessage));
+    KV_LOG_WARN("drain: cut {} requests still running after {}", cut, absl::FormatDuration(deadline));
+    constexpr absl::Duration kCutWait = absl::Seconds(10);  // the next step boundary
+    engine_->WaitIdle(kCutWait);
+  }
   v1::DrainResponse out;
   size_t next = 0;
   for (const kv::SessionName& s : engine_->Sessions()) {

@@ -323,6 +323,44 @@ TEST_F(EngineTest, CancelFreesPages) {
   EXPECT_EQ(stats.tier[0].session_private_pages, 0);
 }
 
+// A client cancels after reading some tokens while the engine is computing the
+// next one: that token reaches nobody, so the session must not keep it either
+// (the next APPEND would continue from a token the client never saw). The same
+// for a drain that cuts the stream (CutRequests), with its own status.
+TEST_F(EngineTest, TokenOfTheStepDuringWhichARequestIsCancelledIsNeitherSentNorKept) {
+  for (bool cut : {false, true}) {
+    SCOPED_TRACE(cut ? "CutRequests" : "Cancel");
+    const std::string sid = cut ? "cut" : "cancelled";
+    const int s0 = runner_->steps();
+    runner_->LimitSteps(s0 + 2);  // the prompt and one decode step: two tokens
+    Collector c;
+    auto id = engine_->Submit(Req(sid, RequestMode::kFullContext, Prompt(20), 50), &c);
+    ASSERT_TRUE(id.ok()) << id.status();
+    runner_->WaitForEntered(s0 + 3);  // the third token's step has begun
+    if (cut) {
+      EXPECT_EQ(engine_->CutRequests(absl::UnavailableError("draining")), 1);
+    } else {
+      engine_->Cancel(*id);
+    }
+    runner_->LimitSteps(-1);
+    c.Wait();
+    EXPECT_EQ(c.status.code(), cut ? absl::StatusCode::kUnavailable : absl::StatusCode::kCancelled);
+    ASSERT_EQ(c.tokens.size(), 2u);
+    std::vector<int32_t> seen = Prompt(20);
+    seen.insert(seen.end(), c.tokens.begin(), c.tokens.end());
+    EXPECT_EQ(*engine_->Context(sid, "t"), seen);
+    // The conversation goes on from what the client saw.
+    Collector next;
+    ASSERT_TRUE(engine_->Submit(Req(sid, RequestMode::kAppend, Prompt(3, 7), 3), &next).ok());
+    next.Wait();
+    ASSERT_TRUE(next.status.ok()) << next.status;
+    for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+    EXPECT_EQ(next.tokens, Expected(seen, 3));
+  }
+  ASSERT_TRUE(engine_->WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(engine_->tracked_request_ids(), 0u);
+}
+
 TEST_F(EngineTest, QueuedRequestsHonourCancelAndDeadlineAtOnce) {
   EngineOptions o;
   o.max_running = 1;

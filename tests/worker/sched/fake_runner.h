@@ -45,6 +45,7 @@ class FakeRunner : public model::ModelRunner {
     if (gate_ != nullptr) gate_->WaitForNotification();
     {
       absl::MutexLock lock(&step_mu_);
+      ++entered_;
       auto allowed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
         return step_limit_ < 0 || steps_ < step_limit_;
       };
@@ -99,6 +100,14 @@ class FakeRunner : public model::ModelRunner {
     step_mu_.Await(absl::Condition(&reached));
   }
 
+  // Blocks until Forward has been called `n` times (the n-th call may be
+  // waiting for AllowSteps: the engine is then in the middle of that step).
+  void WaitForEntered(int n) {
+    absl::MutexLock lock(&step_mu_);
+    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) { return entered_ >= n; };
+    step_mu_.Await(absl::Condition(&reached));
+  }
+
   absl::Notification* gate_ = nullptr;
   int max_sequences_ = 0;
   int steps_ = 0;  // read by tests once the engine is idle (else steps())
@@ -114,6 +123,7 @@ class FakeRunner : public model::ModelRunner {
   gguf::LlamaHparams hp_;
   absl::Mutex step_mu_;
   int step_limit_ = -1;
+  int entered_ = 0;  // Forward calls, counted before they wait for the limit
 };
 
 // Collects what the engine streams for one request.
