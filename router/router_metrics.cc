@@ -52,7 +52,11 @@ void RouterMetrics::SetWorkers(const std::vector<WorkerView>& workers) {
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<std::string, prometheus::Gauge*> now;
   for (const WorkerView& w : workers) {
-    // Up while reachable: a draining worker is up (it is handing its sessions over).
+    // Up while reachable: a draining worker is up (it is handing its sessions
+    // over). One that drained and went away (a static --workers entry stays in
+    // the pool) left on purpose: it leaves the metric, as a dropped worker does,
+    // instead of reading 0 (down) until it comes back.
+    if (!w.connected && w.draining) continue;
     prometheus::Gauge* g = &worker_up_.Add({{"worker", w.address}});
     g->Set(w.connected ? 1 : 0);
     now[w.address] = g;
