@@ -142,6 +142,17 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   const std::string& sid = request.session_id;
   const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   absl::MutexLock lock(&mu_);
+  if (auto running = session_request_.find(key);
+      running != session_request_.end() && cancelled_.contains(running->second)) {
+    // The session's request was cancelled (its client stopped it, then sent
+    // this one): it ends at the next step boundary. Wait for that instead of
+    // refusing this one as ABORTED.
+    auto ended = [this, &key, id = running->second]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = session_request_.find(key);
+      return stopping_ || it == session_request_.end() || it->second != id;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ended), kCancelledRequestWait);
+  }
   if (request.mode == RequestMode::kAppend && !sessions_.contains(key) && kv_->GetSession(key).ok()) {
     // An imported session whose pages are in the cache, not yet adopted
     // (FinishImport): its cache events may reach a router, and the router this
@@ -197,6 +208,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   live_.insert(id);
   if (!sid.empty()) {
     busy_.insert(key);
+    session_request_[key] = id;
     if (auto it = sessions_.find(key); it != sessions_.end()) it->second.last_used = absl::Now();
   }
   ++inflight_[request.tenant];
@@ -354,7 +366,10 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
   }
   {
     absl::MutexLock lock(&mu_);
-    if (!r.req.session_id.empty()) busy_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
+    if (!r.req.session_id.empty()) {
+      busy_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
+      session_request_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
+    }
     cancelled_.erase(r.id);
     live_.erase(r.id);
     if (--inflight_[r.req.tenant] <= 0) inflight_.erase(r.req.tenant);

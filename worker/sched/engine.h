@@ -26,7 +26,8 @@
 // token; the last sampled token has no K/V yet and is fed first by the next
 // APPEND. A request that fails before its first token leaves the session as it
 // was (a session it created is closed). Two requests on one session are never
-// interleaved: the second is refused with ABORTED.
+// interleaved: the second is refused with ABORTED, unless the first was
+// cancelled (it then waits for the first to end, a step away).
 //
 // Thread-safety: Submit, Cancel and the session calls are safe from any thread.
 // Observers are called on the engine thread, never under an engine lock; they
@@ -179,7 +180,8 @@ class Engine {
   // exactly one OnDone. Errors here mean no observer call at all:
   // INVALID_ARGUMENT (empty input, token out of vocabulary, context over the
   // limit, bad sampling or max_tokens), NOT_FOUND (APPEND to an unknown session
-  // or another tenant's), ABORTED (a request is running on the session),
+  // or another tenant's), ABORTED (a request is running on the session; one
+  // that was cancelled is waited for, up to kCancelledRequestWait),
   // RESOURCE_EXHAUSTED (queue full, or the prompt can never fit in tier 0),
   // UNAVAILABLE (stopping). Returns a request id for Cancel.
   absl::StatusOr<uint64_t> Submit(GenerateRequest request, GenerateObserver* observer);
@@ -313,6 +315,12 @@ class Engine {
   std::deque<std::unique_ptr<Request>> waiting_ ABSL_GUARDED_BY(mu_);
   // Sessions by kv::SessionKey(tenant, id), the KV cache's key too.
   absl::flat_hash_set<std::string> busy_ ABSL_GUARDED_BY(mu_);
+  // Session key -> the request running on it (a subset of busy_: Reserve holds
+  // sessions too).
+  absl::flat_hash_map<std::string, uint64_t> session_request_ ABSL_GUARDED_BY(mu_);
+  // How long Submit waits for a cancelled request on its session to end (the
+  // next step boundary) before answering ABORTED.
+  static constexpr absl::Duration kCancelledRequestWait = absl::Seconds(2);
   struct SessionState {
     std::string tenant;
     std::vector<int32_t> context;  // see Context()

@@ -361,6 +361,39 @@ TEST_F(EngineTest, TokenOfTheStepDuringWhichARequestIsCancelledIsNeitherSentNorK
   EXPECT_EQ(engine_->tracked_request_ids(), 0u);
 }
 
+// "Stop generating", then the next message at once: the new request waits for
+// the cancelled one to end (a step away) instead of failing with ABORTED, and
+// continues the conversation the client saw. (The second Submit races the
+// release of the held step: it waits, or finds the session free; either way it
+// must succeed, where it used to fail with ABORTED whenever it came first.)
+TEST_F(EngineTest, RequestAfterACancelWaitsForTheCancelledOneInsteadOfAborted) {
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 2);
+  Collector first;
+  auto id = engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 50), &first);
+  ASSERT_TRUE(id.ok()) << id.status();
+  runner_->WaitForEntered(s0 + 3);
+  Collector busy;  // not cancelled: the session is busy
+  EXPECT_EQ(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 3), &busy).status().code(),
+            absl::StatusCode::kAborted);
+  engine_->Cancel(*id);
+  Collector next;
+  absl::StatusOr<uint64_t> next_id;
+  std::thread submit(
+      [&] { next_id = engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 3), &next); });
+  runner_->LimitSteps(-1);  // the cancelled request's step ends, and with it the request
+  submit.join();
+  ASSERT_TRUE(next_id.ok()) << next_id.status();
+  first.Wait();
+  EXPECT_EQ(first.status.code(), absl::StatusCode::kCancelled);
+  next.Wait();
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  std::vector<int32_t> seen = Prompt(20);
+  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(next.tokens, Expected(seen, 3));
+}
+
 TEST_F(EngineTest, QueuedRequestsHonourCancelAndDeadlineAtOnce) {
   EngineOptions o;
   o.max_running = 1;
