@@ -171,7 +171,13 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     }
     if (request.mode == RequestMode::kAppend) {
       KVCACHE_RETURN_IF_ERROR(CheckKnown(key, sid));
-      context += static_cast<int64_t>(sessions_.find(key)->second.context.size());
+      const SessionState& held = sessions_.find(key)->second;
+      if (request.tokens_read > held.last_reply) {
+        return absl::InvalidArgumentError(absl::StrCat("tokens_read ", request.tokens_read, " exceeds the ",
+                                                       held.last_reply,
+                                                       " tokens of the last reply of session '", sid, "'"));
+      }
+      context += static_cast<int64_t>(held.context.size()) - UnreadTokens(request, held);
     }
   }
   if (context >= options_.max_context) {
@@ -249,12 +255,14 @@ bool Engine::Prepare(Request& r) {
   }
   std::vector<int32_t> known;  // the context the engine holds for the session
   bool exists = false;
+  int64_t unread = 0;  // tokens of its last reply that the client says it did not read
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(r.sid);
     if (it != sessions_.end()) {
       exists = true;
       known = it->second.context;
+      unread = UnreadTokens(q, it->second);
     }
   }
   r.had_session = exists;
@@ -264,6 +272,7 @@ bool Engine::Prepare(Request& r) {
       return false;
     }
     r.context = std::move(known);
+    r.context.resize(r.context.size() - static_cast<size_t>(unread));
     r.context.insert(r.context.end(), q.input.begin(), q.input.end());
   } else {
     r.context = q.input;
@@ -378,7 +387,10 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
     } else if (r.prepared) {
       auto it = sessions_.find(r.sid);
       if (it != sessions_.end()) {
-        if (!revert) it->second.context = r.context;
+        if (!revert) {
+          it->second.context = r.context;
+          it->second.last_reply = static_cast<int64_t>(r.result.output.size());
+        }
         it->second.last_used = now;
       }
     }
@@ -936,6 +948,7 @@ absl::Status Engine::ForkSession(const std::string& id, const std::string& new_i
   const std::string key = kv::SessionKey(tenant, id);
   const std::string new_key = kv::SessionKey(tenant, new_id);
   std::vector<int32_t> context;
+  int64_t last_reply = 0;
   absl::Status st;
   {
     absl::MutexLock lock(&mu_);
@@ -943,12 +956,13 @@ absl::Status Engine::ForkSession(const std::string& id, const std::string& new_i
       st = absl::AlreadyExistsError(absl::StrCat("session '", new_id, "' already exists"));
     } else if (st = CheckSessionQuota(tenant); st.ok()) {
       context = sessions_.find(key)->second.context;
+      last_reply = sessions_.find(key)->second.last_reply;
     }
   }
   if (st.ok()) st = kv_->Fork(key, new_key);
   absl::MutexLock lock(&mu_);
   busy_.erase(key);
-  if (st.ok()) AddSessionLocked(new_key, SessionState{tenant, std::move(context), absl::Now()});
+  if (st.ok()) AddSessionLocked(new_key, SessionState{tenant, std::move(context), absl::Now(), last_reply});
   return st;
 }
 
@@ -1029,6 +1043,7 @@ absl::StatusOr<SessionView> Engine::View(const std::string& id, const std::strin
   if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
   SessionView v;
   v.context_tokens = static_cast<int64_t>(it->second.context.size());
+  v.last_reply_tokens = it->second.last_reply;
   v.last_used = it->second.last_used;
   v.exporting = it->second.exports > 0;
   v.busy = busy_.contains(key);
@@ -1040,7 +1055,8 @@ absl::StatusOr<std::unique_ptr<kv::SessionImporter>> Engine::BeginImport() {
 }
 
 absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& importer,
-                                                     std::vector<int32_t> context, bool pinned) {
+                                                     std::vector<int32_t> context, bool pinned,
+                                                     int64_t last_reply_tokens) {
   const std::string& key = importer.session_id();
   const kv::SessionName name = kv::SplitSessionKey(key);
   auto adopt = [&]() -> absl::Status {
@@ -1062,7 +1078,9 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
       KVCACHE_RETURN_IF_ERROR(CheckPinQuota(name.tenant, key, info.tier0_pages + info.tier1_pages));
       KVCACHE_RETURN_IF_ERROR(kv_->PinSession(key));
     }
-    AddSessionLocked(key, SessionState{name.tenant, std::move(context), absl::Now()});
+    const int64_t last_reply =
+        std::clamp<int64_t>(last_reply_tokens, 0, static_cast<int64_t>(context.size()));
+    AddSessionLocked(key, SessionState{name.tenant, std::move(context), absl::Now(), last_reply});
     return absl::OkStatus();
   };
   if (absl::Status st = adopt(); !st.ok()) {

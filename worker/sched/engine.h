@@ -36,6 +36,7 @@
 #ifndef KVCACHE_WORKER_SCHED_ENGINE_H_
 #define KVCACHE_WORKER_SCHED_ENGINE_H_
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -105,6 +106,9 @@ struct GenerateRequest {
   bool ignore_eos = false;
   bool pin = false;
   absl::Time deadline = absl::InfiniteFuture();
+  // APPEND: tokens of the session's last reply the client read; the rest of
+  // that reply is dropped before the input is appended. -1: keep it all.
+  int64_t tokens_read = -1;
 };
 
 struct GenerateResult {
@@ -160,7 +164,8 @@ struct EngineLoad {
 
 // The engine's view of one named session.
 struct SessionView {
-  int64_t context_tokens = 0;  // see Engine::Context
+  int64_t context_tokens = 0;     // see Engine::Context
+  int64_t last_reply_tokens = 0;  // of those, what the last request generated (the last ones)
   absl::Time last_used;        // submit or end of the last request (or its import or fork)
   bool exporting = false;      // an export or migration is running
   bool busy = false;           // a request (or a session call) holds it
@@ -224,7 +229,8 @@ class Engine {
   // Import: BeginImport returns an importer that stages a session's pages in
   // the KV cache; feed it the chunks, and once it has committed, FinishImport
   // makes the session this engine's with `context` (the tokens it continues
-  // from; empty: the cached tokens), pinned when `pinned` (the exporter's pin).
+  // from; empty: the cached tokens), pinned when `pinned` (the exporter's pin),
+  // whose last `last_reply_tokens` its last request generated.
   // INVALID_ARGUMENT when the cached tokens are not a prefix of `context` or a
   // token is outside the vocabulary, RESOURCE_EXHAUSTED when the pin would pass
   // the tenant's pinned-pages quota; on any
@@ -233,7 +239,8 @@ class Engine {
   absl::StatusOr<std::unique_ptr<kv::SessionImporter>> BeginImport();
   // REQUIRES: importer.committed(). Returns the session's name.
   absl::StatusOr<kv::SessionName> FinishImport(const kv::SessionImporter& importer,
-                                               std::vector<int32_t> context, bool pinned = false);
+                                               std::vector<int32_t> context, bool pinned = false,
+                                               int64_t last_reply_tokens = 0);
   // Export: BeginExport marks the session exporting (reported as migrating; it
   // never expires meanwhile) and returns an exporter over its pages. EndExport
   // ends that; a non-empty `handed_to` names the worker that holds the session
@@ -325,9 +332,17 @@ class Engine {
     std::string tenant;
     std::vector<int32_t> context;  // see Context()
     absl::Time last_used;
+    int64_t last_reply = 0;  // tokens at the end of context that the last request generated
     int exports = 0;
   };
   void AddSessionLocked(const std::string& key, SessionState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tokens of `held`'s last reply that an APPEND request says its client did
+  // not read (GenerateRequest::tokens_read), dropped before its input.
+  static int64_t UnreadTokens(const GenerateRequest& request, const SessionState& held) {
+    if (request.mode != RequestMode::kAppend || request.tokens_read < 0) return 0;
+    return std::clamp<int64_t>(held.last_reply - request.tokens_read, 0,
+                               static_cast<int64_t>(held.context.size()));
+  }
   void EraseSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> tenant_sessions_ ABSL_GUARDED_BY(mu_);  // tenant -> sessions_

@@ -74,6 +74,12 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
   out.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
   out.ignore_eos = s.ignore_eos();
   out.pin = request.pin();
+  if (request.has_tokens_read()) {
+    if (request.tokens_read() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens_read ", request.tokens_read(), " is negative"));
+    }
+    if (out.mode == sched::RequestMode::kAppend) out.tokens_read = request.tokens_read();
+  }
   return out;
 }
 

@@ -146,6 +146,8 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
     auto context = service_->engine_->Context(session_id_, tenant_);
     if (!context.ok()) return Done(context.status());
     context_ = std::move(*context);
+    auto view = service_->engine_->View(session_id_, tenant_);
+    last_reply_ = view.ok() ? view->last_reply_tokens : 0;
     kv::ExportOptions eo;
     eo.max_chunk_bytes = max_chunk_bytes;
     auto exporter = service_->engine_->BeginExport(session_id_, tenant_, eo);
@@ -171,6 +173,7 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
     }
     if (!*more) return Done(absl::OkStatus());
     msg_ = ToWire(chunk, index_++, context_);
+    if (msg_.has_commit()) msg_.mutable_commit()->set_last_reply_tokens(static_cast<int32_t>(last_reply_));
     StartWrite(&msg_);
   }
 
@@ -189,6 +192,7 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
   bool bulk_ = true;
   int32_t index_ = 0;
   std::vector<int32_t> context_;
+  int64_t last_reply_ = 0;
   std::unique_ptr<kv::SessionExporter> exporter_;
   v1::SessionChunk msg_;
 };
@@ -223,6 +227,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
       if (absl::Status st = ValidateSessionId(chunk_.begin().session_id()); !st.ok()) return Done(st);
     }
     const bool pinned = chunk_.has_commit() && chunk_.commit().pinned();
+    const int64_t last_reply = chunk_.has_commit() ? chunk_.commit().last_reply_tokens() : 0;
     bytes_ += chunk_.ByteSizeLong();
     std::vector<int32_t> context;
     auto c = FromWire(chunk_, &context);
@@ -230,7 +235,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     absl::Status st = importer_->Add(*c);
     if (!st.ok()) return Done(st);
     if (importer_->committed()) {
-      auto name = service_->engine_->FinishImport(*importer_, std::move(context), pinned);
+      auto name = service_->engine_->FinishImport(*importer_, std::move(context), pinned, last_reply);
       if (!name.ok()) return Done(name.status());
       service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_),
                                       absl::Now() - started_);
@@ -554,9 +559,13 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
                            engine_->BeginExport(session_id, tenant, eo));
   bool write_failed = false;  // the target ended the import stream
   bool pinned = false;
+  int64_t last_reply = 0;
   auto send = [&](const kv::KvChunk& chunk, const std::vector<int32_t>& context) {
     v1::SessionChunk msg = ToWire(chunk, index++, context);
-    if (msg.has_commit()) msg.mutable_commit()->set_pinned(pinned);
+    if (msg.has_commit()) {
+      msg.mutable_commit()->set_pinned(pinned);
+      msg.mutable_commit()->set_last_reply_tokens(static_cast<int32_t>(last_reply));
+    }
     bytes += static_cast<int64_t>(msg.ByteSizeLong());
     write_failed = !writer->Write(msg);
     return !write_failed;
@@ -593,6 +602,8 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   // The client's pin moves with the session (read while no call can change it).
   auto held = kv_->GetSession(kv::SessionKey(tenant, session_id));
   pinned = held.ok() && held->user_pinned;
+  auto view = engine_->View(session_id, tenant);
+  last_reply = view.ok() ? view->last_reply_tokens : 0;
   while (true) {
     auto more = exporter->NextFinal(&chunk);
     if (!more.ok()) {

@@ -394,6 +394,47 @@ TEST_F(EngineTest, RequestAfterACancelWaitsForTheCancelledOneInsteadOfAborted) {
   EXPECT_EQ(next.tokens, Expected(seen, 3));
 }
 
+// After a cancel the server may have sent tokens the client never read (in
+// flight when it cancelled): an APPEND that says how many it read drops the
+// rest of the last reply first, and the conversation is the one it saw.
+TEST_F(EngineTest, AppendWithTokensReadDropsTheUnreadEndOfTheLastReply) {
+  Collector first;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 6), &first).ok());
+  first.Wait();
+  ASSERT_EQ(first.tokens.size(), 6u);
+  GenerateRequest too_many = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  too_many.tokens_read = 7;
+  Collector refused;
+  EXPECT_EQ(engine_->Submit(too_many, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+
+  GenerateRequest next = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  next.tokens_read = 2;  // the client read two of the six
+  Collector c;
+  ASSERT_TRUE(engine_->Submit(next, &c).ok());
+  c.Wait();
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  std::vector<int32_t> seen = Prompt(20);
+  seen.insert(seen.end(), first.tokens.begin(), first.tokens.begin() + 2);
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(c.tokens, Expected(seen, 3));
+  EXPECT_EQ(c.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+  seen.insert(seen.end(), c.tokens.begin(), c.tokens.end());
+  EXPECT_EQ(*engine_->Context("s", "t"), seen);
+  EXPECT_EQ(engine_->View("s", "t")->last_reply_tokens, 3);
+
+  // All of it read: nothing dropped. A fork keeps what its parent's last reply was.
+  ASSERT_TRUE(engine_->ForkSession("s", "twin", "t").ok());
+  EXPECT_EQ(engine_->View("twin", "t")->last_reply_tokens, 3);
+  GenerateRequest all = Req("twin", RequestMode::kAppend, Prompt(2, 9), 2);
+  all.tokens_read = 3;
+  Collector d;
+  ASSERT_TRUE(engine_->Submit(all, &d).ok());
+  d.Wait();
+  ASSERT_TRUE(d.status.ok()) << d.status;
+  for (int32_t t : Prompt(2, 9)) seen.push_back(t);
+  EXPECT_EQ(d.tokens, Expected(seen, 2));
+}
+
 TEST_F(EngineTest, QueuedRequestsHonourCancelAndDeadlineAtOnce) {
   EngineOptions o;
   o.max_running = 1;
