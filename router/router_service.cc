@@ -283,7 +283,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     const bool drain_cut =
         st.error_code() == grpc::UNAVAILABLE && st.error_message() == kStreamCutByDrainMessage;
     if (drain_refusal || drain_cut) router_->pool_->MarkDraining(placement_.worker);
-    if (append_ && drain_refusal && !lost_midstream && attempts_ < router_->options_.max_attempts) {
+    // A drain that cut the request before its first token (it was queued there)
+    // is a refusal too.
+    if (append_ && (drain_refusal || (drain_cut && emitted_.empty())) && !lost_midstream &&
+        attempts_ < router_->options_.max_attempts) {
       KV_LOG_INFO("session '{}' is on draining worker {}; waiting for it to move", request_.session_id(),
                   placement_.worker);
       tried_.pop_back();  // the session may come back to no worker but this one's successor
