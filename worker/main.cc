@@ -284,12 +284,12 @@ int Run() {
     // sessions to leave, then end the Watch streams so the server can stop. All
     // within --shutdown_deadline.
     service.BeginDrain();
-    const absl::Time streams_end =
-        std::min(deadline - (deadline - absl::Now()) / 3, absl::Now() + so.drain_deadline);
-    if (!(*engine)->WaitIdle(streams_end - absl::Now())) {
+    const absl::Time start = absl::Now();
+    const absl::Time streams_end = std::min(deadline - (deadline - start) / 3, start + so.drain_deadline);
+    if (!(*engine)->WaitIdle(streams_end - start)) {
       const int cut = (*engine)->CutRequests(absl::UnavailableError(kStreamCutByDrainMessage));
       KV_LOG_WARN("drain: cut {} requests still running after {}; their sessions move with the rest", cut,
-                  absl::FormatDuration(so.drain_deadline));
+                  absl::FormatDuration(absl::Now() - start));
       (*engine)->WaitIdle(deadline - absl::Now());
     }
     // Only a router that watches us can move the sessions.
