@@ -823,7 +823,14 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   EXPECT_GE(mr.total_us(), mr.pause_us());
   // Gone from the source, present on the target.
   EXPECT_EQ(Generate(s.get(), Text("moving", " next", 3, v1::APPEND)).status.error_code(), grpc::NOT_FOUND);
-  Turn moved = Generate(d.get(), Text("moving", " next question", 10, v1::APPEND));
+  // The length of the last reply moved too: tokens_read counts against it
+  // there (all 10 read: accepted; 11: more than the reply).
+  v1::GenerateRequest over = Text("moving", " next", 3, v1::APPEND);
+  over.set_tokens_read(11);
+  EXPECT_EQ(Generate(d.get(), over).status.error_code(), grpc::INVALID_ARGUMENT);
+  v1::GenerateRequest next = Text("moving", " next question", 10, v1::APPEND);
+  next.set_tokens_read(10);
+  Turn moved = Generate(d.get(), next);
   Turn ref = Generate(s.get(), Text("reference", " next question", 10, v1::APPEND));
   ASSERT_TRUE(moved.status.ok()) << moved.status.error_message();
   ASSERT_TRUE(ref.status.ok());
