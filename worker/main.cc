@@ -14,7 +14,6 @@
 #include "common/logging.h"
 #include "common/peer_auth.h"
 #include "common/server.h"
-#include "common/status.h"
 #include "common/status_macros.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
@@ -143,10 +142,12 @@ absl::Status CheckFlags() {
   }
   if (absl::GetFlag(FLAGS_max_context) < 2)
     return absl::InvalidArgumentError("--max_context must be at least 2");
-  for (const auto& [name, value] : {std::pair<const char*, int32_t>{"max_running", absl::GetFlag(FLAGS_max_running)},
-                                     {"default_max_tokens", absl::GetFlag(FLAGS_default_max_tokens)},
-                                     {"max_tokens_per_request", absl::GetFlag(FLAGS_max_tokens_per_request)}}) {
-    if (value < 1) return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": must be positive"));
+  for (const auto& [name, value] :
+       {std::pair<const char*, int32_t>{"max_running", absl::GetFlag(FLAGS_max_running)},
+        {"default_max_tokens", absl::GetFlag(FLAGS_default_max_tokens)},
+        {"max_tokens_per_request", absl::GetFlag(FLAGS_max_tokens_per_request)}}) {
+    if (value < 1)
+      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": must be positive"));
   }
   if (absl::GetFlag(FLAGS_max_waiting) < 0) {
     return absl::InvalidArgumentError(
@@ -284,14 +285,8 @@ int Run() {
     // sessions to leave, then end the Watch streams so the server can stop. All
     // within --shutdown_deadline.
     service.BeginDrain();
-    const absl::Time start = absl::Now();
-    const absl::Time streams_end = std::min(deadline - (deadline - start) / 3, start + so.drain_deadline);
-    if (!(*engine)->WaitIdle(streams_end - start)) {
-      const int cut = (*engine)->CutRequests(absl::UnavailableError(kStreamCutByDrainMessage));
-      KV_LOG_WARN("drain: cut {} requests still running after {}; their sessions move with the rest", cut,
-                  absl::FormatDuration(absl::Now() - start));
-      (*engine)->WaitIdle(deadline - absl::Now());
-    }
+    const absl::Duration left = deadline - absl::Now();
+    service.FinishOrCutStreams(std::min(left * 2 / 3, so.drain_deadline), left / 3);
     // Only a router that watches us can move the sessions.
     if (hub.subscribers() == 0) {
       const size_t left = (*engine)->Sessions().size();

@@ -142,14 +142,13 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   const std::string& sid = request.session_id;
   const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   absl::MutexLock lock(&mu_);
-  if (auto running = session_request_.find(key);
-      running != session_request_.end() && cancelled_.contains(running->second)) {
+  if (auto running = busy_.find(key); running != busy_.end() && cancelled_.contains(running->second)) {
     // The session's request was cancelled (its client stopped it, then sent
     // this one): it ends at the next step boundary. Wait for that instead of
     // refusing this one as ABORTED.
     auto ended = [this, &key, id = running->second]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      auto it = session_request_.find(key);
-      return stopping_ || it == session_request_.end() || it->second != id;
+      auto it = busy_.find(key);
+      return stopping_ || it == busy_.end() || it->second != id;
     };
     mu_.AwaitWithTimeout(absl::Condition(&ended), kCancelledRequestWait);
   }
@@ -213,8 +212,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   const uint64_t id = next_request_id_++;
   live_.insert(id);
   if (!sid.empty()) {
-    busy_.insert(key);
-    session_request_[key] = id;
+    busy_.emplace(key, id);
     if (auto it = sessions_.find(key); it != sessions_.end()) it->second.last_used = absl::Now();
   }
   ++inflight_[request.tenant];
@@ -375,10 +373,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
   }
   {
     absl::MutexLock lock(&mu_);
-    if (!r.req.session_id.empty()) {
-      busy_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
-      session_request_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
-    }
+    if (!r.req.session_id.empty()) busy_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
     cancelled_.erase(r.id);
     live_.erase(r.id);
     if (--inflight_[r.req.tenant] <= 0) inflight_.erase(r.req.tenant);
@@ -907,7 +902,7 @@ absl::Status Engine::Reserve(const std::string& id, const std::string& tenant) {
   if (busy_.contains(key))
     return absl::AbortedError(absl::StrCat("session '", id, "' is busy with a request"));
   KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
-  busy_.insert(key);
+  busy_.emplace(key, 0);
   return absl::OkStatus();
 }
 
@@ -921,7 +916,7 @@ absl::Status Engine::ReserveWait(const std::string& id, const std::string& tenan
         absl::StrCat("session '", id, "' stayed busy for ", absl::FormatDuration(timeout)));
   }
   KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));  // it may have been closed meanwhile
-  busy_.insert(key);
+  busy_.emplace(key, 0);
   return absl::OkStatus();
 }
 
@@ -1134,7 +1129,7 @@ int Engine::ExpireIdleSessions(absl::Time now) {
     for (const auto& [key, state] : sessions_) {
       if (now - state.last_used < ttl || state.exports > 0 || busy_.contains(key)) continue;
       idle.push_back(key);
-      busy_.insert(key);  // nothing runs on it while it goes
+      busy_.emplace(key, 0);  // nothing runs on it while it goes
     }
   }
   int expired = 0;

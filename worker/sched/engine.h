@@ -166,9 +166,9 @@ struct EngineLoad {
 struct SessionView {
   int64_t context_tokens = 0;     // see Engine::Context
   int64_t last_reply_tokens = 0;  // of those, what the last request generated (the last ones)
-  absl::Time last_used;        // submit or end of the last request (or its import or fork)
-  bool exporting = false;      // an export or migration is running
-  bool busy = false;           // a request (or a session call) holds it
+  absl::Time last_used;           // submit or end of the last request (or its import or fork)
+  bool exporting = false;         // an export or migration is running
+  bool busy = false;              // a request (or a session call) holds it
 };
 
 class Engine {
@@ -320,11 +320,10 @@ class Engine {
   mutable absl::Mutex mu_;
   absl::CondVar wake_;
   std::deque<std::unique_ptr<Request>> waiting_ ABSL_GUARDED_BY(mu_);
-  // Sessions by kv::SessionKey(tenant, id), the KV cache's key too.
-  absl::flat_hash_set<std::string> busy_ ABSL_GUARDED_BY(mu_);
-  // Session key -> the request running on it (a subset of busy_: Reserve holds
-  // sessions too).
-  absl::flat_hash_map<std::string, uint64_t> session_request_ ABSL_GUARDED_BY(mu_);
+  // Sessions by kv::SessionKey(tenant, id), the KV cache's key too. busy_: the
+  // sessions something holds -> the request running on it (0: a session call,
+  // an export or an expiry holds it).
+  absl::flat_hash_map<std::string, uint64_t> busy_ ABSL_GUARDED_BY(mu_);
   // How long Submit waits for a cancelled request on its session to end (the
   // next step boundary) before answering ABORTED.
   static constexpr absl::Duration kCancelledRequestWait = absl::Seconds(2);
@@ -349,7 +348,7 @@ class Engine {
   absl::flat_hash_set<uint64_t> live_ ABSL_GUARDED_BY(mu_);                     // submitted, not finished
   // Live requests to end at the next step boundary, with their status.
   absl::flat_hash_map<uint64_t, absl::Status> cancelled_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);         // tenant -> requests
+  absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);  // tenant -> requests
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   EngineLoad load_ ABSL_GUARDED_BY(mu_);

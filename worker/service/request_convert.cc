@@ -55,8 +55,8 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
     // Reproducible per session: derived from the id. A request without a
     // session samples at random, as an unseeded request does elsewhere.
     const std::string& id = request.session_id();
-    out.sampling.seed = id.empty() ? absl::Uniform<uint64_t>(absl::BitGen()) | 1
-                                   : XXH3_64bits(id.data(), id.size()) | 1;
+    out.sampling.seed =
+        id.empty() ? absl::Uniform<uint64_t>(absl::BitGen()) | 1 : XXH3_64bits(id.data(), id.size()) | 1;
   }
   out.max_tokens = s.max_tokens();
   if (s.stop_size() > kMaxStopStrings) {

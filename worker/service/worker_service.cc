@@ -673,17 +673,19 @@ void WorkerService::BeginDrain() {
   KV_LOG_INFO("draining: readiness NOT_SERVING, new requests refused");
 }
 
+void WorkerService::FinishOrCutStreams(absl::Duration streams_for, absl::Duration cut_wait) {
+  if (engine_->WaitIdle(streams_for)) return;
+  const int cut = engine_->CutRequests(absl::UnavailableError(kStreamCutByDrainMessage));
+  KV_LOG_WARN("drain: cut {} requests still running after {}; their sessions move with the rest", cut,
+              absl::FormatDuration(streams_for));
+  engine_->WaitIdle(cut_wait);
+}
+
 v1::DrainResponse WorkerService::DrainAndMigrate(const std::vector<std::string>& targets,
                                                  absl::Duration deadline) {
   BeginDrain();
-  if (!engine_->WaitIdle(deadline)) {
-    // Cut what still runs (its clients keep what was sent, and so do the
-    // sessions) so that every session can move.
-    const int cut = engine_->CutRequests(absl::UnavailableError(kStreamCutByDrainMessage));
-    KV_LOG_WARN("drain: cut {} requests still running after {}", cut, absl::FormatDuration(deadline));
-    constexpr absl::Duration kCutWait = absl::Seconds(10);  // the next step boundary
-    engine_->WaitIdle(kCutWait);
-  }
+  constexpr absl::Duration kCutWait = absl::Seconds(10);  // the next step boundary
+  FinishOrCutStreams(deadline, kCutWait);
   v1::DrainResponse out;
   size_t next = 0;
   for (const kv::SessionName& s : engine_->Sessions()) {

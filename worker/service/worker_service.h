@@ -66,8 +66,14 @@ class WorkerService : public v1::Worker::CallbackService {
   absl::Status RefuseWhileDraining() const;
   // Stops taking new work: readiness NOT_SERVING, Generate answers UNAVAILABLE.
   void BeginDrain();
-  // Drains: waits for running requests (bounded by `deadline`), then migrates idle
-  // sessions to `targets` in turn (offloads them when there are none).
+  // Lets running requests finish for `streams_for`, then cuts the rest
+  // (UNAVAILABLE kStreamCutByDrainMessage: their clients and sessions keep what
+  // was sent, so the sessions can move) and waits up to `cut_wait` for them to
+  // end (the next step boundary).
+  void FinishOrCutStreams(absl::Duration streams_for, absl::Duration cut_wait);
+  // Drains: waits for running requests (bounded by `deadline`, then cut), then
+  // migrates idle sessions to `targets` in turn (offloads them when there are
+  // none).
   v1::DrainResponse DrainAndMigrate(const std::vector<std::string>& targets, absl::Duration deadline);
 
   // Moves a session to the worker at `target`: pre-copies its pages while it keeps
