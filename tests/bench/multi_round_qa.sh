@@ -49,7 +49,7 @@
 #
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
 # Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, SHAPES, MODES, THREADS (2),
-#   DURATION (240 s per mode at most), FRACTION (0.6), TOKEN_BUDGET_SHAPES ("a"),
+#   DURATION (240 s per mode at most), FRACTION (0.6), TOKEN_BUDGET_SHAPES ("a"; empty: none),
 #   WORKER_FLAGS (more kvcache worker flags, e.g. --device=cuda:0 on a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -59,7 +59,7 @@ source scripts/common.sh
 OUT=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
 SHAPES=${SHAPES:-a b c a4 b4}
 MODES=${MODES:-affinity affinity_http round_robin llama_server}
-TOKEN_BUDGET_SHAPES=${TOKEN_BUDGET_SHAPES:-a}
+TOKEN_BUDGET_SHAPES=${TOKEN_BUDGET_SHAPES-a}
 THREADS=${THREADS:-2}
 DURATION=${DURATION:-240}
 FRACTION=${FRACTION:-0.6}

@@ -32,8 +32,15 @@
 #               standard library only) into multi_round_qa.json
 #   5. writes $OUT_DIR/summary.json (mode, per-test results and times, the bench
 #      ratios, the service result) and copies the logs there.
+# Order: the tests; memcheck in the background beside the service (neither is
+# timed); then the timed steps alone on the GPU: bench, peer, qa.
 # GPU_STEPS (default "tests sanitizer bench peer service qa") picks steps 2-4 (build and
 # summary always run), to rerun one of them alone.
+# GPU_STOP_ON_TEST_FAILURE=1 skips the peer and qa steps (the long ones) after a
+# failed test, to save device time for a rerun.
+# GPU_DEADLINE_S (default 540) bounds the whole run: each step's timeout is cut to
+# what is left, and a step that would start with under a minute left is skipped
+# (said in run.log), so the results reach $OUT inside one device call.
 # SERVICE_DEVICE (default cuda:0) is the service's --device; cpu dry-runs the
 # service step's plumbing (bundle, joined model, scripts/run.sh) without a GPU.
 # HF_PEER_ARGS adds flags to hf_peer.py (e.g. "--device cpu --dtype float32" for
@@ -72,6 +79,11 @@ done
 [[ -z "$PREBUILT" && -f "$ROOT/.gpu_carry/bundle.tar.xz" ]] && PREBUILT="$ROOT/.gpu_carry/bundle.tar.xz"
 mkdir -p "$OUT_DIR"
 START=$(date +%s)
+DEADLINE=$(( START + ${GPU_DEADLINE_S:-540} ))
+# left CAP: seconds a step may take, CAP at most, up to 15 s before the deadline.
+left() { local l=$(( DEADLINE - $(date +%s) - 15 )); (( l > $1 )) && l=$1; (( l < 1 )) && l=1; echo "$l"; }
+# has_time STEP: at least a minute left for STEP, else say it was skipped.
+has_time() { (( DEADLINE - $(date +%s) >= 60 )) && return 0; log "$1 skipped: under a minute left of GPU_DEADLINE_S"; return 1; }
 log() { echo "[gpu/run.sh +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT_DIR/run.log"; }
 
 # --- 0. A GPU? ------------------------------------------------------------------
@@ -152,70 +164,65 @@ fi
 [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" ]] && log "real model: $KVCACHE_MODEL"
 
 # --- 2. GPU tests -----------------------------------------------------------------
+export KVCACHE_SOURCE_DIR="$ROOT"  # tests/data for the reference tests
 FAILED=0
 TESTS_JSON=""
 GPU_TESTS=(cuda_kernels_test cuda_tier_storage_test cuda_runner_test)
 step tests || GPU_TESTS=()
 for t in "${GPU_TESTS[@]}"; do
+  has_time "$t" || { FAILED=1; continue; }
   t0=$(date +%s.%N)
-  timeout 300 "$BIN_DIR/$t" --gtest_output=json:"$OUT_DIR/$t.json" >"$OUT_DIR/$t.log" 2>&1
+  timeout "$(left 300)" "$BIN_DIR/$t" --gtest_output=json:"$OUT_DIR/$t.json" >"$OUT_DIR/$t.log" 2>&1
   rc=$?
   dt=$(python3 -c "print(round($(date +%s.%N) - $t0, 2))" 2>/dev/null || echo 0)
   result=$([[ $rc == 0 ]] && echo passed || echo failed)
   grep -q "SKIPPED" "$OUT_DIR/$t.log" && result="$result (with skips)"
   [[ $rc != 0 ]] && FAILED=1
   log "$t: $result in ${dt}s"
-  grep -E "max \||ops:|attention hd" "$OUT_DIR/$t.log" | sed 's/^/    /' | tee -a "$OUT_DIR/run.log"
+  grep -E "max \||ops:|attention hd|greedy vs|graphs:|FAILED|Failure" "$OUT_DIR/$t.log" | sed 's/^/    /' | tee -a "$OUT_DIR/run.log"
   TESTS_JSON+="${TESTS_JSON:+,}{\"name\":\"$t\",\"result\":\"$result\",\"rc\":$rc,\"seconds\":$dt}"
 done
 
+# Memcheck runs beside the service step (neither is timed) and is waited for
+# before the timed steps. Not beside the tests: cuda_tier_storage_test's leak
+# check reads the device's free memory, which another process moves.
 SANITIZER_RC=-1
+SANITIZER_PID=""
 SANITIZER="$(command -v compute-sanitizer || echo "$(dirname "$NVCC")/compute-sanitizer")"
-if step sanitizer && [[ -x "$SANITIZER" ]]; then
-  timeout 300 "$SANITIZER" --tool memcheck --leak-check full --error-exitcode 9 "$BIN_DIR/cuda_kernels_test" \
-    >"$OUT_DIR/memcheck.log" 2>&1
-  SANITIZER_RC=$?
-  [[ $SANITIZER_RC != 0 ]] && FAILED=1
-  log "compute-sanitizer memcheck of cuda_kernels_test: rc=$SANITIZER_RC," \
-    "$(grep -m1 'ERROR SUMMARY' "$OUT_DIR/memcheck.log")"
+if step sanitizer && [[ -x "$SANITIZER" ]] && has_time sanitizer; then
+  timeout "$(left "${SANITIZER_TIMEOUT_S:-200}")" "$SANITIZER" --tool memcheck --leak-check full --error-exitcode 9 "$BIN_DIR/cuda_kernels_test" \
+    >"$OUT_DIR/memcheck.log" 2>&1 &
+  SANITIZER_PID=$!
+  log "compute-sanitizer memcheck of cuda_kernels_test started"
 elif step sanitizer; then
   log "compute-sanitizer not found; memcheck skipped"
 fi
+finish_sanitizer() {
+  [[ -z "$SANITIZER_PID" ]] && return
+  wait "$SANITIZER_PID"
+  SANITIZER_RC=$?
+  SANITIZER_PID=""
+  [[ $SANITIZER_RC != 0 ]] && FAILED=1
+  log "compute-sanitizer memcheck of cuda_kernels_test: rc=$SANITIZER_RC," \
+    "$(grep -m1 'ERROR SUMMARY' "$OUT_DIR/memcheck.log")"
+}
 
-# --- 3. Benchmark -----------------------------------------------------------------
-BENCH_RC=-1
-if step bench; then
-  timeout 240 "$BIN_DIR/gpu_bench" --json "$OUT_DIR/gpu.json" >"$OUT_DIR/gpu_bench.log" 2>&1
-  BENCH_RC=$?
-  [[ $BENCH_RC != 0 ]] && FAILED=1
-  log "gpu_bench rc=$BENCH_RC"
-  tee -a "$OUT_DIR/run.log" <"$OUT_DIR/gpu_bench.log"
+# The long timed steps wait for a build whose tests pass.
+if [[ $FAILED != 0 && -n "${GPU_STOP_ON_TEST_FAILURE:-}" ]] && { step peer || step qa; }; then
+  GPU_STEPS="${GPU_STEPS//peer/}"
+  GPU_STEPS="${GPU_STEPS//qa/}"
+  log "a test failed: peer and qa skipped (GPU_STOP_ON_TEST_FAILURE)"
 fi
 
-PEER_RC=-1
-if step peer && [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" ]]; then
-  if ! python3 -c "import gguf, accelerate" 2>/dev/null && [[ -n "${STAGE:-}" && -d "$STAGE/wheels" ]]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/kvcache-py "$STAGE"/wheels/*.whl \
-      >>"$OUT_DIR/hf_peer.log" 2>&1
-    export PYTHONPATH="/tmp/kvcache-py${PYTHONPATH:+:$PYTHONPATH}"
-  fi
-  # shellcheck disable=SC2086  # HF_PEER_ARGS: extra flags, split on spaces
-  timeout 300 python3 "$ROOT/tests/gpu/hf_peer.py" --model "$KVCACHE_MODEL" --json "$OUT_DIR/hf.json" \
-    ${HF_PEER_ARGS:-} >>"$OUT_DIR/hf_peer.log" 2>&1
-  PEER_RC=$?
-  log "transformers peer (hf_peer.py): rc=$PEER_RC"
-  grep -vE "it/s\]|^\s*$" "$OUT_DIR/hf_peer.log" | tail -6 | sed 's/^/    /' | tee -a "$OUT_DIR/run.log"
-fi
-
-# --- 4. Service -------------------------------------------------------------------
+# --- 3. Service -------------------------------------------------------------------
 SERVICE_RC=-1
 TWINS=0
 SERVICE_BUILD="$([[ "$MODE" == prebuilt ]] && echo "$STAGE/build" || echo "$BUILD_DIR")"
-if ! step service; then
+if ! step service || ! has_time service; then
   :
 elif [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" && -x "$SERVICE_BUILD/worker/kvcache-worker" ]]; then
   KVCACHE_DEMO_DEVICE="${SERVICE_DEVICE:-cuda:0}" KVCACHE_SKIP_SETUP=1 KVCACHE_BUILD_DIR="$SERVICE_BUILD" \
-    timeout 240 "$ROOT/scripts/run.sh" >"$OUT_DIR/service.log" 2>&1
+    timeout "$(left 240)" "$ROOT/scripts/run.sh" >"$OUT_DIR/service.log" 2>&1
   SERVICE_RC=$?
   TWINS=$(grep -c "identical to its twin's: yes" "$OUT_DIR/service.log")
   [[ $SERVICE_RC != 0 ]] && FAILED=1
@@ -227,11 +234,38 @@ else
   log "service step skipped: no real model here (KVCACHE_MODEL, or tests/gpu/split_model.sh's parts)"
 fi
 
+finish_sanitizer
+
+# --- 4. Benchmark -----------------------------------------------------------------
+BENCH_RC=-1
+if step bench && has_time bench; then
+  timeout "$(left 240)" "$BIN_DIR/gpu_bench" --json "$OUT_DIR/gpu.json" >"$OUT_DIR/gpu_bench.log" 2>&1
+  BENCH_RC=$?
+  [[ $BENCH_RC != 0 ]] && FAILED=1
+  log "gpu_bench rc=$BENCH_RC"
+  tee -a "$OUT_DIR/run.log" <"$OUT_DIR/gpu_bench.log"
+fi
+
+PEER_RC=-1
+if step peer && has_time peer && [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" ]]; then
+  if ! python3 -c "import gguf, accelerate" 2>/dev/null && [[ -n "${STAGE:-}" && -d "$STAGE/wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/kvcache-py "$STAGE"/wheels/*.whl \
+      >>"$OUT_DIR/hf_peer.log" 2>&1
+    export PYTHONPATH="/tmp/kvcache-py${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # shellcheck disable=SC2086  # HF_PEER_ARGS: extra flags, split on spaces
+  timeout "$(left 300)" python3 "$ROOT/tests/gpu/hf_peer.py" --model "$KVCACHE_MODEL" --json "$OUT_DIR/hf.json" \
+    ${HF_PEER_ARGS:-} >>"$OUT_DIR/hf_peer.log" 2>&1
+  PEER_RC=$?
+  log "transformers peer (hf_peer.py): rc=$PEER_RC"
+  grep -vE "it/s\]|^\s*$" "$OUT_DIR/hf_peer.log" | tail -6 | sed 's/^/    /' | tee -a "$OUT_DIR/run.log"
+fi
+
 QA_RC=-1
-if step qa && [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" && -x "$SERVICE_BUILD/worker/kvcache-worker" ]]; then
+if step qa && has_time qa && [[ -n "${KVCACHE_MODEL:-}" && -f "$KVCACHE_MODEL" && -x "$SERVICE_BUILD/worker/kvcache-worker" ]]; then
   SHAPES=a MODES="affinity_http round_robin_http" TOKEN_BUDGET_SHAPES="" A_USERS=4 A_ROUNDS=3 THREADS=8 DURATION=90 \
     WORKER_FLAGS="--device=${SERVICE_DEVICE:-cuda:0}" KVCACHE_BUILD_DIR="$SERVICE_BUILD" \
-    timeout 300 "$ROOT/tests/bench/multi_round_qa.sh" "$OUT_DIR/qa" >"$OUT_DIR/qa.log" 2>&1
+    timeout "$(left 300)" "$ROOT/tests/bench/multi_round_qa.sh" "$OUT_DIR/qa" >"$OUT_DIR/qa.log" 2>&1
   QA_RC=$?
   [[ -f "$OUT_DIR/qa/multi_round_qa.json" ]] && cp "$OUT_DIR/qa/multi_round_qa.json" "$OUT_DIR/"
   [[ $QA_RC != 0 ]] && FAILED=1
