@@ -37,6 +37,9 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, cuda_plugin, "",
           "libkvcache_cuda.so to load for --device=cuda (default: beside this binary, then "
           "$KVCACHE_BUILD_DIR/worker)");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "--device=cuda: replay steps of up to 128 new tokens (every decode step) from CUDA graphs "
+          "captured once per padded width; false launches every kernel of every step");
 ABSL_FLAG(int64_t, tier0_bytes, int64_t{1} << 30, "KV budget in backend memory (tier 0), bytes");
 ABSL_FLAG(int64_t, tier1_bytes, int64_t{4} << 30,
           "KV budget in host RAM for offloaded pages (tier 1), bytes; 0 disables");
@@ -189,6 +192,7 @@ int Run() {
   bo.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
   bo.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   bo.cpu_threads = absl::GetFlag(FLAGS_threads);
+  bo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   bo.cpu_kernel_level = *CpuKernelLevelFromFlags();
   auto backend = backend::OpenBackend(*backend::ParseDevice(absl::GetFlag(FLAGS_device)), bo);
   if (!backend.ok()) DieWith(kName, backend.status(), 1);

@@ -43,7 +43,8 @@ class CudaPluginBackend : public Backend {
 
   absl::StatusOr<model::ModelRunnerPtr> CreateRunner(const model::LlamaModel& model,
                                                      kv::KvCacheManager& kv) override {
-    return cuda_->CreateRunner(model, kv.tier_storage(0), kv.shape(), {options_.max_batch_tokens});
+    return cuda_->CreateRunner(model, kv.tier_storage(0), kv.shape(),
+                               {options_.max_batch_tokens, options_.cuda_graphs});
   }
 
  private:

@@ -31,6 +31,7 @@ struct BackendOptions {
   std::string cuda_plugin;     // --cuda_plugin ("" = the default candidates)
   int max_batch_tokens = 512;  // new tokens per Forward (sizes scratch buffers)
   int cpu_threads = 0;         // CPU kernel threads (0: leave cpu::NumThreads() as it is)
+  bool cuda_graphs = true;     // CUDA: replay steps of up to 128 tokens from graphs
   // CPU kernel level (unset: leave cpu::GetCpuKernelLevel() as it is).
   std::optional<cpu::CpuKernelLevel> cpu_kernel_level;
 };

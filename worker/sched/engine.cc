@@ -627,8 +627,8 @@ bool Engine::Step() {
     (p.r->decoding ? decode_tokens : prefill_tokens) += p.n;
     batch.push_back(s);
   }
-  std::vector<float> logits;
-  absl::Status st = runner_->Forward(batch, &logits);
+  absl::StatusOr<absl::Span<const float>> logits = runner_->ForwardView(batch);
+  absl::Status st = logits.status();
   if (!st.ok()) {
     KV_LOG_ERROR("forward step failed: {}", st.ToString());
     for (Planned& p : plan) {
@@ -663,7 +663,7 @@ bool Engine::Step() {
     }
     r.pending.erase(r.pending.begin(), r.pending.begin() + n);
     if (!batch[i].want_logits) continue;
-    absl::Span<const float> lg(logits.data() + row * vocab, static_cast<size_t>(vocab));
+    absl::Span<const float> lg = logits->subspan(row * vocab, static_cast<size_t>(vocab));
     ++row;
     if (auto it = gone.find(r.id); it != gone.end()) {
       Finish(r, it->second, std::nullopt);

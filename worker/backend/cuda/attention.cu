@@ -47,6 +47,7 @@ __device__ __forceinline__ void ToFloat8(const uint4& u, float* f) {
 // k, v rows: [n_tokens] x row_stride floats; [kv_heads][head_dim] used.
 static __global__ void WriteKvKernel(WriteKvArgs a) {
   const int t = blockIdx.y;
+  if (a.dst_page[t] < 0) return;  // a padding row of a graph step
   const int64_t row = a.layout.row_elems();
   const bool bf16 = a.layout.dtype == kv::KvDtype::kBF16;
   uint8_t* page = a.layout.page(a.kv_base, a.dst_page[t]);

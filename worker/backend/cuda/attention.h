@@ -29,7 +29,8 @@
 
 namespace kvcache::cuda {
 
-// A query token: index of its sequence in the step, and its position.
+// A query token: index of its sequence in the step, and its position (-1: a
+// padding row, which reads and writes nothing).
 struct AttentionItem {
   int32_t seq = 0;
   int32_t pos = 0;
@@ -47,7 +48,7 @@ struct WriteKvArgs {
   const float* k = nullptr;           // device, row t at k + t * row_stride: [kv_heads][head_dim]
   const float* v = nullptr;           // same for V
   int64_t row_stride = 0;             // floats between consecutive tokens' rows
-  const int32_t* dst_page = nullptr;  // device [n_tokens]: tier-0 page of each token
+  const int32_t* dst_page = nullptr;  // device [n_tokens]: tier-0 page of each token, -1: none
   const int32_t* dst_slot = nullptr;  // device [n_tokens]: slot within that page
 };
 // Stores K and V of n_tokens tokens of one layer, f32 -> KV dtype (round to

@@ -44,6 +44,7 @@ struct CudaBackendOptions {
 
 struct CudaRunnerOptions {
   int max_batch_tokens = 512;  // new tokens per Forward (sizes device scratch)
+  bool cuda_graphs = true;     // replay steps of up to 128 tokens from CUDA graphs
 };
 
 // One device. Owns the CUDA context state (streams, cuBLAS handle) that its tier

@@ -12,7 +12,9 @@
 // f16 and multiplies with cublasGemmEx (f32 accumulation, tensor cores). The
 // activations that feed a product are f16. Everything runs on the device
 // context's compute stream; a step's only host synchronisation is the logits
-// copy at its end.
+// copy at its end. A step of up to 128 new tokens (every decode step, short
+// turns) replays a CUDA graph captured once per padded width (see
+// kGraphTokenBuckets in the .cc) unless CudaRunnerOptions::cuda_graphs is off.
 //
 // Errors: a CUDA or cuBLAS failure fails the step (INTERNAL, the CUDA error named);
 // the process keeps running. A sticky device error (e.g. an illegal address)
@@ -22,7 +24,9 @@
 #ifndef KVCACHE_WORKER_BACKEND_CUDA_CUDA_LLAMA_RUNNER_H_
 #define KVCACHE_WORKER_BACKEND_CUDA_CUDA_LLAMA_RUNNER_H_
 
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "worker/backend/cuda/cuda_backend.h"
@@ -40,6 +44,16 @@ namespace kvcache::cuda {
 absl::StatusOr<model::ModelRunnerPtr> CreateCudaLlamaRunner(const model::LlamaModel& model,
                                                             CudaTierStorage& tier0, const kv::KvShape& shape,
                                                             const backend::CudaRunnerOptions& options);
+
+// What a runner did with CUDA graphs, for tests and benchmarks.
+struct CudaGraphStats {
+  int64_t captures = 0;     // graphs captured
+  int64_t replays = 0;      // steps run by replaying one
+  int64_t eager_steps = 0;  // steps run launch by launch
+  std::string error;        // why graphs were turned off, if they were
+};
+// Zeros for a runner CreateCudaLlamaRunner did not make.
+CudaGraphStats GetCudaGraphStats(const model::ModelRunner& runner);
 
 }  // namespace kvcache::cuda
 

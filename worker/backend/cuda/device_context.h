@@ -12,7 +12,8 @@
 //
 // Thread-safety: immutable after Create; every entry point that may run on a new
 // thread calls Activate() (cudaSetDevice) first. The cuBLAS handle is used by one
-// Forward at a time (ModelRunner's contract).
+// Forward at a time (ModelRunner's contract); a runner capturing a CUDA graph
+// binds it to its capture stream for the capture's length.
 #ifndef KVCACHE_WORKER_BACKEND_CUDA_DEVICE_CONTEXT_H_
 #define KVCACHE_WORKER_BACKEND_CUDA_DEVICE_CONTEXT_H_
 

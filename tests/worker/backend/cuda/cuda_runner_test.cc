@@ -8,7 +8,8 @@
 // The CPU runner is forced onto its exact path (weights dequantised to f32,
 // sgemm; no 8-bit activations), so the difference is the GPU's f16 activations
 // (and f16 weight slices in prompt steps): tolerance max |gpu - cpu| <= 2% of
-// the largest |logit| + 0.01.
+// the largest |logit| + 0.01. Steps of up to 128 tokens replay CUDA graphs;
+// GraphStepsMatchEagerStepsAndCpu checks them against eager steps too.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "worker/backend/cpu/cpu_llama_runner.h"
 #include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cuda/cuda_backend.h"
+#include "worker/backend/cuda/cuda_llama_runner.h"
 #include "worker/kv/kv_cache_manager.h"
 
 extern "C" kvcache::backend::CudaBackendFactory* kvcache_cuda_backend_v1();
@@ -38,7 +40,7 @@ struct Engine {
   model::ModelRunnerPtr runner;
 };
 
-Engine MakeEngine(const model::LlamaModel& m, backend::CudaBackend* gpu) {
+Engine MakeEngine(const model::LlamaModel& m, backend::CudaBackend* gpu, bool graphs = true) {
   const auto& hp = m.hparams();
   kv::KvCacheOptions o;
   o.shape = kv::KvShape{static_cast<int>(hp.n_layer),
@@ -53,7 +55,7 @@ Engine MakeEngine(const model::LlamaModel& m, backend::CudaBackend* gpu) {
   Engine e;
   e.kv = std::move(kv::KvCacheManager::Create(o)).value();
   if (gpu != nullptr) {
-    auto r = gpu->CreateRunner(m, e.kv->tier_storage(0), o.shape, {256});
+    auto r = gpu->CreateRunner(m, e.kv->tier_storage(0), o.shape, {256, graphs});
     EXPECT_TRUE(r.ok()) << r.status();
     if (r.ok()) e.runner = std::move(*r);
   } else {
@@ -198,11 +200,82 @@ TEST(CudaRunnerTest, MixedQuantTypesMatchCpu) {
 
 // Every architecture's features (Llama 3.1 rope_freqs, Qwen 2 biases and NeoX
 // RoPE, Qwen 3 Q/K norms): the models arch_reference_test checks against llama.cpp.
+// The CUDA attention runs head sizes 32, 64 and 128: the reference models' 16
+// widens to 32 (they are compared with the CPU here, not with llama.cpp), and
+// their context to CompareBackends' 312 positions.
 TEST(CudaRunnerTest, ArchitecturesMatchCpu) {
   KVCACHE_REQUIRE_GPU();
-  for (const gguf::NamedTinyModel& m : gguf::ArchitectureReferenceModels()) {
-    CompareBackends(*Tiny(m.options), m.name);
+  for (gguf::NamedTinyModel m : gguf::ArchitectureReferenceModels()) {
+    gguf::TinyLlamaOptions& o = m.options;
+    if (o.head_dim == 0 && o.n_embd / o.n_head < 32) o.n_embd = 32 * o.n_head;
+    o.n_ctx = std::max<int64_t>(o.n_ctx, 512);
+    CompareBackends(*Tiny(o), m.name);
   }
+}
+
+// Steps of up to 128 tokens replay CUDA graphs, padded to a bucket width; every
+// step here is checked against an eager GPU runner (tighter tolerance: only the
+// padded widths' GEMM choices differ) and the CPU. The schedule crosses token
+// buckets with and without padding, a step too wide for a graph, and decode past
+// 256 keys (two attention splits: a new graph).
+TEST(CudaRunnerTest, GraphStepsMatchEagerStepsAndCpu) {
+  KVCACHE_REQUIRE_GPU();
+  gguf::TinyLlamaOptions o = TinyOptions(gguf::GgmlType::kQ4_K);
+  auto m = Tiny(o);
+  auto backend = std::move(kvcache_cuda_backend_v1()->Create({0})).value();
+  cpu::SetSgemmMinTokens(1);
+  Engine c = MakeEngine(*m, nullptr), e = MakeEngine(*m, backend.get(), false),
+         g = MakeEngine(*m, backend.get(), true);
+  ASSERT_NE(e.runner, nullptr);
+  ASSERT_NE(g.runner, nullptr);
+  for (int i = 0; i < 4; ++i) {
+    for (Engine* x : {&c, &e, &g}) ASSERT_TRUE(x->kv->CreateSession("s" + std::to_string(i), "t").ok());
+  }
+  const int64_t vocab = m->hparams().n_vocab;
+  std::mt19937 rng(9);
+  std::vector<std::vector<int>> schedule = {{20, 13, 2, 5}, {1, 1, 9, 1}};
+  for (int i = 0; i < 20; ++i) schedule.push_back({1, 1, 1});
+  // 102 tokens, padded to 128; then 132 tokens, eager in every runner; then
+  // decode with session 0 past 256 keys.
+  schedule.push_back({100, 1, 1});
+  schedule.push_back({130, 1, 1});
+  for (int i = 0; i < 5; ++i) schedule.push_back({1, 1, 1});
+  int steps = 0;
+  for (const std::vector<int>& lens : schedule) {
+    std::vector<std::vector<int32_t>> tokens;
+    for (int n : lens) {
+      tokens.emplace_back();
+      for (int j = 0; j < n; ++j) tokens.back().push_back(static_cast<int32_t>(rng() % vocab));
+    }
+    const std::vector<float> lc = Step(c, tokens), le = Step(e, tokens), lg = Step(g, tokens);
+    ASSERT_EQ(lg.size(), lens.size() * vocab);
+    ASSERT_EQ(le.size(), lg.size());
+    ASSERT_EQ(lc.size(), lg.size());
+    for (size_t r = 0; r < lens.size(); ++r) {
+      float scale = 0, vs_eager = 0, vs_cpu = 0;
+      for (int64_t v = 0; v < vocab; ++v) {
+        const size_t at = r * vocab + v;
+        scale = std::max(scale, std::fabs(lc[at]));
+        vs_eager = std::max(vs_eager, std::fabs(lg[at] - le[at]));
+        vs_cpu = std::max(vs_cpu, std::fabs(lg[at] - lc[at]));
+      }
+      EXPECT_LE(vs_eager, 0.002f * scale + 0.002f) << "step " << steps << " row " << r;
+      EXPECT_LE(vs_cpu, 0.02f * scale + 0.01f) << "step " << steps << " row " << r;
+    }
+    ++steps;
+  }
+  cpu::SetSgemmMinTokens(0);
+  // Keys (padded tokens, logit rows, splits): (48,4,1) (16,4,1) (4,4,1) (128,4,1) (4,4,2).
+  const CudaGraphStats gs = GetCudaGraphStats(*g.runner), es = GetCudaGraphStats(*e.runner);
+  std::printf("graphs: %lld captured, %lld replays, %lld eager steps %s\n",
+              static_cast<long long>(gs.captures), static_cast<long long>(gs.replays),
+              static_cast<long long>(gs.eager_steps), gs.error.c_str());
+  EXPECT_EQ(gs.error, "");
+  EXPECT_EQ(gs.captures, 5);
+  EXPECT_EQ(gs.replays, steps - 1);
+  EXPECT_EQ(gs.eager_steps, 1);
+  EXPECT_EQ(es.replays, 0);
+  EXPECT_EQ(es.eager_steps, steps);
 }
 
 TEST(CudaRunnerTest, SmolLM2LogitsMatchCpu) {

@@ -21,7 +21,9 @@
 //   decode tokens/s at batch 1, 16, 64 of SmolLM2 (the real model when present,
 //   else a synthetic Q4_1 model of SmolLM2's shapes with the tiny 323-token vocab),
 //   and ttft_cached_history2000_ms: a 20-token turn on a session whose 2,000-token
-//   history is cached (tests/gpu/hf_peer.py times transformers recomputing it)
+//   history is cached (tests/gpu/hf_peer.py times transformers recomputing it);
+//   each with CUDA graphs (the runner's default) and launch by launch (_eager;
+//   ratio decode_graphs_vs_eager_batch<B>)
 // Usage: gpu_bench [--json PATH]
 #include <cuda_runtime_api.h>
 
@@ -42,6 +44,7 @@
 #include "common/gguf/tiny_llama.h"
 #include "worker/backend/cuda/attention.h"
 #include "worker/backend/cuda/cuda_backend.h"
+#include "worker/backend/cuda/cuda_llama_runner.h"
 #include "worker/backend/cuda/cuda_tier_storage.h"
 #include "worker/backend/cuda/device_context.h"
 #include "worker/backend/cuda/kernel_math.h"
@@ -372,10 +375,12 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
   r.notes["runner_device_bytes"] =
       "device memory CreateRunner took (cudaMemGetInfo, 2 MiB granularity): weights in their file encoding, "
       "activations for 512 tokens, the 16 MiB f16 slice buffer, the RoPE table";
+  // The same figures launch by launch (--cuda_graphs=false), in the same run.
+  auto eager = std::move(backend.CreateRunner(*m, kv->tier_storage(0), o.shape, {512, false})).value();
   const int context = 256, steps = 32;
   std::vector<std::string> ids;
   // One step of n_tokens new tokens for every session in `ids`, logits to the host.
-  auto step = [&](int n_tokens) {
+  auto step = [&](model::ModelRunner& run, int n_tokens) {
     std::vector<kv::StepReservation> res;
     std::vector<std::vector<int32_t>> toks;
     std::vector<model::SequenceStep> seq;
@@ -385,54 +390,68 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
     }
     for (size_t i = 0; i < ids.size(); ++i)
       seq.push_back({toks[i], res[i].first_pos, res[i].page_table, true});
-    std::vector<float> logits;
-    BENCH_CHECK(runner->Forward(seq, &logits));
+    BENCH_CHECK(run.ForwardView(seq).status());  // the engine's path: logits left in the runner's buffer
     for (size_t i = 0; i < ids.size(); ++i) BENCH_CHECK(kv->CommitStep(ids[i], toks[i]));
   };
   for (int batch : {1, 16, 64}) {
-    ids.clear();
-    for (int i = 0; i < batch; ++i) {
-      ids.push_back("b" + std::to_string(batch) + "_" + std::to_string(i));
-      BENCH_CHECK(kv->CreateSession(ids.back(), "t"));
+    for (const auto& [run, suffix] : {std::pair<model::ModelRunner*, std::string>{runner.get(), ""},
+                                      std::pair<model::ModelRunner*, std::string>{eager.get(), "_eager"}}) {
+      ids.clear();
+      for (int i = 0; i < batch; ++i) {
+        ids.push_back("b" + std::to_string(batch) + suffix + "_" + std::to_string(i));
+        BENCH_CHECK(kv->CreateSession(ids.back(), "t"));
+      }
+      for (const std::string& id : ids) {  // prefill one session at a time
+        std::vector<std::string> one = {id};
+        std::swap(ids, one);
+        step(*run, context);
+        std::swap(ids, one);
+      }
+      step(*run, 1);  // warm-up (and the graph's capture)
+      const auto a = std::chrono::steady_clock::now();
+      for (int s = 0; s < steps; ++s) step(*run, 1);
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+      const std::string b = std::to_string(batch);
+      r.metrics["decode_tokens_per_s_batch" + b + suffix] = batch * steps / sec;
+      r.metrics["decode_step_ms_batch" + b + suffix] = sec / steps * 1e3;
+      for (const std::string& id : ids) BENCH_CHECK(kv->CloseSession(id));
     }
-    for (const std::string& id : ids) {  // prefill one session at a time
-      std::vector<std::string> one = {id};
-      std::swap(ids, one);
-      step(context);
-      std::swap(ids, one);
-    }
-    step(1);  // warm-up
-    const auto a = std::chrono::steady_clock::now();
-    for (int s = 0; s < steps; ++s) step(1);
-    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
-    r.metrics["decode_tokens_per_s_batch" + std::to_string(batch)] = batch * steps / sec;
-    r.metrics["decode_step_ms_batch" + std::to_string(batch)] = sec / steps * 1e3;
-    for (const std::string& id : ids) BENCH_CHECK(kv->CloseSession(id));
+    const std::string b = std::to_string(batch);
+    r.ratio["decode_graphs_vs_eager_batch" + b] =
+        r.metrics["decode_tokens_per_s_batch" + b] / r.metrics["decode_tokens_per_s_batch" + b + "_eager"];
   }
   r.notes["decode"] =
       "context 256 tokens per session, 32 timed steps, KV cache BeginStep/CommitStep included, "
-      "logits copied to the host every step";
+      "logits copied to the host every step; CUDA graphs (the default), and _eager: --cuda_graphs=false";
 
   // A new 20-token turn on a session whose 2,000-token history is cached: the
   // time to its first token (tests/gpu/hf_peer.py times the same turn recomputed
-  // by transformers, hf_ttft_recompute_2000_ms).
+  // by transformers, hf_ttft_recompute_2000_ms). Each turn stays in the history
+  // (2,020 to 2,100 tokens); with graphs, 20 tokens replay the 24-token graph.
   const int history = 2000, turn = 20;
-  ids = {"history"};
-  BENCH_CHECK(kv->CreateSession(ids[0], "t"));
-  for (int done = 0; done < history; done += 500) step(500);
-  step(turn);  // warm-up
-  std::vector<double> ms;
-  for (int rep = 0; rep < 5; ++rep) {  // each turn stays in the history (2,020 to 2,100 tokens)
-    const auto a = std::chrono::steady_clock::now();
-    step(turn);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+  for (const auto& [run, suffix] : {std::pair<model::ModelRunner*, std::string>{runner.get(), ""},
+                                    std::pair<model::ModelRunner*, std::string>{eager.get(), "_eager"}}) {
+    ids = {"history" + suffix};
+    BENCH_CHECK(kv->CreateSession(ids[0], "t"));
+    for (int done = 0; done < history; done += 500) step(*run, 500);
+    step(*run, turn);  // warm-up
+    std::vector<double> ms;
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto a = std::chrono::steady_clock::now();
+      step(*run, turn);
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    r.metrics["ttft_cached_history2000" + suffix + "_ms"] = ms[ms.size() / 2];
+    BENCH_CHECK(kv->CloseSession(ids[0]));
   }
-  std::sort(ms.begin(), ms.end());
-  r.metrics["ttft_cached_history2000_ms"] = ms[ms.size() / 2];
-  BENCH_CHECK(kv->CloseSession(ids[0]));
   r.notes["ttft_cached_history2000_ms"] =
       "median of 5 turns of 20 new tokens on one session with 2,000+ cached tokens: one Forward, KV "
-      "BeginStep/CommitStep and the logits copy included";
+      "BeginStep/CommitStep and the logits copy included; _eager: --cuda_graphs=false";
+  const CudaGraphStats gs = GetCudaGraphStats(*runner);
+  r.metrics["graph_captures"] = static_cast<double>(gs.captures);
+  r.metrics["graph_replays"] = static_cast<double>(gs.replays);
+  if (!gs.error.empty()) r.notes["graph_error"] = gs.error;
 }
 
 }  // namespace
