@@ -362,7 +362,9 @@ absl::StatusOr<absl::Span<const float>> CudaLlamaRunner::ForwardView(
   // The step's widths: exact for an eager step; padded to buckets for a graph,
   // so that a few graphs serve every step (the splits only set the attention
   // scratch's layout: splits past an item's keys do nothing).
-  const bool graph = graphs_enabled_ && t <= kMaxGraphTokens;
+  // (A bucket wider than max_batch_tokens would overrun the activations: eager.)
+  const bool graph = graphs_enabled_ && t <= kMaxGraphTokens &&
+                     GraphBucket(static_cast<int>(t)) <= options_.max_batch_tokens;
   GraphKey key{static_cast<int>(t), n_want, max_splits};
   if (graph) {
     key = GraphKey{GraphBucket(static_cast<int>(t)), n_want == 0 ? 0 : GraphBucket(n_want),

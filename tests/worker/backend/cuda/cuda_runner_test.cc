@@ -328,6 +328,29 @@ TEST(CudaRunnerTest, GreedyDecisionsMatchLlamaCppOnTheRealModel) {
   EXPECT_GT(decided, 0);
 }
 
+// A step whose bucket is wider than max_batch_tokens (97 tokens pad to 128; the
+// runner's activations hold 100) runs eagerly instead of overrunning them.
+TEST(CudaRunnerTest, GraphBucketsStayWithinMaxBatchTokens) {
+  KVCACHE_REQUIRE_GPU();
+  auto m = Tiny(TinyOptions(gguf::GgmlType::kQ8_0));
+  auto backend = std::move(kvcache_cuda_backend_v1()->Create({0})).value();
+  Engine g = MakeEngine(*m, backend.get());
+  auto r = backend->CreateRunner(*m, g.kv->tier_storage(0), g.kv->shape(), {100, true});
+  ASSERT_TRUE(r.ok()) << r.status();
+  g.runner = std::move(*r);
+  ASSERT_TRUE(g.kv->CreateSession("s0", "t").ok());
+  std::vector<int32_t> tokens(97);
+  for (int i = 0; i < 97; ++i) tokens[i] = i % 300;
+  const std::vector<float> logits = Step(g, {tokens});
+  EXPECT_EQ(logits.size(), static_cast<size_t>(m->hparams().n_vocab));
+  const CudaGraphStats gs = GetCudaGraphStats(*g.runner);
+  EXPECT_EQ(gs.eager_steps, 1);
+  EXPECT_EQ(gs.replays, 0);
+  const std::vector<std::vector<int32_t>> one = {std::vector<int32_t>{7}};
+  EXPECT_EQ(Step(g, one).size(), static_cast<size_t>(m->hparams().n_vocab));  // 1 token: a graph
+  EXPECT_EQ(GetCudaGraphStats(*g.runner).replays, 1);
+}
+
 TEST(CudaRunnerTest, BadBatchIsInvalidArgumentAndTheRunnerKeepsWorking) {
   KVCACHE_REQUIRE_GPU();
   gguf::TinyLlamaOptions o;
