@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -792,6 +793,18 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   }
   // The client's pin moves with the session.
   ASSERT_TRUE(pin("moving").ok());
+  // So does the time of its last request: a move does not restart the idle TTL.
+  int64_t last_used_ms = 0;
+  {
+    grpc::ClientContext c;
+    v1::SessionRequest r;
+    r.set_session_id("moving");
+    v1::SessionInfo info;
+    ASSERT_TRUE(s->GetSession(&c, r, &info).ok());
+    last_used_ms = info.last_used_unix_ms();
+  }
+  // (The import happens at a later millisecond than the last request.)
+  while (absl::ToUnixMillis(absl::Now()) <= last_used_ms) std::this_thread::yield();
   // The source's Watch, from before the move.
   grpc::ClientContext wctx;
   wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
@@ -806,6 +819,7 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   EXPECT_GT(mr.bytes_moved(), 0);
   EXPECT_EQ(mr.session().worker_id(), "dst");
   EXPECT_TRUE(mr.session().pinned());
+  EXPECT_EQ(mr.session().last_used_unix_ms(), last_used_ms);
   // The source announces the move as worker.proto says: SESSION_EXPORTED naming
   // the new holder, not SESSION_DROPPED.
   bool exported = false;

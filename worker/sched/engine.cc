@@ -1050,8 +1050,8 @@ absl::StatusOr<std::unique_ptr<kv::SessionImporter>> Engine::BeginImport() {
 }
 
 absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& importer,
-                                                     std::vector<int32_t> context, bool pinned,
-                                                     int64_t last_reply_tokens) {
+                                                     std::vector<int32_t> context,
+                                                     const ImportedState& state) {
   const std::string& key = importer.session_id();
   const kv::SessionName name = kv::SplitSessionKey(key);
   auto adopt = [&]() -> absl::Status {
@@ -1068,14 +1068,18 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
           absl::StrCat("session '", name.id, "': cached tokens are not a prefix of its context"));
     }
     absl::MutexLock lock(&mu_);
-    if (pinned) {
+    if (state.pinned) {
       KVCACHE_ASSIGN_OR_RETURN(kv::SessionInfo info, kv_->GetSession(key));
       KVCACHE_RETURN_IF_ERROR(CheckPinQuota(name.tenant, key, info.tier0_pages + info.tier1_pages));
       KVCACHE_RETURN_IF_ERROR(kv_->PinSession(key));
     }
     const int64_t last_reply =
-        std::clamp<int64_t>(last_reply_tokens, 0, static_cast<int64_t>(context.size()));
-    AddSessionLocked(key, SessionState{name.tenant, std::move(context), absl::Now(), last_reply});
+        std::clamp<int64_t>(state.last_reply_tokens, 0, static_cast<int64_t>(context.size()));
+    // The idle TTL counts from the last request, wherever it ran.
+    const absl::Time now = absl::Now();
+    const absl::Time last_used =
+        state.last_used == absl::InfinitePast() ? now : std::min(state.last_used, now);
+    AddSessionLocked(key, SessionState{name.tenant, std::move(context), last_used, last_reply});
     return absl::OkStatus();
   };
   if (absl::Status st = adopt(); !st.ok()) {

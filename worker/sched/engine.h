@@ -171,6 +171,15 @@ struct SessionView {
   bool busy = false;              // a request (or a session call) holds it
 };
 
+// What an exporter knew of a session beyond its pages (SessionChunk.Commit),
+// for Engine::FinishImport.
+struct ImportedState {
+  bool pinned = false;            // the exporter's pin
+  int64_t last_reply_tokens = 0;  // the context's last tokens that its last request generated
+  // Its last request there; InfinitePast, or a time ahead of this clock: now.
+  absl::Time last_used = absl::InfinitePast();
+};
+
 class Engine {
  public:
   // Starts the engine thread. `runner`, `kv` and `tokenizer` must outlive it.
@@ -229,8 +238,7 @@ class Engine {
   // Import: BeginImport returns an importer that stages a session's pages in
   // the KV cache; feed it the chunks, and once it has committed, FinishImport
   // makes the session this engine's with `context` (the tokens it continues
-  // from; empty: the cached tokens), pinned when `pinned` (the exporter's pin),
-  // whose last `last_reply_tokens` its last request generated.
+  // from; empty: the cached tokens) and what `state` says of it.
   // INVALID_ARGUMENT when the cached tokens are not a prefix of `context` or a
   // token is outside the vocabulary, RESOURCE_EXHAUSTED when the pin would pass
   // the tenant's pinned-pages quota; on any
@@ -239,8 +247,7 @@ class Engine {
   absl::StatusOr<std::unique_ptr<kv::SessionImporter>> BeginImport();
   // REQUIRES: importer.committed(). Returns the session's name.
   absl::StatusOr<kv::SessionName> FinishImport(const kv::SessionImporter& importer,
-                                               std::vector<int32_t> context, bool pinned = false,
-                                               int64_t last_reply_tokens = 0);
+                                               std::vector<int32_t> context, const ImportedState& state = {});
   // Export: BeginExport marks the session exporting (reported as migrating; it
   // never expires meanwhile) and returns an exporter over its pages. EndExport
   // ends that; a non-empty `handed_to` names the worker that holds the session

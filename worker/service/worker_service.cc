@@ -29,6 +29,24 @@ class RefusedCall : public Reactor {
   void OnDone() override { delete this; }
 };
 
+// What a Commit chunk carries of a session beyond its pages: the exporter's
+// `pinned`, and from `view` the last reply's length and the last request's time.
+void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
+                    v1::SessionChunk::Commit* commit) {
+  commit->set_pinned(pinned);
+  if (!view.ok()) return;
+  commit->set_last_reply_tokens(static_cast<int32_t>(view->last_reply_tokens));
+  commit->set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
+}
+
+sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
+  sched::ImportedState state;
+  state.pinned = commit.pinned();
+  state.last_reply_tokens = commit.last_reply_tokens();
+  if (commit.last_used_unix_ms() > 0) state.last_used = absl::FromUnixMillis(commit.last_used_unix_ms());
+  return state;
+}
+
 }  // namespace
 
 // One Generate stream: the engine's observer on one side, the gRPC writer on the
@@ -146,8 +164,7 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
     auto context = service_->engine_->Context(session_id_, tenant_);
     if (!context.ok()) return Done(context.status());
     context_ = std::move(*context);
-    auto view = service_->engine_->View(session_id_, tenant_);
-    last_reply_ = view.ok() ? view->last_reply_tokens : 0;
+    view_ = service_->engine_->View(session_id_, tenant_);
     kv::ExportOptions eo;
     eo.max_chunk_bytes = max_chunk_bytes;
     auto exporter = service_->engine_->BeginExport(session_id_, tenant_, eo);
@@ -173,7 +190,7 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
     }
     if (!*more) return Done(absl::OkStatus());
     msg_ = ToWire(chunk, index_++, context_);
-    if (msg_.has_commit()) msg_.mutable_commit()->set_last_reply_tokens(static_cast<int32_t>(last_reply_));
+    if (msg_.has_commit()) SetCommitState(view_, /*pinned=*/false, msg_.mutable_commit());
     StartWrite(&msg_);
   }
 
@@ -192,7 +209,7 @@ class WorkerService::ExportReactor : public grpc::ServerWriteReactor<v1::Session
   bool bulk_ = true;
   int32_t index_ = 0;
   std::vector<int32_t> context_;
-  int64_t last_reply_ = 0;
+  absl::StatusOr<sched::SessionView> view_;  // read before the export starts
   std::unique_ptr<kv::SessionExporter> exporter_;
   v1::SessionChunk msg_;
 };
@@ -226,8 +243,8 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     if (chunk_.has_begin()) {
       if (absl::Status st = ValidateSessionId(chunk_.begin().session_id()); !st.ok()) return Done(st);
     }
-    const bool pinned = chunk_.has_commit() && chunk_.commit().pinned();
-    const int64_t last_reply = chunk_.has_commit() ? chunk_.commit().last_reply_tokens() : 0;
+    const sched::ImportedState state =
+        chunk_.has_commit() ? CommitState(chunk_.commit()) : sched::ImportedState{};
     bytes_ += chunk_.ByteSizeLong();
     std::vector<int32_t> context;
     auto c = FromWire(chunk_, &context);
@@ -235,7 +252,7 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     absl::Status st = importer_->Add(*c);
     if (!st.ok()) return Done(st);
     if (importer_->committed()) {
-      auto name = service_->engine_->FinishImport(*importer_, std::move(context), pinned, last_reply);
+      auto name = service_->engine_->FinishImport(*importer_, std::move(context), state);
       if (!name.ok()) return Done(name.status());
       service_->metrics_->OnMigration(/*outgoing=*/false, static_cast<int64_t>(bytes_),
                                       absl::Now() - started_);
@@ -559,13 +576,10 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
                            engine_->BeginExport(session_id, tenant, eo));
   bool write_failed = false;  // the target ended the import stream
   bool pinned = false;
-  int64_t last_reply = 0;
+  absl::StatusOr<sched::SessionView> view = absl::UnknownError("read at the pause");
   auto send = [&](const kv::KvChunk& chunk, const std::vector<int32_t>& context) {
     v1::SessionChunk msg = ToWire(chunk, index++, context);
-    if (msg.has_commit()) {
-      msg.mutable_commit()->set_pinned(pinned);
-      msg.mutable_commit()->set_last_reply_tokens(static_cast<int32_t>(last_reply));
-    }
+    if (msg.has_commit()) SetCommitState(view, pinned, msg.mutable_commit());
     bytes += static_cast<int64_t>(msg.ByteSizeLong());
     write_failed = !writer->Write(msg);
     return !write_failed;
@@ -602,8 +616,7 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   // The client's pin moves with the session (read while no call can change it).
   auto held = kv_->GetSession(kv::SessionKey(tenant, session_id));
   pinned = held.ok() && held->user_pinned;
-  auto view = engine_->View(session_id, tenant);
-  last_reply = view.ok() ? view->last_reply_tokens : 0;
+  view = engine_->View(session_id, tenant);
   while (true) {
     auto more = exporter->NextFinal(&chunk);
     if (!more.ok()) {
