@@ -59,7 +59,9 @@ ABSL_FLAG(int32_t, max_running, 64, "Requests in engine steps at once");
 ABSL_FLAG(int32_t, max_waiting, 1024, "Queued requests before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, default_max_tokens, 256, "max_tokens of a request that gives 0");
 ABSL_FLAG(int32_t, max_tokens_per_request, 4096, "Largest max_tokens a request may ask for");
-ABSL_FLAG(int32_t, tenant_max_sessions, 0, "Named sessions one tenant may hold (0: unlimited)");
+ABSL_FLAG(int32_t, tenant_max_sessions, 0,
+          "Named sessions one tenant may open here (0: unlimited); sessions migrated here count, and are "
+          "never refused for it");
 ABSL_FLAG(int64_t, tenant_max_pinned_pages, 0, "KV pages one tenant may keep pinned (0: unlimited)");
 ABSL_FLAG(int32_t, tenant_max_requests, 0, "Requests one tenant may have queued or running (0: unlimited)");
 ABSL_FLAG(absl::Duration, session_idle_ttl, absl::Hours(4),

@@ -142,16 +142,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   const std::string& sid = request.session_id;
   const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   absl::MutexLock lock(&mu_);
-  if (auto running = busy_.find(key); running != busy_.end() && cancelled_.contains(running->second)) {
-    // The session's request was cancelled (its client stopped it, then sent
-    // this one): it ends at the next step boundary. Wait for that instead of
-    // refusing this one as ABORTED.
-    auto ended = [this, &key, id = running->second]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      auto it = busy_.find(key);
-      return stopping_ || it == busy_.end() || it->second != id;
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&ended), kCancelledRequestWait);
-  }
+  const bool busy = !key.empty() && AwaitCancelledRequestLocked(key);
   if (request.mode == RequestMode::kAppend && !sessions_.contains(key) && kv_->GetSession(key).ok()) {
     // An imported session whose pages are in the cache, not yet adopted
     // (FinishImport): its cache events may reach a router, and the router this
@@ -165,7 +156,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   int64_t context = static_cast<int64_t>(request.input.size());
   if (!sid.empty()) {
-    if (busy_.contains(key)) {
+    if (busy || busy_.contains(key)) {
       return absl::AbortedError(absl::StrCat("session '", sid, "' is busy with another request"));
     }
     if (request.mode == RequestMode::kAppend) {
@@ -194,8 +185,17 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   const TenantLimits& limits = options_.tenant_limits;
   if (limits.max_requests > 0 && inflight_[request.tenant] >= limits.max_requests) {
-    return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' has ",
-                                                     limits.max_requests, " requests in flight (its limit)"));
+    // Queued requests that were cancelled or passed their deadline leave at the
+    // engine thread's next turn; their quota is already given back.
+    const absl::Time now = absl::Now();
+    int leaving = 0;
+    for (const auto& w : waiting_) {
+      leaving += w->req.tenant == request.tenant && (cancelled_.contains(w->id) || now > w->req.deadline);
+    }
+    if (inflight_[request.tenant] - leaving >= limits.max_requests) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "tenant '", request.tenant, "' has ", limits.max_requests, " requests in flight (its limit)"));
+    }
   }
   if (!sid.empty() && !sessions_.contains(key)) KVCACHE_RETURN_IF_ERROR(CheckSessionQuota(request.tenant));
   // A request that pins its session, or runs on a pinned one, may leave the
@@ -895,11 +895,26 @@ void Engine::SetStepCallback(std::function<void(const StepStats&)> callback) {
   step_callback_ = std::move(callback);
 }
 
+bool Engine::AwaitCancelledRequestLocked(const std::string& key) {
+  auto running = busy_.find(key);
+  if (running == busy_.end() || running->second == 0) return false;  // free, or a session call holds it
+  const uint64_t id = running->second;
+  auto cancelled = [this, id]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || cancelled_.contains(id); };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&cancelled), kCancelGrace)) return true;
+  auto ended = [this, &key, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = busy_.find(key);
+    return stopping_ || it == busy_.end() || it->second != id;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&ended), kCancelledRequestWait);
+  return false;
+}
+
 absl::Status Engine::Reserve(const std::string& id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
   const std::string key = kv::SessionKey(tenant, id);
   // A session whose first request is still queued is busy before it is known.
-  if (busy_.contains(key))
+  if (AwaitCancelledRequestLocked(key) || busy_.contains(key))
     return absl::AbortedError(absl::StrCat("session '", id, "' is busy with a request"));
   KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
   busy_.emplace(key, 0);

@@ -373,9 +373,11 @@ TEST_F(EngineTest, RequestAfterACancelWaitsForTheCancelledOneInsteadOfAborted) {
   auto id = engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 50), &first);
   ASSERT_TRUE(id.ok()) << id.status();
   runner_->WaitForEntered(s0 + 3);
-  Collector busy;  // not cancelled: the session is busy
+  Collector busy;  // not cancelled: the session is busy, after the cancel grace (100 ms)
+  const absl::Time asked = absl::Now();
   EXPECT_EQ(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 3), &busy).status().code(),
             absl::StatusCode::kAborted);
+  EXPECT_GE(absl::Now() - asked, absl::Milliseconds(95));  // a cancel may still be on its way
   engine_->Cancel(*id);
   Collector next;
   absl::StatusOr<uint64_t> next_id;
@@ -392,6 +394,54 @@ TEST_F(EngineTest, RequestAfterACancelWaitsForTheCancelledOneInsteadOfAborted) {
   seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
   for (int32_t t : Prompt(3, 7)) seen.push_back(t);
   EXPECT_EQ(next.tokens, Expected(seen, 3));
+}
+
+// "Stop generating, then close": a session call right after a cancel waits for
+// the cancelled request to end instead of answering ABORTED. (Like the test
+// above, it races the release of the step, so it does not always wait.)
+TEST_F(EngineTest, SessionCallAfterACancelWaitsForTheCancelledRequest) {
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 2);
+  Collector first;
+  auto id = engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 50), &first);
+  ASSERT_TRUE(id.ok()) << id.status();
+  runner_->WaitForEntered(s0 + 3);
+  engine_->Cancel(*id);
+  absl::Status closed;
+  std::thread close([&] { closed = engine_->CloseSession("s", "t"); });
+  runner_->LimitSteps(-1);
+  close.join();
+  EXPECT_TRUE(closed.ok()) << closed;
+  first.Wait();
+  EXPECT_EQ(first.status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(engine_->View("s", "t").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A tenant at its request quota whose queued request passed its deadline may
+// send the next one at once: the dead one's quota is already given back, though
+// the engine thread removes it from the queue only at its next turn.
+TEST_F(EngineTest, QueuedRequestPastItsDeadlineGivesBackItsQuotaAtOnce) {
+  EngineOptions o;
+  o.max_running = 1;
+  o.tenant_limits.max_requests = 2;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 1);
+  Collector running, queued, next;
+  ASSERT_TRUE(engine_->Submit(Req("a", RequestMode::kFullContext, Prompt(20), 50), &running).ok());
+  runner_->WaitForEntered(s0 + 2);  // the engine thread is inside a step
+  GenerateRequest late = Req("b", RequestMode::kFullContext, Prompt(5), 3);
+  late.deadline = absl::Now() + absl::Milliseconds(1);
+  ASSERT_TRUE(engine_->Submit(late, &queued).ok());
+  while (absl::Now() <= late.deadline) std::this_thread::yield();
+  // The engine thread is still in its step: "b" is in the queue, past its deadline.
+  auto id = engine_->Submit(Req("c", RequestMode::kFullContext, Prompt(5), 3), &next);
+  EXPECT_TRUE(id.ok()) << id.status();
+  runner_->LimitSteps(-1);
+  queued.Wait();
+  EXPECT_EQ(queued.status.code(), absl::StatusCode::kDeadlineExceeded);
+  running.Wait();
+  if (id.ok()) next.Wait();
 }
 
 // After a cancel the server may have sent tokens the client never read (in
