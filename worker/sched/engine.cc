@@ -1147,23 +1147,20 @@ int Engine::ExpireIdleSessions(absl::Time now) {
     absl::MutexLock lock(&mu_);
     for (const auto& [key, state] : sessions_) {
       if (now - state.last_used < ttl || state.exports > 0 || busy_.contains(key)) continue;
+      // Pinned sessions never expire, and their last request's time stays
+      // what GetSession says it is.
+      if (auto info = kv_->GetSession(key); info.ok() && info->user_pinned) continue;
       idle.push_back(key);
       busy_.emplace(key, 0);  // nothing runs on it while it goes
     }
   }
   int expired = 0;
   for (const std::string& key : idle) {
-    auto info = kv_->GetSession(key);
-    const bool pinned = info.ok() && info->user_pinned;
-    if (!pinned) (void)kv_->CloseSession(key);
+    (void)kv_->CloseSession(key);  // busy: nothing could pin it since the check
     absl::MutexLock lock(&mu_);
     busy_.erase(key);
-    if (pinned) {
-      sessions_.find(key)->second.last_used = now;  // pinned sessions never expire
-    } else {
-      EraseSessionLocked(key);
-      ++expired;
-    }
+    EraseSessionLocked(key);
+    ++expired;
   }
   if (expired > 0) {
     absl::MutexLock lock(&mu_);

@@ -901,6 +901,7 @@ TEST_F(EngineTest, IdleSessionsExpireExceptPinnedOnes) {
     c.Wait();
   }
   ASSERT_TRUE(engine_->SetPinned("pinned", "t", true).ok());
+  const absl::Time pinned_last_used = engine_->View("pinned", "t")->last_used;
   EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Minutes(30)), 0);  // not idle long enough
   const uint64_t seq = kv_->ReadEvents(0, 0).last_seq;
   EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Hours(2)), 1);
@@ -919,6 +920,11 @@ TEST_F(EngineTest, IdleSessionsExpireExceptPinnedOnes) {
   ASSERT_TRUE(engine_->SetPinned("pinned", "t", false).code() == absl::StatusCode::kAborted);
   EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Hours(5)), 0);
   engine_->Release("pinned", "t");
+  // The sweeps left the pinned session's last request time alone (GetSession
+  // reports it): unpinned, it is as idle as that request makes it.
+  EXPECT_EQ(engine_->View("pinned", "t")->last_used, pinned_last_used);
+  ASSERT_TRUE(engine_->SetPinned("pinned", "t", false).ok());
+  EXPECT_EQ(engine_->ExpireIdleSessions(absl::Now() + absl::Hours(2)), 1);
 }
 
 TEST_F(EngineTest, ExportMarksTheSessionAndHandingOverForgetsIt) {
