@@ -61,6 +61,17 @@ class EngineTest : public ::testing::Test {
     return r;
   }
 
+  // Submits a 50-token FULL_CONTEXT request on `session` and returns once the
+  // engine thread is inside the request's third step (two tokens out), held
+  // there until runner_->LimitSteps(-1).
+  absl::StatusOr<uint64_t> SubmitHeldInItsThirdStep(const std::string& session, Collector* c) {
+    const int s0 = runner_->steps();
+    runner_->LimitSteps(s0 + 2);
+    auto id = engine_->Submit(Req(session, RequestMode::kFullContext, Prompt(20), 50), c);
+    if (id.ok()) runner_->WaitForEntered(s0 + 3);
+    return id;
+  }
+
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::unique_ptr<kv::KvCacheManager> kv_;
   std::unique_ptr<FakeRunner> runner_;
@@ -331,12 +342,9 @@ TEST_F(EngineTest, TokenOfTheStepDuringWhichARequestIsCancelledIsNeitherSentNorK
   for (bool cut : {false, true}) {
     SCOPED_TRACE(cut ? "CutRequests" : "Cancel");
     const std::string sid = cut ? "cut" : "cancelled";
-    const int s0 = runner_->steps();
-    runner_->LimitSteps(s0 + 2);  // the prompt and one decode step: two tokens
     Collector c;
-    auto id = engine_->Submit(Req(sid, RequestMode::kFullContext, Prompt(20), 50), &c);
+    auto id = SubmitHeldInItsThirdStep(sid, &c);
     ASSERT_TRUE(id.ok()) << id.status();
-    runner_->WaitForEntered(s0 + 3);  // the third token's step has begun
     if (cut) {
       EXPECT_EQ(engine_->CutRequests(absl::UnavailableError("draining")), 1);
     } else {
@@ -367,12 +375,9 @@ TEST_F(EngineTest, TokenOfTheStepDuringWhichARequestIsCancelledIsNeitherSentNorK
 // release of the held step: it waits, or finds the session free; either way it
 // must succeed, where it used to fail with ABORTED whenever it came first.)
 TEST_F(EngineTest, RequestAfterACancelWaitsForTheCancelledOneInsteadOfAborted) {
-  const int s0 = runner_->steps();
-  runner_->LimitSteps(s0 + 2);
   Collector first;
-  auto id = engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 50), &first);
+  auto id = SubmitHeldInItsThirdStep("s", &first);
   ASSERT_TRUE(id.ok()) << id.status();
-  runner_->WaitForEntered(s0 + 3);
   Collector busy;  // not cancelled: the session is busy, after the cancel grace (100 ms)
   const absl::Time asked = absl::Now();
   EXPECT_EQ(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 3), &busy).status().code(),
@@ -400,12 +405,9 @@ TEST_F(EngineTest, RequestAfterACancelWaitsForTheCancelledOneInsteadOfAborted) {
 // the cancelled request to end instead of answering ABORTED. (Like the test
 // above, it races the release of the step, so it does not always wait.)
 TEST_F(EngineTest, SessionCallAfterACancelWaitsForTheCancelledRequest) {
-  const int s0 = runner_->steps();
-  runner_->LimitSteps(s0 + 2);
   Collector first;
-  auto id = engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 50), &first);
+  auto id = SubmitHeldInItsThirdStep("s", &first);
   ASSERT_TRUE(id.ok()) << id.status();
-  runner_->WaitForEntered(s0 + 3);
   engine_->Cancel(*id);
   absl::Status closed;
   std::thread close([&] { closed = engine_->CloseSession("s", "t"); });

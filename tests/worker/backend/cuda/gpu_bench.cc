@@ -377,6 +377,7 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
       "activations for 512 tokens, the 16 MiB f16 slice buffer, the RoPE table";
   // The same figures launch by launch (--cuda_graphs=false), in the same run.
   auto eager = std::move(backend.CreateRunner(*m, kv->tier_storage(0), o.shape, {512, false})).value();
+  const std::pair<model::ModelRunner*, std::string> runs[] = {{runner.get(), ""}, {eager.get(), "_eager"}};
   const int context = 256, steps = 32;
   std::vector<std::string> ids;
   // One step of n_tokens new tokens for every session in `ids`, logits to the host.
@@ -394,8 +395,7 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
     for (size_t i = 0; i < ids.size(); ++i) BENCH_CHECK(kv->CommitStep(ids[i], toks[i]));
   };
   for (int batch : {1, 16, 64}) {
-    for (const auto& [run, suffix] : {std::pair<model::ModelRunner*, std::string>{runner.get(), ""},
-                                      std::pair<model::ModelRunner*, std::string>{eager.get(), "_eager"}}) {
+    for (const auto& [run, suffix] : runs) {
       ids.clear();
       for (int i = 0; i < batch; ++i) {
         ids.push_back("b" + std::to_string(batch) + suffix + "_" + std::to_string(i));
@@ -429,8 +429,7 @@ void Decode(backend::CudaBackend& backend, bench::BenchReport& r) {
   // by transformers, hf_ttft_recompute_2000_ms). Each turn stays in the history
   // (2,020 to 2,100 tokens); with graphs, 20 tokens replay the 24-token graph.
   const int history = 2000, turn = 20;
-  for (const auto& [run, suffix] : {std::pair<model::ModelRunner*, std::string>{runner.get(), ""},
-                                    std::pair<model::ModelRunner*, std::string>{eager.get(), "_eager"}}) {
+  for (const auto& [run, suffix] : runs) {
     ids = {"history" + suffix};
     BENCH_CHECK(kv->CreateSession(ids[0], "t"));
     for (int done = 0; done < history; done += 500) step(*run, 500);
