@@ -239,10 +239,10 @@ void RunItemScalar(const Ctx& c, const Item& it, float* scratch) {
 
 using RunItemFn = void (*)(const Ctx&, const Item&, float*);
 
-// Scratch floats after the rows for a block path: Kf, Vf [block_keys][hd] |
+// Scratch floats after the rows for a block path: Kf [block_keys][hd] |
 // P, Lv [kMaxItemRows][block_keys].
 constexpr int64_t BlockScratchFloats(int block_keys, int hd) {
-  return 2 * int64_t{block_keys} * hd + 2 * kMaxItemRows * block_keys;
+  return int64_t{block_keys} * hd + 2 * kMaxItemRows * block_keys;
 }
 
 // ---- AVX2: blocks of 8 keys, one score per lane ----
@@ -256,34 +256,33 @@ constexpr int kBlockKeys = 8;
 // so accumulating key kTreeKey[i] into accumulator i puts key j in lane j.
 constexpr int kTreeKey[kBlockKeys] = {0, 2, 1, 3, 4, 6, 5, 7};
 
+// Chunk c (8 values) of a K/V row at `row` as f32.
+template <KvDtype DT>
+KVCACHE_TARGET_AVX2 __m256 LoadChunk(const uint8_t* row, int c) {
+  if constexpr (DT == KvDtype::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+  } else if constexpr (DT == KvDtype::kBF16) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + 8 * c);
+  }
+}
+
 // dst[j][0..8 NC) = f32(src + j * stride) for j < n; rows n..7 are zeroed so
 // that masked keys multiply finite values. Row j < n_prefetch of `prefetch`
 // (same stride) is prefetched alongside, as in avx512::LoadBlock.
-template <int NC>
-KVCACHE_TARGET_AVX2 void LoadBlock(const uint8_t* src, int64_t stride, KvDtype dtype, int n, float* dst,
+template <int NC, KvDtype DT>
+KVCACHE_TARGET_AVX2 void LoadBlock(const uint8_t* src, int64_t stride, int n, float* dst,
                                    const uint8_t* prefetch, int n_prefetch) {
-  const int64_t src_row_bytes = NC * 8 * KvDtypeSize(dtype);
+  constexpr int64_t kRowBytes = NC * 8 * (DT == KvDtype::kF32 ? 4 : 2);
   for (int j = 0; j < n; ++j) {
-    const uint8_t* row = src + j * stride;
     if (j < n_prefetch) {
-      for (int64_t b = 0; b < src_row_bytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T0);
+      for (int64_t b = 0; b < kRowBytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T1);
       }
     }
-    float* d = dst + j * NC * 8;
-    for (int c = 0; c < NC; ++c) {
-      __m256 v;
-      if (dtype == KvDtype::kF16) {
-        v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
-      } else if (dtype == KvDtype::kBF16) {
-        const __m256i w =
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
-        v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      } else {
-        v = _mm256_loadu_ps(reinterpret_cast<const float*>(row) + 8 * c);
-      }
-      _mm256_storeu_ps(d + 8 * c, v);
-    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(dst + (j * NC + c) * 8, LoadChunk<DT>(src + j * stride, c));
   }
   for (int j = n; j < kBlockKeys; ++j) {
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(dst + (j * NC + c) * 8, _mm256_setzero_ps());
@@ -317,21 +316,31 @@ KVCACHE_TARGET_AVX2 __m256 Scores(const float* q, const float* kf) {
                        _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
 }
 
-// Columns [col, col + 8 D) of o[r] += sum_j p[r][j] * vf[j] for R rows at
-// once, so each V load feeds R independent accumulator chains.
-// p: rows 8 floats apart; vf: [8][8 NC]; o: R row pointers.
-template <int NC, int D, int R>
-KVCACHE_TARGET_AVX2 void PvRows(const float* p, const float* vf, float* const* o, int col) {
+// Columns [col, col + 8 D) of o[r] += sum_{j<n} p[r][j] * V[j] for R rows at
+// once, V read (and widened) straight from the page, so each V chunk feeds R
+// independent accumulator chains. Row j < n_prefetch of `prefetch` (same
+// stride, whole rows of 8 NC values) is prefetched alongside.
+// p: rows 8 floats apart; o: R row pointers.
+template <int NC, KvDtype DT, int D, int R>
+KVCACHE_TARGET_AVX2 void PvRows(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
+                                int col, const uint8_t* prefetch, int n_prefetch) {
+  constexpr int64_t kRowBytes = NC * 8 * (DT == KvDtype::kF32 ? 4 : 2);
   __m256 acc[R][D];
   for (int r = 0; r < R; ++r) {
     for (int d = 0; d < D; ++d) acc[r][d] = _mm256_loadu_ps(o[r] + col + 8 * d);
   }
-  for (int j = 0; j < kBlockKeys; ++j) {
-    __m256 v[D];
-    for (int d = 0; d < D; ++d) v[d] = _mm256_loadu_ps(vf + j * NC * 8 + col + 8 * d);
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* row = v + j * stride;
+    if (j < n_prefetch) {
+      for (int64_t b = 0; b < kRowBytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T1);
+      }
+    }
+    __m256 vj[D];
+    for (int d = 0; d < D; ++d) vj[d] = LoadChunk<DT>(row, col / 8 + d);
     for (int r = 0; r < R; ++r) {
       const __m256 pj = _mm256_broadcast_ss(p + r * kBlockKeys + j);
-      for (int d = 0; d < D; ++d) acc[r][d] = _mm256_fmadd_ps(pj, v[d], acc[r][d]);
+      for (int d = 0; d < D; ++d) acc[r][d] = _mm256_fmadd_ps(pj, vj[d], acc[r][d]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -345,37 +354,49 @@ constexpr int kPvCols = 4;
 template <int D>
 constexpr int kPvRows = std::min(4, (15 - D) / D);
 
-// PvRows for the last n < R rows.
-template <int NC, int D, int R>
-KVCACHE_TARGET_AVX2 void PvTail(const float* p, const float* vf, float* const* o, int n, int col) {
+// PvRows for the last n_rows < R rows.
+template <int NC, KvDtype DT, int D, int R>
+KVCACHE_TARGET_AVX2 void PvTail(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
+                                int n_rows, int col, const uint8_t* prefetch, int n_prefetch) {
   if constexpr (R > 1) {
-    if (n == R - 1) {
-      PvRows<NC, D, R - 1>(p, vf, o, col);
+    if (n_rows == R - 1) {
+      PvRows<NC, DT, D, R - 1>(p, v, stride, n, o, col, prefetch, n_prefetch);
     } else {
-      PvTail<NC, D, R - 1>(p, vf, o, n, col);
+      PvTail<NC, DT, D, R - 1>(p, v, stride, n, o, n_rows, col, prefetch, n_prefetch);
     }
   }
 }
 
-// P·V of n rows for the D registers of columns from col.
-template <int NC, int D>
-KVCACHE_TARGET_AVX2 void PvCols(const float* p, const float* vf, float* const* o, int n, int col) {
+// P·V of n_rows rows for the D registers of columns from col; prefetches in
+// its first PvRows call only when asked (n_prefetch > 0).
+template <int NC, KvDtype DT, int D>
+KVCACHE_TARGET_AVX2 void PvCols(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
+                                int n_rows, int col, const uint8_t* prefetch, int n_prefetch) {
   constexpr int R = kPvRows<D>;
-  for (; n >= R; n -= R, p += R * kBlockKeys, o += R) PvRows<NC, D, R>(p, vf, o, col);
-  PvTail<NC, D, R>(p, vf, o, n, col);
+  for (; n_rows >= R; n_rows -= R, p += R * kBlockKeys, o += R, n_prefetch = 0) {
+    PvRows<NC, DT, D, R>(p, v, stride, n, o, col, prefetch, n_prefetch);
+  }
+  PvTail<NC, DT, D, R>(p, v, stride, n, o, n_rows, col, prefetch, n_prefetch);
 }
 
-template <int NC>
-KVCACHE_TARGET_AVX2 void Pv(const float* p, const float* vf, float* const* o, int n) {
-  for (int d0 = 0; d0 + kPvCols <= NC; d0 += kPvCols) PvCols<NC, kPvCols>(p, vf, o, n, 8 * d0);
-  if constexpr (NC % kPvCols != 0) PvCols<NC, NC % kPvCols>(p, vf, o, n, 8 * (NC - NC % kPvCols));
+// P·V for n_rows rows over the n keys of a block; the first call prefetches
+// the next page's V rows.
+template <int NC, KvDtype DT>
+KVCACHE_TARGET_AVX2 void Pv(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
+                            int n_rows, const uint8_t* prefetch, int n_prefetch) {
+  for (int d0 = 0; d0 + kPvCols <= NC; d0 += kPvCols, n_prefetch = 0) {
+    PvCols<NC, DT, kPvCols>(p, v, stride, n, o, n_rows, 8 * d0, prefetch, n_prefetch);
+  }
+  if constexpr (NC % kPvCols != 0) {
+    PvCols<NC, DT, NC % kPvCols>(p, v, stride, n, o, n_rows, 8 * (NC - NC % kPvCols), prefetch, n_prefetch);
+  }
 }
 
-// The item loop for head_dim = 8 NC, as avx512::RunItem: per block of up to 8
-// keys and kv head, K and V are converted once; every row of that kv head
-// scores the block in one register and updates its online softmax, then P·V
-// runs for the rows together.
-template <int NC>
+// The item loop for head_dim = 8 NC and K/V of type DT, as avx512::RunItem: per
+// block of up to 8 keys and kv head, K is converted once; every row of that kv
+// head scores the block in one register and updates its online softmax, then
+// P·V runs for the rows together, widening V as it reads it.
+template <int NC, KvDtype DT>
 KVCACHE_TARGET_AVX2 void RunItem(const Ctx& c, const Item& it, float* scratch) {
   constexpr int hd = NC * 8;
   const AttentionParams& p = *c.p;
@@ -386,8 +407,7 @@ KVCACHE_TARGET_AVX2 void RunItem(const Ctx& c, const Item& it, float* scratch) {
   const int n_tokens = it.q1 - it.q0;
   RowState rs;
   float* Kf = InitRows(c, it, scratch, &rs);  // [8][hd]
-  float* Vf = Kf + kBlockKeys * hd;           // [8][hd]
-  float* P = Vf + kBlockKeys * hd;            // [kMaxItemRows][8]: a block's weights per row
+  float* P = Kf + kBlockKeys * hd;            // [kMaxItemRows][8]: a block's weights per row
   float* Lv = P + kMaxItemRows * kBlockKeys;  // [kMaxItemRows][8]: softmax sums by lane
   float* orows[kMaxItemRows];                 // output rows of P's rows
   std::fill(Lv, Lv + kMaxItemRows * kBlockKeys, 0.0f);
@@ -414,10 +434,8 @@ KVCACHE_TARGET_AVX2 void RunItem(const Ctx& c, const Item& it, float* scratch) {
             const int j_lo = std::max(0, rs.lo[r] - b0), j_hi = std::min(nk - 1, rs.hi[r] - b0);
             if (j_lo > j_hi) continue;  // no visible key in this block
             if (n_p == 0) {
-              LoadBlock<NC>(page + L.k_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Kf,
-                            next + L.k_offset(p.layer, slot) + head_off, n_next);
-              LoadBlock<NC>(page + L.v_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Vf,
-                            next + L.v_offset(p.layer, slot) + head_off, n_next);
+              LoadBlock<NC, DT>(page + L.k_offset(p.layer, slot) + head_off, row_bytes, nk, Kf,
+                                next + L.k_offset(p.layer, slot) + head_off, n_next);
             }
             // All ones in lanes j_lo..j_hi.
             const __m256 mask = _mm256_castsi256_ps(
@@ -443,7 +461,8 @@ KVCACHE_TARGET_AVX2 void RunItem(const Ctx& c, const Item& it, float* scratch) {
             orows[n_p++] = orow;
           }
         }
-        Pv<NC>(P, Vf, orows, n_p);
+        Pv<NC, DT>(P, page + L.v_offset(p.layer, slot) + head_off, row_bytes, nk, orows, n_p,
+                   next + L.v_offset(p.layer, slot) + head_off, n_next);
       }
     }
     c0 = c1;
@@ -453,19 +472,33 @@ KVCACHE_TARGET_AVX2 void RunItem(const Ctx& c, const Item& it, float* scratch) {
 }
 
 // Indexed by head_dim / 8 (1..16); up to 128 as on AVX-512.
-constexpr RunItemFn kRunItem[] = {nullptr,     RunItem<1>,  RunItem<2>,  RunItem<3>,  RunItem<4>,
-                                  RunItem<5>,  RunItem<6>,  RunItem<7>,  RunItem<8>,  RunItem<9>,
-                                  RunItem<10>, RunItem<11>, RunItem<12>, RunItem<13>, RunItem<14>,
-                                  RunItem<15>, RunItem<16>};
+template <KvDtype DT>
+constexpr RunItemFn kRunItem[] = {
+    nullptr,         RunItem<1, DT>,  RunItem<2, DT>,  RunItem<3, DT>,  RunItem<4, DT>,  RunItem<5, DT>,
+    RunItem<6, DT>,  RunItem<7, DT>,  RunItem<8, DT>,  RunItem<9, DT>,  RunItem<10, DT>, RunItem<11, DT>,
+    RunItem<12, DT>, RunItem<13, DT>, RunItem<14, DT>, RunItem<15, DT>, RunItem<16, DT>};
+
+RunItemFn Select(KvDtype dtype, int hd) {
+  switch (dtype) {
+    case KvDtype::kF16:
+      return kRunItem<KvDtype::kF16>[hd / 8];
+    case KvDtype::kBF16:
+      return kRunItem<KvDtype::kBF16>[hd / 8];
+    case KvDtype::kF32:
+      return kRunItem<KvDtype::kF32>[hd / 8];
+  }
+  return nullptr;
+}
 
 }  // namespace avx2
 
 // ---- AVX-512: blocks of 16 keys, one score per lane ----
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_ps() to their builtins and
-// warn -Wmaybe-uninitialized wherever they are inlined (GCC bug 105593).
+// warn -Wmaybe-uninitialized or -Wuninitialized wherever they are inlined (GCC bug 105593).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 namespace avx512 {
 
@@ -474,36 +507,39 @@ constexpr int kBlockKeys = 16;
 // so accumulating key kTreeKey[i] into accumulator i puts key j in lane j.
 constexpr int kTreeKey[kBlockKeys] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
+// Chunk c (16 values) of a K/V row at `row` as f32.
+template <KvDtype DT>
+KVCACHE_TARGET_AVX512 __m512 LoadChunk(const uint8_t* row, int c) {
+  if constexpr (DT == KvDtype::kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+  } else if constexpr (DT == KvDtype::kBF16) {
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * c);
+  }
+}
+
 // dst[j][0..16 NC) = f32(src + j * stride) for j < n; rows n..15 are zeroed so
 // that masked keys multiply finite values. Row j < n_prefetch of `prefetch`
 // (same stride) is prefetched alongside: the same rows of the page that comes
 // next, a page of work ahead and spread over the loop (the hardware prefetcher
-// does not follow the page table, and a burst of prefetches stalls the loads).
-template <int NC>
-KVCACHE_TARGET_AVX512 void LoadBlock(const uint8_t* src, int64_t stride, KvDtype dtype, int n, float* dst,
+// does not follow the page table, and a burst of prefetches stalls the loads),
+// into L2 (T1): a prefetch into L1 takes a fill buffer until its line arrives,
+// and the loads of this block waited for them.
+template <int NC, KvDtype DT>
+KVCACHE_TARGET_AVX512 void LoadBlock(const uint8_t* src, int64_t stride, int n, float* dst,
                                      const uint8_t* prefetch, int n_prefetch) {
-  const int64_t src_row_bytes = NC * 16 * KvDtypeSize(dtype);
+  constexpr int64_t kRowBytes = NC * 16 * (DT == KvDtype::kF32 ? 4 : 2);
   for (int j = 0; j < n; ++j) {
-    const uint8_t* row = src + j * stride;
     if (j < n_prefetch) {
-      for (int64_t b = 0; b < src_row_bytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T0);
+      for (int64_t b = 0; b < kRowBytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T1);
       }
     }
-    float* d = dst + j * NC * 16;
-    for (int c = 0; c < NC; ++c) {
-      __m512 v;
-      if (dtype == KvDtype::kF16) {
-        v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
-      } else if (dtype == KvDtype::kBF16) {
-        const __m512i w =
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
-        v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-      } else {
-        v = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * c);
-      }
-      _mm512_storeu_ps(d + 16 * c, v);
-    }
+    for (int c = 0; c < NC; ++c)
+      _mm512_storeu_ps(dst + (j * NC + c) * 16, LoadChunk<DT>(src + j * stride, c));
   }
   for (int j = n; j < kBlockKeys; ++j) {
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + (j * NC + c) * 16, _mm512_setzero_ps());
@@ -542,20 +578,31 @@ KVCACHE_TARGET_AVX512 __m512 Scores(const float* q, const float* kf) {
                        _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 
-// o[r] += sum_j p[r][j] * vf[j] for R rows at once, so each V load feeds R
-// independent accumulator chains. p: rows 16 floats apart; o: rows hd apart.
-template <int NC, int R>
-KVCACHE_TARGET_AVX512 void PvRows(const float* p, const float* vf, float* const* o) {
+// o[r] += sum_{j<n} p[r][j] * V[j] for R rows at once, V read (and widened) straight
+// from the page: each V row feeds R independent accumulator chains, so converting
+// it once here costs less than a round trip through scratch. Row j < n_prefetch of
+// `prefetch` (same stride) is prefetched alongside. p: rows 16 floats apart; o: rows
+// hd apart.
+template <int NC, KvDtype DT, int R>
+KVCACHE_TARGET_AVX512 void PvRows(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
+                                  const uint8_t* prefetch, int n_prefetch) {
+  constexpr int64_t kRowBytes = NC * 16 * (DT == KvDtype::kF32 ? 4 : 2);
   __m512 acc[R][NC];
   for (int r = 0; r < R; ++r) {
     for (int d = 0; d < NC; ++d) acc[r][d] = _mm512_loadu_ps(o[r] + 16 * d);
   }
-  for (int j = 0; j < kBlockKeys; ++j) {
-    __m512 v[NC];
-    for (int d = 0; d < NC; ++d) v[d] = _mm512_loadu_ps(vf + (j * NC + d) * 16);
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* row = v + j * stride;
+    if (j < n_prefetch) {
+      for (int64_t b = 0; b < kRowBytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + b), _MM_HINT_T1);
+      }
+    }
+    __m512 vj[NC];
+    for (int d = 0; d < NC; ++d) vj[d] = LoadChunk<DT>(row, d);
     for (int r = 0; r < R; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * kBlockKeys + j]);
-      for (int d = 0; d < NC; ++d) acc[r][d] = _mm512_fmadd_ps(pj, v[d], acc[r][d]);
+      for (int d = 0; d < NC; ++d) acc[r][d] = _mm512_fmadd_ps(pj, vj[d], acc[r][d]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -567,30 +614,35 @@ KVCACHE_TARGET_AVX512 void PvRows(const float* p, const float* vf, float* const*
 template <int NC>
 constexpr int kPvRows = std::clamp(16 / NC, 1, 4);
 
-template <int NC>
-KVCACHE_TARGET_AVX512 void Pv(const float* p, const float* vf, float* const* o, int n) {
+// P·V for n_rows rows over the n keys of a block; the first call of a block
+// also prefetches (later calls would request the same lines again).
+template <int NC, KvDtype DT>
+KVCACHE_TARGET_AVX512 void Pv(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
+                              int n_rows, const uint8_t* prefetch, int n_prefetch) {
   constexpr int R = kPvRows<NC>;
-  for (; n >= R; n -= R, p += R * kBlockKeys, o += R) PvRows<NC, R>(p, vf, o);
-  switch (n) {
+  for (; n_rows >= R; n_rows -= R, p += R * kBlockKeys, o += R, n_prefetch = 0) {
+    PvRows<NC, DT, R>(p, v, stride, n, o, prefetch, n_prefetch);
+  }
+  switch (n_rows) {
     case 3:
-      PvRows<NC, 3>(p, vf, o);
+      PvRows<NC, DT, 3>(p, v, stride, n, o, prefetch, n_prefetch);
       break;
     case 2:
-      PvRows<NC, 2>(p, vf, o);
+      PvRows<NC, DT, 2>(p, v, stride, n, o, prefetch, n_prefetch);
       break;
     case 1:
-      PvRows<NC, 1>(p, vf, o);
+      PvRows<NC, DT, 1>(p, v, stride, n, o, prefetch, n_prefetch);
       break;
     default:
       break;
   }
 }
 
-// The item loop for head_dim = 16 NC: per block of up to 16 keys and kv head,
-// K and V are converted once; every row of that kv head scores the block in
-// one register and updates its online softmax, then P·V runs for the rows
-// together.
-template <int NC>
+// The item loop for head_dim = 16 NC and K/V of type DT: per block of up to 16
+// keys and kv head, K is converted once; every row of that kv head scores the
+// block in one register and updates its online softmax, then P·V runs for the
+// rows together, widening V as it reads it.
+template <int NC, KvDtype DT>
 KVCACHE_TARGET_AVX512 void RunItem(const Ctx& c, const Item& it, float* scratch) {
   constexpr int hd = NC * 16;
   const AttentionParams& p = *c.p;
@@ -601,8 +653,7 @@ KVCACHE_TARGET_AVX512 void RunItem(const Ctx& c, const Item& it, float* scratch)
   const int n_tokens = it.q1 - it.q0;
   RowState rs;
   float* Kf = InitRows(c, it, scratch, &rs);  // [16][hd]
-  float* Vf = Kf + kBlockKeys * hd;           // [16][hd]
-  float* P = Vf + kBlockKeys * hd;            // [kMaxItemRows][16]: a block's weights per row
+  float* P = Kf + kBlockKeys * hd;            // [kMaxItemRows][16]: a block's weights per row
   float* Lv = P + kMaxItemRows * kBlockKeys;  // [kMaxItemRows][16]: softmax sums by lane
   float* orows[kMaxItemRows];                 // output rows of P's rows
   std::fill(Lv, Lv + kMaxItemRows * kBlockKeys, 0.0f);
@@ -628,10 +679,8 @@ KVCACHE_TARGET_AVX512 void RunItem(const Ctx& c, const Item& it, float* scratch)
             const int j_lo = std::max(0, rs.lo[r] - b0), j_hi = std::min(nk - 1, rs.hi[r] - b0);
             if (j_lo > j_hi) continue;  // no visible key in this block
             if (n_p == 0) {
-              LoadBlock<NC>(page + L.k_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Kf,
-                            next + L.k_offset(p.layer, slot) + head_off, n_next);
-              LoadBlock<NC>(page + L.v_offset(p.layer, slot) + head_off, row_bytes, L.dtype, nk, Vf,
-                            next + L.v_offset(p.layer, slot) + head_off, n_next);
+              LoadBlock<NC, DT>(page + L.k_offset(p.layer, slot) + head_off, row_bytes, nk, Kf,
+                                next + L.k_offset(p.layer, slot) + head_off, n_next);
             }
             const __mmask16 mask = static_cast<__mmask16>(((1u << (j_hi + 1)) - 1) & ~((1u << j_lo) - 1));
             const __m512 s = _mm512_mask_blend_ps(mask, neg_inf, Scores<NC>(rs.Q + r * hd, Kf));
@@ -653,7 +702,8 @@ KVCACHE_TARGET_AVX512 void RunItem(const Ctx& c, const Item& it, float* scratch)
             orows[n_p++] = orow;
           }
         }
-        Pv<NC>(P, Vf, orows, n_p);
+        Pv<NC, DT>(P, page + L.v_offset(p.layer, slot) + head_off, row_bytes, nk, orows, n_p,
+                   next + L.v_offset(p.layer, slot) + head_off, n_next);
       }
     }
     c0 = c1;
@@ -663,8 +713,22 @@ KVCACHE_TARGET_AVX512 void RunItem(const Ctx& c, const Item& it, float* scratch)
 }
 
 // Indexed by head_dim / 16 (1..8); head_dim up to 128 keeps a row's output in registers.
-constexpr RunItemFn kRunItem[] = {nullptr,    RunItem<1>, RunItem<2>, RunItem<3>, RunItem<4>,
-                                  RunItem<5>, RunItem<6>, RunItem<7>, RunItem<8>};
+template <KvDtype DT>
+constexpr RunItemFn kRunItem[] = {nullptr,        RunItem<1, DT>, RunItem<2, DT>,
+                                  RunItem<3, DT>, RunItem<4, DT>, RunItem<5, DT>,
+                                  RunItem<6, DT>, RunItem<7, DT>, RunItem<8, DT>};
+
+RunItemFn Select(KvDtype dtype, int hd) {
+  switch (dtype) {
+    case KvDtype::kF16:
+      return kRunItem<KvDtype::kF16>[hd / 16];
+    case KvDtype::kBF16:
+      return kRunItem<KvDtype::kBF16>[hd / 16];
+    case KvDtype::kF32:
+      return kRunItem<KvDtype::kF32>[hd / 16];
+  }
+  return nullptr;
+}
 
 }  // namespace avx512
 #if defined(__GNUC__) && !defined(__clang__)
@@ -861,10 +925,10 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   int64_t path_floats =  // the path's scratch after the rows
       2 * pt * static_cast<int64_t>(group_heads_for_decode ? L.kv_heads : 1) * hd + pt;
   if (level >= CpuKernelLevel::kAvx512 && hd % 16 == 0 && hd / 16 <= 8) {
-    run = avx512::kRunItem[hd / 16];
+    run = avx512::Select(L.dtype, hd);
     path_floats = BlockScratchFloats(avx512::kBlockKeys, hd);
   } else if (level >= CpuKernelLevel::kAvx2 && hd % 8 == 0 && hd / 8 <= 16) {
-    run = avx2::kRunItem[hd / 8];
+    run = avx2::Select(L.dtype, hd);
     path_floats = BlockScratchFloats(avx2::kBlockKeys, hd);
   }
   const int64_t scratch_floats = 2 * kMaxItemRows * hd + 2 * kMaxItemRows + path_floats;

@@ -5,12 +5,15 @@
 // in f32. The K/V of one kv head is read once for its whole query-head group and
 // for a block of query tokens. f16 K/V is widened with F16C, bf16 with shifts.
 // With AVX-512 (head_dim a multiple of 16, up to 128) keys go in blocks of 16:
-// one register holds a row's 16 scores (dot products summed across lanes by a
-// shuffle tree), P·V runs for all rows of a kv head at once, and the same rows
-// of the next page are prefetched while a block is converted, since a session's
-// pages lie anywhere in the slab. With AVX2 (head_dim a multiple of 8, up to
-// 128) the same design runs on blocks of 8 keys; other head_dims take the
-// scalar loop, which is also the reference.
+// a block's K is widened once into scratch for every row that shares it, one
+// register holds a row's 16 scores (dot products summed across lanes by a
+// shuffle tree), and P·V runs for all rows of a kv head at once, widening V as
+// it reads it. The same rows of the next page are prefetched into L2 while a
+// block is read, since a session's pages lie anywhere in the slab (into L1 the
+// prefetches held the fill buffers that the loads need: 13-15 against 20-27 GB/s
+// of K/V on two Zen 4 cores). With AVX2 (head_dim a multiple of 8, up to 128)
+// the same design runs on blocks of 8 keys; other head_dims take the scalar
+// loop, which is also the reference.
 // Work is split over (sequence, kv head, query block, key range) items with
 // ComputePool (NumThreads() threads, longest first); long key ranges are cut
 // into page-aligned splits whose partial softmax states are merged, so a batch of
