@@ -142,7 +142,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   const std::string& sid = request.session_id;
   const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   absl::MutexLock lock(&mu_);
-  const bool busy = !key.empty() && AwaitCancelledRequestLocked(key);
+  const bool busy = !key.empty() && AwaitHolderLocked(key);
   if (request.mode == RequestMode::kAppend && !sessions_.contains(key) && kv_->GetSession(key).ok()) {
     // An imported session whose pages are in the cache, not yet adopted
     // (FinishImport): its cache events may reach a router, and the router this
@@ -157,7 +157,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   int64_t context = static_cast<int64_t>(request.input.size());
   if (!sid.empty()) {
     if (busy || busy_.contains(key)) {
-      return absl::AbortedError(absl::StrCat("session '", sid, "' is busy with another request"));
+      return absl::AbortedError(absl::StrCat("session '", sid, "' is busy with ", BusyWithLocked(key)));
     }
     if (request.mode == RequestMode::kAppend) {
       KVCACHE_RETURN_IF_ERROR(CheckKnown(key, sid));
@@ -895,9 +895,26 @@ void Engine::SetStepCallback(std::function<void(const StepStats&)> callback) {
   step_callback_ = std::move(callback);
 }
 
-bool Engine::AwaitCancelledRequestLocked(const std::string& key) {
+const char* Engine::BusyWithLocked(const std::string& key) const {
+  auto it = busy_.find(key);
+  return it != busy_.end() && it->second == 0
+             ? "a session call (close, fork, pin, offload, restore, export or migration)"
+             : "another request";
+}
+
+bool Engine::AwaitHolderLocked(const std::string& key) {
   auto running = busy_.find(key);
-  if (running == busy_.end() || running->second == 0) return false;  // free, or a session call holds it
+  if (running == busy_.end()) return false;
+  if (running->second == 0) {
+    // A session call holds it: wait for it to end (the caller then sees the
+    // session as that call left it: there, moved away or closed).
+    auto released = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = busy_.find(key);
+      return stopping_ || it == busy_.end() || it->second != 0;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&released), kSessionCallWait);
+    return false;
+  }
   const uint64_t id = running->second;
   auto cancelled = [this, id]()
                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || cancelled_.contains(id); };
@@ -914,8 +931,8 @@ absl::Status Engine::Reserve(const std::string& id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
   const std::string key = kv::SessionKey(tenant, id);
   // A session whose first request is still queued is busy before it is known.
-  if (AwaitCancelledRequestLocked(key) || busy_.contains(key))
-    return absl::AbortedError(absl::StrCat("session '", id, "' is busy with a request"));
+  if (AwaitHolderLocked(key) || busy_.contains(key))
+    return absl::AbortedError(absl::StrCat("session '", id, "' is busy with ", BusyWithLocked(key)));
   KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
   busy_.emplace(key, 0);
   return absl::OkStatus();

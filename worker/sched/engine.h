@@ -194,9 +194,10 @@ class Engine {
   // exactly one OnDone. Errors here mean no observer call at all:
   // INVALID_ARGUMENT (empty input, token out of vocabulary, context over the
   // limit, bad sampling or max_tokens), NOT_FOUND (APPEND to an unknown session
-  // or another tenant's), ABORTED (a request is running on the session; one
-  // that was cancelled, or is cancelled within kCancelGrace, is waited for, up
-  // to kCancelledRequestWait),
+  // or another tenant's, also one that a session call being waited for moved
+  // away or closed), ABORTED (a request is running on the session; one that was
+  // cancelled, or is cancelled within kCancelGrace, is waited for, up to
+  // kCancelledRequestWait; or a session call held it for kSessionCallWait),
   // RESOURCE_EXHAUSTED (queue full, or the prompt can never fit in tier 0),
   // UNAVAILABLE (stopping). Returns a request id for Cancel.
   absl::StatusOr<uint64_t> Submit(GenerateRequest request, GenerateObserver* observer);
@@ -216,7 +217,8 @@ class Engine {
   // Session calls. Sessions are named by (tenant, id): the same id in two tenants
   // names two sessions, and an unknown id is NOT_FOUND whoever holds it elsewhere.
   // ABORTED while a request runs on the session (one that was cancelled, or is
-  // cancelled within kCancelGrace, is waited for, as Submit does).
+  // cancelled within kCancelGrace, is waited for, as Submit does), or when
+  // another session call holds it for kSessionCallWait.
   // CloseSession: `pages_freed` (optional) gets the pages released for good.
   absl::Status CloseSession(const std::string& id, const std::string& tenant, int64_t* pages_freed = nullptr);
   // ForkSession: ALREADY_EXISTS when `new_id` is taken, RESOURCE_EXHAUSTED over
@@ -226,8 +228,8 @@ class Engine {
   absl::Status Offload(const std::string& id, const std::string& tenant);
   absl::Status Restore(const std::string& id, const std::string& tenant);
   // Marks the session busy (as a request would) so nothing else runs on it, e.g.
-  // while it is exported. ABORTED when busy (a cancelled request is waited for,
-  // as Submit does); NOT_FOUND when unknown.
+  // while it is exported. ABORTED when busy (a cancelled request and another
+  // session call are waited for, as Submit does); NOT_FOUND when unknown.
   absl::Status Reserve(const std::string& id, const std::string& tenant);
   // Like Reserve, but waits up to `timeout` for a running request to finish.
   absl::Status ReserveWait(const std::string& id, const std::string& tenant, absl::Duration timeout);
@@ -334,17 +336,25 @@ class Engine {
   // sessions something holds -> the request running on it (0: a session call,
   // an export or an expiry holds it).
   absl::flat_hash_map<std::string, uint64_t> busy_ ABSL_GUARDED_BY(mu_);
-  // A request or session call on a session that a request holds: a client that
-  // cancelled that request may send its next call at once, and the cancel can
-  // reach this worker after the call (they travel separately). Waits up to
-  // kCancelGrace for the cancel, then up to kCancelledRequestWait for the
-  // cancelled request to end (the next step boundary). True when the request
-  // was not cancelled in the grace: the call arrived while it ran, ABORTED
-  // (also if it has ended meanwhile, so that the answer depends on the order of
-  // arrival alone).
-  bool AwaitCancelledRequestLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A request or session call on a session that something holds.
+  // - A session call (close, fork, pin, offload, restore, an export, a
+  //   migration's pause): waits up to kSessionCallWait for it to end, so that a
+  //   client's next turn during a migration's pause runs after it, or finds the
+  //   session gone (NOT_FOUND, which a router follows to the new worker), instead
+  //   of failing. Returns false; the caller checks busy_ again.
+  // - A request: a client that cancelled it may send its next call at once, and
+  //   the cancel can reach this worker after the call (they travel separately).
+  //   Waits up to kCancelGrace for the cancel, then up to kCancelledRequestWait
+  //   for the cancelled request to end (the next step boundary). True when the
+  //   request was not cancelled in the grace: the call arrived while it ran,
+  //   ABORTED (also if it has ended meanwhile, so that the answer depends on the
+  //   order of arrival alone).
+  bool AwaitHolderLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What holds a busy session, for ABORTED messages.
+  const char* BusyWithLocked(const std::string& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr absl::Duration kCancelGrace = absl::Milliseconds(100);
   static constexpr absl::Duration kCancelledRequestWait = absl::Seconds(2);
+  static constexpr absl::Duration kSessionCallWait = absl::Seconds(2);
   struct SessionState {
     std::string tenant;
     std::vector<int32_t> context;  // see Context()
