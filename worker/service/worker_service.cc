@@ -593,8 +593,11 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
     if (!write_failed) ctx.TryCancel();
     grpc::Status remote = writer->Finish();
     if (!remote.ok() && write_failed) why = FromGrpcStatus(remote);
-    return absl::Status(why.code(), absl::StrCat("migration of '", session_id, "' to ", target,
-                                                 " failed: ", why.message(), "; the session stays here"));
+    // A client may close the session while it moves (the export then fails).
+    const bool still_here = engine_->View(session_id, tenant).ok();
+    return absl::Status(
+        why.code(), absl::StrCat("migration of '", session_id, "' to ", target, " failed: ", why.message(),
+                                 still_here ? "; the session stays here" : "; the session is gone"));
   };
   // Pre-copy: the session keeps serving while its full pages move.
   kv::KvChunk chunk;
