@@ -494,6 +494,14 @@ TEST_F(RouterTest, RoundRobinMovesASessionAndClosesTheCopyItLeaves) {
       wctx = std::make_unique<grpc::ClientContext>();
       wctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       watch = v1::Worker::NewStub(holder->channel())->Watch(wctx.get(), v1::WatchRequest());
+      // The snapshot comes first: once it is read, the worker has subscribed this
+      // stream, so the close that the turn causes reaches it (a Watch that
+      // arrived after the close would wait for an event already sent).
+      v1::WatchEvent snap;
+      do {
+        ASSERT_TRUE(watch->Read(&snap));
+        ASSERT_TRUE(snap.has_snapshot());
+      } while (snap.snapshot().more());
     }
     Reply r = Generate(stub.get(), Text("moving", history, 4));
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
