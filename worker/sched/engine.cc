@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -513,6 +514,21 @@ bool Engine::AwaitsSharedPrefill(const Request& r, const std::vector<const Reque
 // p99 7.8-8.9 s) and still bounds every prompt's wait.
 constexpr int64_t kPromptAgingTokens = 2;
 
+void Engine::TrackTenantPrefill() {
+  absl::flat_hash_set<absl::string_view> tenants;  // with a prompt to compute
+  for (const auto& r : active_) {
+    if (r->prepared && !r->done && !r->decoding && !r->pending.empty()) tenants.insert(r->req.tenant);
+  }
+  absl::erase_if(prefill_served_, [&tenants](const auto& entry) { return !tenants.contains(entry.first); });
+  // A tenant that starts waiting starts level with the least served one, so it
+  // neither waits behind others' past work nor takes the next ones outright.
+  int64_t least = prefill_served_.empty() ? 0 : std::numeric_limits<int64_t>::max();
+  for (const auto& entry : prefill_served_) least = std::min(least, entry.second);
+  for (absl::string_view tenant : tenants) {
+    if (!prefill_served_.contains(tenant)) prefill_served_.emplace(std::string(tenant), least);
+  }
+}
+
 bool Engine::Step() {
   const absl::Time start = absl::Now();
   int budget = options_.max_batch_tokens;
@@ -540,7 +556,8 @@ bool Engine::Step() {
                                 : kAutoStepTimeFactor * decodes;
       prefill_seconds = target - decodes;
     }
-    // Decodes in admission order; prompts shortest remaining first, so that a
+    // Decodes in admission order; prompts of the least served tenant first (see
+    // TrackTenantPrefill), and within a tenant shortest remaining first, so that a
     // conversation's short next turn is not queued behind a long cold prompt, aged
     // by the prompt work done since each arrived (ties: oldest): a prompt counts
     // as one token shorter for every kPromptAgingTokens prompt tokens the engine
@@ -550,9 +567,12 @@ bool Engine::Step() {
     std::vector<Request*> order;
     for (auto& rp : active_) order.push_back(rp.get());
     if (pass == 1) {
+      TrackTenantPrefill();
       auto key = [this](const Request* r) {
-        return kPromptAgingTokens * static_cast<int64_t>(r->pending.size()) -
-               (prefilled_tokens_ - r->admitted_at_prefill);
+        auto served = prefill_served_.find(r->req.tenant);
+        return std::make_pair(served == prefill_served_.end() ? 0 : served->second,
+                              kPromptAgingTokens * static_cast<int64_t>(r->pending.size()) -
+                                  (prefilled_tokens_ - r->admitted_at_prefill));
       };
       std::stable_sort(order.begin(), order.end(),
                        [&key](const Request* a, const Request* b) { return key(a) < key(b); });
@@ -606,6 +626,7 @@ bool Engine::Step() {
         shape.prefill_tokens += n;
         shape.prefill_attention += static_cast<double>(n) * (static_cast<double>(res->first_pos) + n / 2.0);
         planned_prefills.push_back(&r);
+        prefill_served_[r.req.tenant] += n;
         if (prefill_seconds != HUGE_VAL) {
           prefill_seconds -= n * step_cost_.PrefillTokenSeconds(res->first_pos + n / 2);
         }
@@ -731,6 +752,38 @@ bool Engine::Step() {
   return true;
 }
 
+void Engine::AdmitFairlyLocked(std::vector<std::unique_ptr<Request>>& admitted) {
+  if (waiting_.empty() || static_cast<int>(active_.size()) >= options_.max_running) return;
+  absl::flat_hash_map<absl::string_view, int> running;  // tenant -> requests in active_ and `admitted`
+  for (const auto& r : active_) ++running[r->req.tenant];
+  while (!waiting_.empty() && static_cast<int>(active_.size() + admitted.size()) < options_.max_running) {
+    // The oldest waiting request of the tenant with the fewest running, then the
+    // one admitted least recently (never: first); one pass, ties keep arrival order.
+    auto best = waiting_.end();
+    std::pair<int, int64_t> best_key;
+    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+      const std::string& tenant = (*it)->req.tenant;
+      auto run = running.find(tenant);
+      auto last = last_admitted_.find(tenant);
+      const std::pair<int, int64_t> key(run == running.end() ? 0 : run->second,
+                                        last == last_admitted_.end() ? -1 : last->second);
+      if (best == waiting_.end() || key < best_key) {
+        best = it;
+        best_key = key;
+      }
+    }
+    const std::string& tenant = (*best)->req.tenant;
+    ++running[tenant];
+    last_admitted_[tenant] = admissions_++;
+    admitted.push_back(std::move(*best));
+    waiting_.erase(best);
+  }
+  // Forget tenants with nothing queued or running, so that the map stays as small
+  // as the engine's requests; such a tenant that comes back counts as never admitted.
+  for (const auto& r : waiting_) running.try_emplace(r->req.tenant, 0);
+  absl::erase_if(last_admitted_, [&running](const auto& entry) { return !running.contains(entry.first); });
+}
+
 void Engine::Loop() {
   while (true) {
     std::vector<std::unique_ptr<Request>> admitted;
@@ -760,10 +813,7 @@ void Engine::Loop() {
           ++it;
         }
       }
-      while (!waiting_.empty() && static_cast<int>(active_.size() + admitted.size()) < options_.max_running) {
-        admitted.push_back(std::move(waiting_.front()));
-        waiting_.pop_front();
-      }
+      AdmitFairlyLocked(admitted);
       if (stopping) {
         while (!waiting_.empty()) {
           admitted.push_back(std::move(waiting_.front()));

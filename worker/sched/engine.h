@@ -5,11 +5,15 @@
 // request that has finished its prompt, then spends the rest of the step on
 // chunked prefill of the others, shortest remaining prompt first (a short turn
 // is not queued behind a long cold prompt), aged by the prompt work done since
-// each prompt arrived so that a long one is never starved (ties: oldest first):
-// at most --max_batch_tokens tokens in all, and, while anything decodes, only as many prefill tokens as fit
-// in the step-time target (max_step_time, predicted by a StepCostModel fitted to the engine's own step
-// timings), so that a long prompt never stalls running streams for more than about one target. Prefill chunks
-// end on page boundaries; at each boundary a prefilling request picks up pages that are cached by then
+// each prompt arrived so that a long one is never starved (ties: oldest first),
+// after the prompts of tenants that got fewer prompt tokens computed since they
+// started waiting (fair across tenants): at most --max_batch_tokens tokens in all, and, while anything
+// decodes, only as many prefill tokens as fit in the step-time target (max_step_time, predicted by a
+// StepCostModel fitted to the engine's own step timings), so that a long prompt never stalls running streams
+// for more than about one target. Requests queued beyond max_running are admitted fairly across tenants (the
+// tenant with the fewest running first, then the one admitted least recently; a tenant's own in arrival
+// order), so that one tenant's backlog does not hold back another tenant's requests. Prefill chunks end on
+// page boundaries; at each boundary a prefilling request picks up pages that are cached by then
 // (AttachPrefix), and a request whose next page another request is computing in
 // the same step waits for it instead of computing it again, so a burst of
 // requests sharing a long system prompt computes it once. Before a
@@ -291,6 +295,14 @@ class Engine {
   void Loop();
   // Sets up the request's KV session (engine thread). Returns false when done.
   bool Prepare(Request& r);
+  // Moves waiting requests to `admitted` while active_ and `admitted` hold fewer
+  // than max_running, fairly across tenants: each slot goes to the tenant with the
+  // fewest requests running, then to the one admitted least recently, so that one
+  // tenant's backlog does not queue another's requests behind it; a tenant's own
+  // requests keep their arrival order.
+  void AdmitFairlyLocked(std::vector<std::unique_ptr<Request>>& admitted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Brings prefill_served_ to the tenants with a prompt to compute in active_.
+  void TrackTenantPrefill();
   // Runs one step over active_. Returns false when nothing could run.
   bool Step();
   // At a page boundary of a prefill that has not sampled yet, attaches the pages
@@ -377,6 +389,10 @@ class Engine {
   // Live requests to end at the next step boundary, with their status.
   absl::flat_hash_map<uint64_t, absl::Status> cancelled_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);  // tenant -> requests
+  // Tenants with requests queued or running -> when one of theirs was last
+  // admitted (in admissions_), for AdmitFairlyLocked.
+  absl::flat_hash_map<std::string, int64_t> last_admitted_ ABSL_GUARDED_BY(mu_);
+  int64_t admissions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   EngineLoad load_ ABSL_GUARDED_BY(mu_);
@@ -385,6 +401,10 @@ class Engine {
   // Engine thread only.
   std::vector<std::unique_ptr<Request>> active_;
   int64_t prefilled_tokens_ = 0;  // prompt tokens computed since start (ages waiting prompts)
+  // Tenants with a prompt to compute -> prompt tokens computed for them since they
+  // started waiting, which a tenant joining starts at the least of the others'.
+  // The least served tenant's prompts go first (fair queuing across tenants).
+  absl::flat_hash_map<std::string, int64_t> prefill_served_;
   std::deque<std::pair<absl::Time, int>> recent_decode_;  // (step end, tokens)
   struct PrefillStep {
     absl::Time end;

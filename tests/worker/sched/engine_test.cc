@@ -487,6 +487,104 @@ TEST_F(EngineTest, AppendWithTokensReadDropsTheUnreadEndOfTheLastReply) {
   EXPECT_EQ(d.tokens, Expected(seen, 2));
 }
 
+// Collects a request's tokens and notes, in a list shared by several requests,
+// when it sampled its first one (observers run on the engine thread).
+class FirstTokenOrder {
+ public:
+  class Request : public Collector {
+   public:
+    Request(FirstTokenOrder* order, std::string label) : order_(order), label_(std::move(label)) {}
+    void OnToken(int32_t id, absl::string_view text) override {
+      if (tokens.empty()) order_->Add(label_);
+      Collector::OnToken(id, text);
+    }
+
+   private:
+    FirstTokenOrder* const order_;
+    const std::string label_;
+  };
+
+  std::vector<std::string> labels() {
+    absl::MutexLock lock(&mu_);
+    return labels_;
+  }
+
+ private:
+  void Add(const std::string& label) {
+    absl::MutexLock lock(&mu_);
+    labels_.push_back(label);
+  }
+
+  absl::Mutex mu_;
+  std::vector<std::string> labels_ ABSL_GUARDED_BY(mu_);
+};
+
+// One tenant's backlog does not queue another tenant's requests behind it: a
+// free slot goes to the tenant with the fewest running, then to the one admitted
+// least recently; a tenant's own requests keep their order. (Arrival order
+// would run a1 a2 a3 b1 b2 c1.)
+TEST_F(EngineTest, QueuedRequestsAreAdmittedFairlyAcrossTenants) {
+  EngineOptions o;
+  o.max_running = 1;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  FirstTokenOrder order;
+  const std::vector<std::pair<std::string, std::string>> queued = {
+      {"a2", "a"}, {"a3", "a"}, {"b1", "b"}, {"b2", "b"}, {"c1", "c"}};
+  std::vector<std::unique_ptr<FirstTokenOrder::Request>> requests;
+  requests.push_back(std::make_unique<FirstTokenOrder::Request>(&order, "a1"));
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 1);
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5), 3, "a"), requests[0].get()).ok());
+  runner_->WaitForEntered(s0 + 2);  // a1 runs; the others queue behind it
+  for (size_t i = 0; i < queued.size(); ++i) {
+    requests.push_back(std::make_unique<FirstTokenOrder::Request>(&order, queued[i].first));
+    ASSERT_TRUE(engine_
+                    ->Submit(Req("", RequestMode::kFullContext, Prompt(5, static_cast<int>(i) + 1), 3,
+                                 queued[i].second),
+                             requests.back().get())
+                    .ok());
+  }
+  runner_->LimitSteps(-1);
+  for (auto& r : requests) {
+    r->Wait();
+    EXPECT_TRUE(r->status.ok()) << r->status;
+  }
+  EXPECT_THAT(order.labels(), ::testing::ElementsAre("a1", "b1", "c1", "a2", "b2", "a3"));
+}
+
+// Prompts are computed fairly across tenants: the tenant that got fewer prompt
+// tokens computed since it started waiting goes first, so one tenant's many short
+// prompts do not hold back another tenant's longer one. (Shortest first alone
+// would compute all four of a's before b's.)
+TEST_F(EngineTest, PromptsAreComputedFairlyAcrossTenants) {
+  EngineOptions o;
+  o.max_batch_tokens = 33;  // the held request's decode and two pages of prompt
+  o.max_step_time = absl::Milliseconds(-1);
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector held;
+  auto held_id = SubmitHeldInItsThirdStep("held", &held);
+  ASSERT_TRUE(held_id.ok()) << held_id.status();
+  FirstTokenOrder order;
+  std::vector<std::unique_ptr<FirstTokenOrder::Request>> requests;
+  for (int i = 0; i < 5; ++i) {
+    const bool b = i == 4;
+    requests.push_back(
+        std::make_unique<FirstTokenOrder::Request>(&order, b ? "b1" : absl::StrCat("a", i + 1)));
+    ASSERT_TRUE(engine_
+                    ->Submit(Req("", RequestMode::kFullContext, Prompt(b ? 48 : 32, i + 1), 2, b ? "b" : "a"),
+                             requests.back().get())
+                    .ok());
+  }
+  runner_->LimitSteps(-1);
+  for (auto& r : requests) {
+    r->Wait();
+    EXPECT_TRUE(r->status.ok()) << r->status;
+  }
+  EXPECT_THAT(order.labels(), ::testing::ElementsAre("a1", "b1", "a2", "a3", "a4"));
+  engine_->Cancel(*held_id);
+  held.Wait();
+}
+
 TEST_F(EngineTest, QueuedRequestsHonourCancelAndDeadlineAtOnce) {
   EngineOptions o;
   o.max_running = 1;
