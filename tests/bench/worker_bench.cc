@@ -23,8 +23,17 @@
 //  burst_two_workers_vs_one  32 concurrent new sessions sharing a system prompt
 //                            one worker has cached, through a router: time for
 //                            all to finish on one worker ÷ on two (1 thread each)
-// Each figure is the median of --reps runs, taken in this one run (the two burst
-// figures: one run each).
+//  tenant_quiet_vs_flood_ttft
+//                            one tenant sends --flood_requests concurrent
+//                            requests to a worker; another tenant sends three,
+//                            0.5, 1.5 and 2.5 s later: the quiet
+//                            tenant's time to first token (median) ÷ the
+//                            flooding tenant's (median), twice: with the
+//                            worker's slots full (--max_running=8, the flood
+//                            queues: `_admission`) and with every request
+//                            running (prompts compete for prefill: `_prefill`)
+// Each figure is the median of --reps runs, taken in this one run (the burst and
+// tenant figures: one run each). --sections picks the parts to run.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -36,6 +45,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "common/bench_json.h"
 #include "common/gguf/model_path.h"
@@ -56,6 +67,9 @@ ABSL_FLAG(int, churn_rounds, 10, "Churn rounds");
 ABSL_FLAG(int, burst_sessions, 16, "New conversations in the shared-prefix burst");
 ABSL_FLAG(int, burst_system_tokens, 1500, "Shared system prompt of the shared-prefix burst");
 ABSL_FLAG(int, burst_private_tokens, 100, "Private part of each burst conversation");
+ABSL_FLAG(int, flood_requests, 32, "Concurrent requests of the flooding tenant in the tenant section");
+ABSL_FLAG(std::string, sections, "ttft,streaming,migration,churn,burst,router_burst,tenants",
+          "Parts to run, comma-separated");
 
 namespace kvcache {
 namespace {
@@ -278,6 +292,67 @@ absl::StatusOr<double> RouterBurst(int workers, std::map<std::string, int>* per_
   return seconds;
 }
 
+// 7. Two tenants on one worker: "flood" sends --flood_requests concurrent
+// requests of `flood_prompt` tokens (`flood_max` generated); from half a second on,
+// "quiet" sends three requests of `quiet_prompt` tokens, a second apart.
+// Records both tenants' time to first token under `name`.
+bool TenantFairness(const std::string& name, const std::vector<std::string>& worker_flags, int flood_prompt,
+                    int flood_max, int quiet_prompt, bench::BenchReport& report) {
+  std::vector<std::string> flags = worker_flags;
+  flags.push_back("--model=" + gguf::DefaultModelPath());
+  flags.push_back(absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads)));
+  flags.push_back("--tier0_bytes=1073741824");
+  auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"), flags);
+  if (!w.ok()) {
+    std::fprintf(stderr, "cannot start the worker: %s\n", w.status().ToString().c_str());
+    return false;
+  }
+  auto stub = v1::Worker::NewStub((*w)->channel());
+  if (!Call(stub.get(), TokensRequest("", "warm", History(16, 1), 2, v1::FULL_CONTEXT)).status.ok())
+    return false;
+  const int n = absl::GetFlag(FLAGS_flood_requests);
+  std::vector<v1::GenerateRequest> flood;
+  for (int i = 0; i < n; ++i) {
+    flood.push_back(TokensRequest("", "flood", History(flood_prompt, 2000 + i), flood_max, v1::FULL_CONTEXT));
+  }
+  std::vector<Result> flooded;
+  const absl::Time start = absl::Now();
+  std::thread flooding([&] { flooded = Burst(stub.get(), flood, absl::ZeroDuration()); });
+  absl::SleepFor(start + absl::Milliseconds(500) - absl::Now());  // the flood is queued by then
+  std::vector<v1::GenerateRequest> quiet;
+  for (int i = 0; i < 3; ++i) {
+    quiet.push_back(TokensRequest("", "quiet", History(quiet_prompt, 3000 + i), 8, v1::FULL_CONTEXT));
+  }
+  const std::vector<Result> served = Burst(stub.get(), quiet, absl::Seconds(1));
+  flooding.join();
+  const double flood_s = absl::ToDoubleSeconds(absl::Now() - start);
+  std::vector<double> quiet_ttft, flood_ttft;
+  bool ok = true;
+  for (const Result& r : served) {
+    ok = ok && r.status.ok();
+    quiet_ttft.push_back(r.final.usage().time_to_first_token_us() / 1e3);
+  }
+  for (const Result& r : flooded) {
+    ok = ok && r.status.ok();
+    flood_ttft.push_back(r.final.usage().time_to_first_token_us() / 1e3);
+  }
+  if (!ok) {
+    std::fprintf(stderr, "a request of the tenant section %s failed\n", name.c_str());
+    return false;
+  }
+  report.metrics["tenant_quiet_ttft_ms_" + name] = Median(quiet_ttft);
+  report.metrics["tenant_quiet_ttft_max_ms_" + name] =
+      *std::max_element(quiet_ttft.begin(), quiet_ttft.end());
+  report.metrics["tenant_flood_ttft_p50_ms_" + name] = Median(flood_ttft);
+  report.metrics["tenant_flood_seconds_" + name] = flood_s;
+  report.ratio["tenant_quiet_vs_flood_ttft_" + name] = Median(quiet_ttft) / Median(flood_ttft);
+  report.notes["tenants_" + name] = absl::StrCat(
+      "worker flags ", absl::StrJoin(worker_flags, " "), "; ", n, " concurrent requests of ", flood_prompt,
+      " tokens (", flood_max, " generated) from one tenant, then 3 requests of ", quiet_prompt,
+      " tokens (8 generated) from another, sent 0.5, 1.5 and 2.5 s after; times to first token from usage");
+  return true;
+}
+
 // Resident set size of a process in bytes (VmRSS), or 0.
 double RssBytes(pid_t pid) {
   std::FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/status").c_str(), "r");
@@ -326,6 +401,13 @@ bool ChurnRound(v1::Worker::Stub* stub, const std::vector<std::string>& sources,
 int Run() {
   bench::BenchReport report;
   report.benchmark = "worker";
+  const std::string sections = absl::GetFlag(FLAGS_sections);
+  auto want = [&sections](const char* name) {
+    for (absl::string_view part : absl::StrSplit(sections, ',')) {
+      if (part == name) return true;
+    }
+    return false;
+  };
   const int threads = absl::GetFlag(FLAGS_threads);
   const std::string worker_bin = testing::BinaryPath("worker/kvcache-worker");
   auto start_worker = [&](const std::string& id) {
@@ -340,76 +422,82 @@ int Run() {
   }
   auto stub = v1::Worker::NewStub((*w1)->channel());
 
-  // 1. Time to first token of turn N after a long history: cold vs cached.
   const int history = absl::GetFlag(FLAGS_history_tokens);
-  const std::vector<int32_t> turn = History(40, 7);
-  std::vector<double> cold, cached;
-  for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
-    const std::string tenant = absl::StrCat("t", rep);
-    const std::vector<int32_t> h = History(history, rep);
-    const std::string conv = absl::StrCat("conv-", rep);
-    Result built = Call(stub.get(), TokensRequest(conv, tenant, h, 1, v1::FULL_CONTEXT));
-    Result hot = Call(stub.get(), TokensRequest(conv, tenant, turn, 1, v1::APPEND));
-    std::vector<int32_t> full = h;
-    full.insert(full.end(), turn.begin(), turn.end());
-    Result fresh = Call(stub.get(), TokensRequest("", tenant + "-cold", full, 1, v1::FULL_CONTEXT));
-    if (!built.status.ok() || !hot.status.ok() || !fresh.status.ok()) {
-      std::fprintf(stderr, "ttft run failed: %s %s %s\n", built.status.error_message().c_str(),
-                   hot.status.error_message().c_str(), fresh.status.error_message().c_str());
-      return 1;
+  if (want("ttft")) {
+    // 1. Time to first token of turn N after a long history: cold vs cached.
+    const std::vector<int32_t> turn = History(40, 7);
+    std::vector<double> cold, cached;
+    for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
+      const std::string tenant = absl::StrCat("t", rep);
+      const std::vector<int32_t> h = History(history, rep);
+      const std::string conv = absl::StrCat("conv-", rep);
+      Result built = Call(stub.get(), TokensRequest(conv, tenant, h, 1, v1::FULL_CONTEXT));
+      Result hot = Call(stub.get(), TokensRequest(conv, tenant, turn, 1, v1::APPEND));
+      std::vector<int32_t> full = h;
+      full.insert(full.end(), turn.begin(), turn.end());
+      Result fresh = Call(stub.get(), TokensRequest("", tenant + "-cold", full, 1, v1::FULL_CONTEXT));
+      if (!built.status.ok() || !hot.status.ok() || !fresh.status.ok()) {
+        std::fprintf(stderr, "ttft run failed: %s %s %s\n", built.status.error_message().c_str(),
+                     hot.status.error_message().c_str(), fresh.status.error_message().c_str());
+        return 1;
+      }
+      cached.push_back(hot.final.usage().time_to_first_token_us() / 1e3);
+      cold.push_back(fresh.final.usage().time_to_first_token_us() / 1e3);
     }
-    cached.push_back(hot.final.usage().time_to_first_token_us() / 1e3);
-    cold.push_back(fresh.final.usage().time_to_first_token_us() / 1e3);
+    report.metrics["ttft_cached_ms"] = Median(cached);
+    report.baseline["ttft_cold_ms"] = Median(cold);
+    report.ratio["ttft_cold_vs_cached"] = Median(cold) / Median(cached);
   }
-  report.metrics["ttft_cached_ms"] = Median(cached);
-  report.baseline["ttft_cold_ms"] = Median(cold);
-  report.ratio["ttft_cold_vs_cached"] = Median(cold) / Median(cached);
 
   // 2. Streaming: decode tokens/s through gRPC vs the engine in-process.
   const int n = absl::GetFlag(FLAGS_decode_tokens);
   const std::vector<int32_t> prompt = History(32, 3);
   std::vector<double> grpc_rates;
-  for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
-    Result r = Call(stub.get(), TokensRequest("", "stream", prompt, n, v1::FULL_CONTEXT));
-    if (!r.status.ok()) return 1;
-    grpc_rates.push_back((r.tokens - 1) / (r.end_s - r.first_token_s));
+  if (want("streaming")) {
+    for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
+      Result r = Call(stub.get(), TokensRequest("", "stream", prompt, n, v1::FULL_CONTEXT));
+      if (!r.status.ok()) return 1;
+      grpc_rates.push_back((r.tokens - 1) / (r.end_s - r.first_token_s));
+    }
+    report.metrics["grpc_decode_tokens_per_s"] = Median(grpc_rates);
   }
-  report.metrics["grpc_decode_tokens_per_s"] = Median(grpc_rates);
 
-  // 3. Migration of a long session between two worker processes.
-  auto w2 = start_worker("bench-2");
-  if (!w2.ok()) return 1;
   const int m = absl::GetFlag(FLAGS_migrate_tokens);
-  std::vector<double> total, pause, bytes;
-  for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
-    const std::string id = absl::StrCat("long-", rep);
-    Result built = Call(stub.get(), TokensRequest(id, "mig", History(m, 50 + rep), 1, v1::FULL_CONTEXT));
-    if (!built.status.ok()) {
-      std::fprintf(stderr, "building the long session failed: %s\n", built.status.error_message().c_str());
-      return 1;
+  if (want("migration")) {
+    // 3. Migration of a long session between two worker processes.
+    auto w2 = start_worker("bench-2");
+    if (!w2.ok()) return 1;
+    std::vector<double> total, pause, bytes;
+    for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
+      const std::string id = absl::StrCat("long-", rep);
+      Result built = Call(stub.get(), TokensRequest(id, "mig", History(m, 50 + rep), 1, v1::FULL_CONTEXT));
+      if (!built.status.ok()) {
+        std::fprintf(stderr, "building the long session failed: %s\n", built.status.error_message().c_str());
+        return 1;
+      }
+      grpc::ClientContext ctx;
+      v1::MigrateSessionRequest req;
+      req.set_session_id(id);
+      req.set_tenant("mig");
+      req.set_target_address((*w2)->grpc_address());
+      v1::MigrateSessionResponse resp;
+      grpc::Status st = stub->MigrateSession(&ctx, req, &resp);
+      if (!st.ok()) {
+        std::fprintf(stderr, "migration failed: %s\n", st.error_message().c_str());
+        return 1;
+      }
+      total.push_back(resp.total_us() / 1e3);
+      pause.push_back(resp.pause_us() / 1e3);
+      bytes.push_back(static_cast<double>(resp.bytes_moved()));
     }
-    grpc::ClientContext ctx;
-    v1::MigrateSessionRequest req;
-    req.set_session_id(id);
-    req.set_tenant("mig");
-    req.set_target_address((*w2)->grpc_address());
-    v1::MigrateSessionResponse resp;
-    grpc::Status st = stub->MigrateSession(&ctx, req, &resp);
-    if (!st.ok()) {
-      std::fprintf(stderr, "migration failed: %s\n", st.error_message().c_str());
-      return 1;
-    }
-    total.push_back(resp.total_us() / 1e3);
-    pause.push_back(resp.pause_us() / 1e3);
-    bytes.push_back(static_cast<double>(resp.bytes_moved()));
+    report.metrics["migration_total_ms"] = Median(total);
+    report.metrics["migration_pause_ms"] = Median(pause);
+    report.metrics["migration_bytes"] = Median(bytes);
+    report.metrics["migration_gb_per_s"] = Median(bytes) / (Median(total) / 1e3) / 1e9;
   }
-  report.metrics["migration_total_ms"] = Median(total);
-  report.metrics["migration_pause_ms"] = Median(pause);
-  report.metrics["migration_bytes"] = Median(bytes);
-  report.metrics["migration_gb_per_s"] = Median(bytes) / (Median(total) / 1e3) / 1e9;
 
   // 4. Bounded state: resident memory after session churn, worker and router.
-  {
+  if (want("churn")) {
     auto router = testing::ServerUnderTest::Start(
         testing::BinaryPath("router/kvcache-router"),
         {"--workers=" + (*w1)->grpc_address(), "--model=" + gguf::DefaultModelPath(),
@@ -457,46 +545,60 @@ int Run() {
                      " forks then closes of 32-token sessions (4 client threads), a router "
                      "watching; RSS from /proc/PID/status VmRSS after each round");
   }
-  if (!SharedPrefixBurst(stub.get(), (*w1)->metrics_port(), report)) return 1;
+  if (want("burst") && !SharedPrefixBurst(stub.get(), (*w1)->metrics_port(), report)) return 1;
   w1->reset();
-  w2->reset();
 
-  std::map<std::string, int> split_one, split_two;
-  auto one = RouterBurst(1, &split_one);
-  auto two = RouterBurst(2, &split_two);
-  if (!one.ok() || !two.ok()) {
-    std::fprintf(stderr, "router burst failed: %s\n", (one.ok() ? two : one).status().ToString().c_str());
-    return 1;
+  if (want("router_burst")) {
+    std::map<std::string, int> split_one, split_two;
+    auto one = RouterBurst(1, &split_one);
+    auto two = RouterBurst(2, &split_two);
+    if (!one.ok() || !two.ok()) {
+      std::fprintf(stderr, "router burst failed: %s\n", (one.ok() ? two : one).status().ToString().c_str());
+      return 1;
+    }
+    report.metrics["burst_one_worker_seconds"] = *one;
+    report.metrics["burst_two_workers_seconds"] = *two;
+    report.ratio["burst_two_workers_vs_one"] = *one / *two;
+    std::string split;
+    for (const auto& [w, k] : split_two) absl::StrAppend(&split, split.empty() ? "" : ", ", w, ": ", k);
+    report.notes["router_burst"] = absl::StrCat(
+        "32 concurrent new sessions (500-token system prompt cached on one worker + 100 private tokens, 16 "
+        "generated) through a router; workers of 1 thread each; two-worker split: ",
+        split);
   }
-  report.metrics["burst_one_worker_seconds"] = *one;
-  report.metrics["burst_two_workers_seconds"] = *two;
-  report.ratio["burst_two_workers_vs_one"] = *one / *two;
-  std::string split;
-  for (const auto& [w, k] : split_two) absl::StrAppend(&split, split.empty() ? "" : ", ", w, ": ", k);
-  report.notes["router_burst"] = absl::StrCat(
-      "32 concurrent new sessions (500-token system prompt cached on one worker + 100 private tokens, 16 "
-      "generated) through a router; workers of 1 thread each; two-worker split: ",
-      split);
 
-  auto inproc = InProcessDecode(threads, n, prompt);
-  if (!inproc.ok()) {
-    std::fprintf(stderr, "in-process engine failed: %s\n", inproc.status().ToString().c_str());
-    return 1;
+  if (want("tenants")) {
+    // Queued flood: a free slot goes to the tenant with the fewest running.
+    // Running flood: the quiet tenant's prompt competes with every flood prompt.
+    if (!TenantFairness("admission", {"--max_running=8"}, 200, 48, 200, report) ||
+        !TenantFairness("prefill", {"--max_running=64"}, 600, 8, 900, report)) {
+      return 1;
+    }
   }
-  report.baseline["inprocess_decode_tokens_per_s"] = *inproc;
-  report.ratio["grpc_vs_inprocess_tokens"] = Median(grpc_rates) / *inproc;
-  report.notes["method"] = absl::StrCat(
-      "SmolLM2-135M Q4_1, ", threads, " threads, medians of ", absl::GetFlag(FLAGS_reps),
-      " reps. TTFT: ", history,
-      "-token synthetic history then a 40-token turn; cached = APPEND on the live "
-      "session, cold = the same ",
-      history + 40,
-      " tokens as FULL_CONTEXT under a fresh tenant (no prefix hits); "
-      "both from the worker's usage.time_to_first_token_us. Streaming: ",
-      n,
-      " greedy tokens, first-to-last token rate, gRPC client in this process vs the same engine in-process. "
-      "Migration: ",
-      m, "-token session, worker-to-worker over loopback, from MigrateSessionResponse.");
+
+  if (want("streaming")) {
+    auto inproc = InProcessDecode(threads, n, prompt);
+    if (!inproc.ok()) {
+      std::fprintf(stderr, "in-process engine failed: %s\n", inproc.status().ToString().c_str());
+      return 1;
+    }
+    report.baseline["inprocess_decode_tokens_per_s"] = *inproc;
+    report.ratio["grpc_vs_inprocess_tokens"] = Median(grpc_rates) / *inproc;
+  }
+  if (want("ttft") || want("streaming") || want("migration"))
+    report.notes["method"] =
+        absl::StrCat("SmolLM2-135M Q4_1, ", threads, " threads, medians of ", absl::GetFlag(FLAGS_reps),
+                     " reps. TTFT: ", history,
+                     "-token synthetic history then a 40-token turn; cached = APPEND on the live "
+                     "session, cold = the same ",
+                     history + 40,
+                     " tokens as FULL_CONTEXT under a fresh tenant (no prefix hits); "
+                     "both from the worker's usage.time_to_first_token_us. Streaming: ",
+                     n,
+                     " greedy tokens, first-to-last token rate, gRPC client in this process vs the same "
+                     "engine in-process. "
+                     "Migration: ",
+                     m, "-token session, worker-to-worker over loopback, from MigrateSessionResponse.");
   return bench::Finish(report).ok() ? 0 : 1;
 }
 
