@@ -66,7 +66,7 @@ struct Engine::Request {
   std::vector<int32_t> context;     // every token of the conversation so far
   std::vector<int32_t> pending;     // tokens of `context` without K/V yet, in order
   int64_t prefix_restored = 0;      // of the cached tokens attached before it started, from tier 1
-  int64_t admitted_at_prefill = 0;  // the engine's prefilled_tokens_ when it was admitted
+  int64_t admitted_at_prefill = 0;  // its tenant's tenant_prefilled_ when it was admitted
   GenerateResult result;
 };
 
@@ -152,9 +152,6 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     mu_.AwaitWithTimeout(absl::Condition(&adopted), absl::Seconds(1));
   }
   if (stopping_) return absl::UnavailableError("engine is stopping");
-  if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
-    return absl::ResourceExhaustedError(absl::StrCat("queue full (", waiting_.size(), " waiting)"));
-  }
   int64_t context = static_cast<int64_t>(request.input.size());
   if (!sid.empty()) {
     if (busy || busy_.contains(key)) {
@@ -190,9 +187,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     // engine thread's next turn; their quota is already given back.
     const absl::Time now = absl::Now();
     int leaving = 0;
-    for (const auto& w : waiting_) {
-      leaving += w->req.tenant == request.tenant && (cancelled_.contains(w->id) || now > w->req.deadline);
-    }
+    for (const auto& w : waiting_) leaving += w->req.tenant == request.tenant && LeavingLocked(*w, now);
     if (inflight_[request.tenant] - leaving >= limits.max_requests) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "tenant '", request.tenant, "' has ", limits.max_requests, " requests in flight (its limit)"));
@@ -210,17 +205,65 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     const int64_t need = (context + max_tokens + page_tokens_ - 1) / page_tokens_;
     KVCACHE_RETURN_IF_ERROR(CheckPinQuota(request.tenant, key, need));
   }
+  // Checked after every error a retry cannot cure: a full queue takes the
+  // request only by pushing out another tenant's (see PushOutCandidateLocked).
+  std::optional<std::pair<uint64_t, std::string>> push_out;
+  if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
+    if (const int queued = QueuedLocked(); queued >= options_.max_waiting) {
+      push_out = PushOutCandidateLocked(request.tenant);
+      if (!push_out) return absl::ResourceExhaustedError(absl::StrCat("queue full (", queued, " waiting)"));
+    }
+  }
   const uint64_t id = next_request_id_++;
   live_.insert(id);
   if (!sid.empty()) {
     busy_.emplace(key, id);
     if (auto it = sessions_.find(key); it != sessions_.end()) it->second.last_used = absl::Now();
   }
+  if (push_out) {  // leaves the queue at the engine thread's next turn, like a cancelled one
+    cancelled_.insert_or_assign(
+        push_out->first,
+        absl::ResourceExhaustedError(
+            absl::StrCat("queue full (", options_.max_waiting, " waiting): tenant '", push_out->second,
+                         "' held the most of it, and its newest request made room for another tenant's")));
+  }
   ++inflight_[request.tenant];
   waiting_.push_back(std::make_unique<Request>(id, std::move(request), observer, tokenizer_, max_tokens));
   load_.waiting = static_cast<int>(waiting_.size());
   wake_.Signal();
   return id;
+}
+
+bool Engine::LeavingLocked(const Request& r, absl::Time now) const {
+  return cancelled_.contains(r.id) || now > r.req.deadline;
+}
+
+int Engine::QueuedLocked() const {
+  const absl::Time now = absl::Now();
+  int queued = 0;
+  for (const auto& r : waiting_) queued += !LeavingLocked(*r, now);
+  return queued;
+}
+
+std::optional<std::pair<uint64_t, std::string>> Engine::PushOutCandidateLocked(
+    const std::string& tenant) const {
+  const absl::Time now = absl::Now();
+  absl::flat_hash_map<absl::string_view, int> queued;
+  for (const auto& r : waiting_) queued[r->req.tenant] += !LeavingLocked(*r, now);
+  auto most = queued.begin();
+  for (auto it = queued.begin(); it != queued.end(); ++it) {
+    if (it->second > most->second) most = it;
+  }
+  auto own = queued.find(tenant);
+  // After the swap the fullest tenant must still hold at least as many as this
+  // one, or two tenants would push each other out.
+  if (most == queued.end() || most->second < (own == queued.end() ? 0 : own->second) + 2) return std::nullopt;
+  for (auto it = waiting_.rbegin(); it != waiting_.rend(); ++it) {
+    if ((*it)->req.tenant == most->first && !LeavingLocked(**it, now)) {
+      return std::make_pair((*it)->id, (*it)->req.tenant);
+    }
+  }
+  return std::nullopt;
 }
 
 void Engine::Cancel(uint64_t request_id) {
@@ -515,10 +558,12 @@ bool Engine::AwaitsSharedPrefill(const Request& r, const std::vector<const Reque
 constexpr int64_t kPromptAgingTokens = 2;
 
 void Engine::TrackTenantPrefill() {
-  absl::flat_hash_set<absl::string_view> tenants;  // with a prompt to compute
+  absl::flat_hash_set<absl::string_view> tenants, running;  // with a prompt to compute; with any request
   for (const auto& r : active_) {
+    running.insert(r->req.tenant);
     if (r->prepared && !r->done && !r->decoding && !r->pending.empty()) tenants.insert(r->req.tenant);
   }
+  absl::erase_if(tenant_prefilled_, [&running](const auto& entry) { return !running.contains(entry.first); });
   absl::erase_if(prefill_served_, [&tenants](const auto& entry) { return !tenants.contains(entry.first); });
   // A tenant that starts waiting starts level with the least served one, so it
   // neither waits behind others' past work nor takes the next ones outright.
@@ -559,23 +604,30 @@ bool Engine::Step() {
     // Decodes in admission order; prompts of the least served tenant first (see
     // TrackTenantPrefill), and within a tenant shortest remaining first, so that a
     // conversation's short next turn is not queued behind a long cold prompt, aged
-    // by the prompt work done since each arrived (ties: oldest): a prompt counts
-    // as one token shorter for every kPromptAgingTokens prompt tokens the engine
-    // computes after admitting it, so a long prompt waits at most about that many
-    // times its own length in other prompts' work (shortest-first alone starves
-    // it while shorter turns keep arriving).
+    // by the tenant's prompt work done since each arrived (ties: oldest): a prompt
+    // counts as one token shorter for every kPromptAgingTokens prompt tokens the
+    // engine computes for its tenant after admitting it, so a long prompt waits at
+    // most about that many times its own length in its tenant's other prompts'
+    // work (shortest-first alone starves it while shorter turns keep arriving).
     std::vector<Request*> order;
-    for (auto& rp : active_) order.push_back(rp.get());
-    if (pass == 1) {
+    if (pass == 0) {
+      for (auto& rp : active_) order.push_back(rp.get());
+    } else {
       TrackTenantPrefill();
-      auto key = [this](const Request* r) {
-        auto served = prefill_served_.find(r->req.tenant);
-        return std::make_pair(served == prefill_served_.end() ? 0 : served->second,
-                              kPromptAgingTokens * static_cast<int64_t>(r->pending.size()) -
-                                  (prefilled_tokens_ - r->admitted_at_prefill));
-      };
-      std::stable_sort(order.begin(), order.end(),
-                       [&key](const Request* a, const Request* b) { return key(a) < key(b); });
+      std::vector<std::pair<std::pair<int64_t, int64_t>, Request*>> keyed;
+      for (auto& rp : active_) {
+        const Request& r = *rp;
+        auto served = prefill_served_.find(r.req.tenant);
+        auto computed = tenant_prefilled_.find(r.req.tenant);
+        keyed.push_back(
+            {{served == prefill_served_.end() ? 0 : served->second,
+              kPromptAgingTokens * static_cast<int64_t>(r.pending.size()) -
+                  ((computed == tenant_prefilled_.end() ? 0 : computed->second) - r.admitted_at_prefill)},
+             rp.get()});
+      }
+      std::stable_sort(keyed.begin(), keyed.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      for (const auto& k : keyed) order.push_back(k.second);
     }
     for (Request* rp : order) {
       Request& r = *rp;
@@ -627,6 +679,7 @@ bool Engine::Step() {
         shape.prefill_attention += static_cast<double>(n) * (static_cast<double>(res->first_pos) + n / 2.0);
         planned_prefills.push_back(&r);
         prefill_served_[r.req.tenant] += n;
+        tenant_prefilled_[r.req.tenant] += n;
         if (prefill_seconds != HUGE_VAL) {
           prefill_seconds -= n * step_cost_.PrefillTokenSeconds(res->first_pos + n / 2);
         }
@@ -717,7 +770,6 @@ bool Engine::Step() {
   }
 
   const absl::Time end = absl::Now();
-  prefilled_tokens_ += prefill_tokens;
   recent_decode_.emplace_back(end, decode_tokens);
   while (!recent_decode_.empty() && end - recent_decode_.front().first > absl::Seconds(1)) {
     recent_decode_.pop_front();
@@ -838,7 +890,7 @@ void Engine::Loop() {
              std::nullopt);
     }
     for (auto& r : admitted) {
-      r->admitted_at_prefill = prefilled_tokens_;
+      r->admitted_at_prefill = tenant_prefilled_[r->req.tenant];
       active_.push_back(std::move(r));
     }
     const absl::Time now = absl::Now();

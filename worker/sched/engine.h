@@ -4,8 +4,8 @@
 // One engine thread runs steps. Each step decodes one token for every running
 // request that has finished its prompt, then spends the rest of the step on
 // chunked prefill of the others, shortest remaining prompt first (a short turn
-// is not queued behind a long cold prompt), aged by the prompt work done since
-// each prompt arrived so that a long one is never starved (ties: oldest first),
+// is not queued behind a long cold prompt), aged by its tenant's prompt work done
+// since each prompt arrived so that a long one is never starved (ties: oldest first),
 // after the prompts of tenants that got fewer prompt tokens computed since they
 // started waiting (fair across tenants): at most --max_batch_tokens tokens in all, and, while anything
 // decodes, only as many prefill tokens as fit in the step-time target (max_step_time, predicted by a
@@ -78,7 +78,8 @@ struct TenantLimits {
 struct EngineOptions {
   int max_batch_tokens = 256;    // new tokens per step (decode + prefill chunks)
   int max_running = 64;          // requests in steps at once
-  int max_waiting = 1024;        // queued beyond that: RESOURCE_EXHAUSTED
+  int max_waiting = 1024;        // queued beyond that: RESOURCE_EXHAUSTED, or another tenant's newest
+                                 // request pushed out (Engine::PushOutCandidateLocked)
   int64_t max_context = 8192;    // tokens per session (clamped to the model's)
   int default_max_tokens = 256;  // when a request gives 0
   // Step-time target while requests decode (see above). Zero: automatic, 1.5
@@ -295,13 +296,25 @@ class Engine {
   void Loop();
   // Sets up the request's KV session (engine thread). Returns false when done.
   bool Prepare(Request& r);
+  // Whether a queued request leaves at the engine thread's next turn (cancelled,
+  // pushed out, or past its deadline).
+  bool LeavingLocked(const Request& r, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queued requests that are not leaving: what --max_waiting bounds.
+  int QueuedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With the queue full, a request of `tenant` pushes out the newest queued
+  // request of the tenant holding the most of the queue, if that tenant holds at
+  // least two more than `tenant` (so one tenant's flood cannot lock the others
+  // out of the queue; a lone tenant is refused as before). Its id and tenant.
+  std::optional<std::pair<uint64_t, std::string>> PushOutCandidateLocked(const std::string& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves waiting requests to `admitted` while active_ and `admitted` hold fewer
   // than max_running, fairly across tenants: each slot goes to the tenant with the
   // fewest requests running, then to the one admitted least recently, so that one
   // tenant's backlog does not queue another's requests behind it; a tenant's own
   // requests keep their arrival order.
   void AdmitFairlyLocked(std::vector<std::unique_ptr<Request>>& admitted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Brings prefill_served_ to the tenants with a prompt to compute in active_.
+  // Brings prefill_served_ to the tenants with a prompt to compute in active_,
+  // and tenant_prefilled_ to the tenants with requests there.
   void TrackTenantPrefill();
   // Runs one step over active_. Returns false when nothing could run.
   bool Step();
@@ -400,7 +413,9 @@ class Engine {
 
   // Engine thread only.
   std::vector<std::unique_ptr<Request>> active_;
-  int64_t prefilled_tokens_ = 0;  // prompt tokens computed since start (ages waiting prompts)
+  // Tenants with requests in active_ -> prompt tokens computed for them since
+  // (ages their waiting prompts: Request::admitted_at_prefill).
+  absl::flat_hash_map<std::string, int64_t> tenant_prefilled_;
   // Tenants with a prompt to compute -> prompt tokens computed for them since they
   // started waiting, which a tenant joining starts at the least of the others'.
   // The least served tenant's prompts go first (fair queuing across tenants).

@@ -585,6 +585,88 @@ TEST_F(EngineTest, PromptsAreComputedFairlyAcrossTenants) {
   held.Wait();
 }
 
+// A prompt ages by its own tenant's prompt work, not every tenant's: a tenant's
+// short next prompt still goes before its own older long one while another
+// tenant's prompts are computed in between (aged by all work, the long one,
+// older, would tie with it and go first).
+TEST_F(EngineTest, PromptsAgeByTheirOwnTenantsWork) {
+  EngineOptions o;
+  o.max_batch_tokens = 33;  // the held request's decode and two pages of prompt
+  o.max_step_time = absl::Milliseconds(-1);
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector held;
+  const int s0 = runner_->steps();
+  auto held_id = SubmitHeldInItsThirdStep("held", &held);  // inside step s0 + 3
+  ASSERT_TRUE(held_id.ok()) << held_id.status();
+  FirstTokenOrder order;
+  FirstTokenOrder::Request a1(&order, "a1"), a2(&order, "a2"), a3(&order, "a3"), b1(&order, "b1"),
+      b2(&order, "b2");
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(32, 1), 2, "a"), &a1).ok());
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(32, 2), 2, "a"), &a2).ok());
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(32, 3), 2, "a"), &a3).ok());
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(96, 4), 2, "b"), &b1).ok());
+  // Steps s0 + 4, 5, 6 compute a1, b1's first 32 tokens and a2 (the least served
+  // tenant first); b2 arrives during s0 + 6, when b1 has 64 tokens left.
+  runner_->LimitSteps(s0 + 5);
+  runner_->WaitForEntered(s0 + 6);
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(16, 5), 2, "b"), &b2).ok());
+  runner_->LimitSteps(-1);
+  for (Collector* c : std::initializer_list<Collector*>{&a1, &a2, &a3, &b1, &b2}) {
+    c->Wait();
+    EXPECT_TRUE(c->status.ok()) << c->status;
+  }
+  const std::vector<std::string> labels = order.labels();
+  auto at = [&labels](const std::string& label) {
+    return std::find(labels.begin(), labels.end(), label) - labels.begin();
+  };
+  EXPECT_LT(at("b2"), at("b1")) << ::testing::PrintToString(labels);
+  engine_->Cancel(*held_id);
+  held.Wait();
+}
+
+// A full queue does not lock other tenants out: a request of a tenant holding
+// at least two fewer queued requests than the fullest one pushes out that
+// tenant's newest (RESOURCE_EXHAUSTED, before any token, its quota given back);
+// otherwise it is refused as before.
+TEST_F(EngineTest, FullQueuePushesOutTheFullestTenantsNewestRequest) {
+  EngineOptions o;
+  o.max_running = 1;
+  o.max_waiting = 3;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector held;
+  auto held_id = SubmitHeldInItsThirdStep("held", &held);  // tenant "t"
+  ASSERT_TRUE(held_id.ok()) << held_id.status();
+  Collector a[4], b[2];
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5, i), 2, "a"), &a[i]).ok());
+  }
+  auto refused = engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5, 3), 2, "a"), &a[3]);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("queue full"));
+  // b holds none: a's newest (a[2]) makes room.
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5, 4), 2, "b"), &b[0]).ok());
+  // a holds 2, b 1: neither may push the other out now.
+  EXPECT_EQ(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5, 5), 2, "b"), &b[1]).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5, 6), 2, "a"), &a[3]).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  engine_->Cancel(*held_id);
+  runner_->LimitSteps(-1);  // the pushed-out request leaves at the engine thread's next turn
+  a[2].Wait();
+  EXPECT_EQ(a[2].status.code(), absl::StatusCode::kResourceExhausted) << a[2].status;
+  EXPECT_THAT(std::string(a[2].status.message()), ::testing::HasSubstr("tenant 'a' held the most"));
+  EXPECT_TRUE(a[2].tokens.empty());
+  held.Wait();
+  for (int i = 0; i < 2; ++i) {
+    a[i].Wait();
+    EXPECT_TRUE(a[i].status.ok()) << a[i].status;
+  }
+  b[0].Wait();
+  EXPECT_TRUE(b[0].status.ok()) << b[0].status;
+  ASSERT_TRUE(engine_->WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(engine_->tracked_request_ids(), 0u);
+}
+
 TEST_F(EngineTest, QueuedRequestsHonourCancelAndDeadlineAtOnce) {
   EngineOptions o;
   o.max_running = 1;
