@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -805,35 +806,47 @@ bool Engine::Step() {
 }
 
 void Engine::AdmitFairlyLocked(std::vector<std::unique_ptr<Request>>& admitted) {
-  if (waiting_.empty() || static_cast<int>(active_.size()) >= options_.max_running) return;
-  absl::flat_hash_map<absl::string_view, int> running;  // tenant -> requests in active_ and `admitted`
-  for (const auto& r : active_) ++running[r->req.tenant];
-  while (!waiting_.empty() && static_cast<int>(active_.size() + admitted.size()) < options_.max_running) {
-    // The oldest waiting request of the tenant with the fewest running, then the
-    // one admitted least recently (never: first); one pass, ties keep arrival order.
-    auto best = waiting_.end();
-    std::pair<int, int64_t> best_key;
-    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
-      const std::string& tenant = (*it)->req.tenant;
-      auto run = running.find(tenant);
-      auto last = last_admitted_.find(tenant);
-      const std::pair<int, int64_t> key(run == running.end() ? 0 : run->second,
-                                        last == last_admitted_.end() ? -1 : last->second);
-      if (best == waiting_.end() || key < best_key) {
-        best = it;
-        best_key = key;
+  const int room = options_.max_running - static_cast<int>(active_.size());
+  if (waiting_.empty() || room <= 0) return;
+  struct Tenant {
+    int running = 0;              // in active_ and `admitted`
+    int64_t last_admitted = -1;   // -1: never (while it had requests here)
+    std::vector<size_t> waiting;  // its indices in waiting_, in arrival order
+    size_t next = 0;              // the first of them not admitted
+  };
+  absl::flat_hash_map<absl::string_view, Tenant> tenants;
+  for (const auto& r : active_) ++tenants[r->req.tenant].running;
+  for (size_t i = 0; i < waiting_.size(); ++i) tenants[waiting_[i]->req.tenant].waiting.push_back(i);
+  for (auto& [name, t] : tenants) {
+    if (auto it = last_admitted_.find(name); it != last_admitted_.end()) t.last_admitted = it->second;
+  }
+  for (int n = 0; n < room; ++n) {
+    // The tenant with the fewest running, then the one admitted least recently,
+    // then the one whose next request arrived first.
+    Tenant* best = nullptr;
+    absl::string_view best_name;
+    for (auto& [name, t] : tenants) {
+      if (t.next == t.waiting.size()) continue;
+      if (best == nullptr ||
+          std::make_tuple(t.running, t.last_admitted, t.waiting[t.next]) <
+              std::make_tuple(best->running, best->last_admitted, best->waiting[best->next])) {
+        best = &t;
+        best_name = name;
       }
     }
-    const std::string& tenant = (*best)->req.tenant;
-    ++running[tenant];
-    last_admitted_[tenant] = admissions_++;
-    admitted.push_back(std::move(*best));
-    waiting_.erase(best);
+    if (best == nullptr) break;  // nothing left to admit
+    admitted.push_back(std::move(waiting_[best->waiting[best->next++]]));
+    ++best->running;
+    best->last_admitted = admissions_++;
+    last_admitted_[best_name] = best->last_admitted;
   }
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), nullptr), waiting_.end());
   // Forget tenants with nothing queued or running, so that the map stays as small
   // as the engine's requests; such a tenant that comes back counts as never admitted.
-  for (const auto& r : waiting_) running.try_emplace(r->req.tenant, 0);
-  absl::erase_if(last_admitted_, [&running](const auto& entry) { return !running.contains(entry.first); });
+  absl::erase_if(last_admitted_, [&tenants](const auto& entry) {
+    auto it = tenants.find(entry.first);
+    return it == tenants.end() || (it->second.running == 0 && it->second.next == it->second.waiting.size());
+  });
 }
 
 void Engine::Loop() {
