@@ -1042,6 +1042,30 @@ TEST_F(WorkerTest, WorkerAndModelInfoRefuseTheSameBadBudgetFlags) {
   EXPECT_THAT(out, HasSubstr("--page_tokens=32 --kv_dtype=bf16"));
 }
 
+// KV budgets the worker's memory limit cannot hold (--memory_limit_bytes, else
+// the container's cgroup limit) stop it at start with the sum spelled out,
+// instead of the OOM killer ending it, and its sessions, at peak load.
+TEST_F(WorkerTest, RefusesKvBudgetsAboveItsMemoryLimit) {
+  const std::string worker = testing::BinaryPath("worker/kvcache-worker") +
+                             " --allow_unauthenticated --model=" + *tiny_model_ +
+                             " --memory_limit_bytes=1073741824";
+  auto [code, out] = testing::RunToExit(worker + " --tier0_bytes=268435456 --tier1_bytes=1073741824");
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_THAT(
+      out,
+      HasSubstr("--tier0_bytes=268435456 (tier 0 is host memory on the CPU) + --tier1_bytes=1073741824"));
+  EXPECT_THAT(out, HasSubstr("above this worker's memory limit of 1073741824 bytes (--memory_limit_bytes)"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+
+  // Within the limit it serves; a negative limit turns the check off.
+  for (const char* limit : {"--memory_limit_bytes=1073741824", "--memory_limit_bytes=-1"}) {
+    auto w = StartWorker({limit, "--tier0_bytes=268435456", "--tier1_bytes=268435456"});
+    ASSERT_NE(w, nullptr) << limit;
+    auto stub = v1::Worker::NewStub(w->channel());
+    EXPECT_TRUE(Generate(stub.get(), Text("", "within the limit", 2)).status.ok()) << limit;
+  }
+}
+
 TEST_F(WorkerTest, MetricsPassPromtool) {
   auto w = StartWorker({});
   ASSERT_NE(w, nullptr);
