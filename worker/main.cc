@@ -183,43 +183,84 @@ absl::Status CheckFlags() {
 // and the libraries).
 constexpr int64_t kProcessOverheadBytes = int64_t{256} << 20;
 
-// Host memory the worker will use (tier 1, tier 0 on the CPU backend, one copy of
-// the weights, kProcessOverheadBytes) against the container's memory limit:
-// INVALID_ARGUMENT above it, so that a budget the container cannot hold fails at
-// start, not by the OOM killer at peak load, where every session would be lost.
-// Above the machine's RAM (no container limit) it only warns: the tiers are
-// committed as they fill.
-absl::Status CheckMemoryBudget(const backend::DeviceSpec& device, const std::string& model_path) {
+// Tier 0 that defaults shrink to at most, to fit a memory limit.
+constexpr int64_t kMinDefaultTier0Bytes = int64_t{64} << 20;
+
+struct TierBudgets {
+  int64_t tier0 = 0;
+  int64_t tier1 = 0;
+};
+
+template <typename T>
+bool IsDefault(const absl::Flag<T>& flag) {
+  return absl::GetFlagReflectionHandle(flag).CurrentValue() ==
+         absl::GetFlagReflectionHandle(flag).DefaultValue();
+}
+
+// The KV budgets against the host memory the worker may use (tier 1, tier 0 on
+// the CPU backend, one copy of the weights, kProcessOverheadBytes): the
+// container's cgroup limit or --memory_limit_bytes. Budgets left at their
+// defaults shrink to fit (tier 1 first, then tier 0 down to
+// kMinDefaultTier0Bytes), with a warning; budgets given that do not fit are
+// INVALID_ARGUMENT, so that the mistake stops the worker at start, not the OOM
+// killer at peak load, where every session would be lost. Above the machine's
+// RAM with no limit it only warns: the tiers are committed as they fill.
+absl::StatusOr<TierBudgets> FitMemoryLimit(const backend::DeviceSpec& device, const std::string& model_path) {
+  TierBudgets b{absl::GetFlag(FLAGS_tier0_bytes), absl::GetFlag(FLAGS_tier1_bytes)};
   std::error_code error;
-  const auto model_bytes = static_cast<int64_t>(std::filesystem::file_size(model_path, error));
+  const auto file_bytes = static_cast<int64_t>(std::filesystem::file_size(model_path, error));
+  const int64_t weights = error ? 0 : file_bytes;
   const bool host_tier0 = device.kind == backend::DeviceSpec::Kind::kCpu;
-  const int64_t tier0 = absl::GetFlag(FLAGS_tier0_bytes), tier1 = absl::GetFlag(FLAGS_tier1_bytes);
-  const int64_t weights = error ? 0 : model_bytes;
-  int64_t need = 0;  // saturating: the flags have no upper bound
-  for (int64_t part : {host_tier0 ? tier0 : 0, tier1, weights, kProcessOverheadBytes}) {
-    need =
-        part > std::numeric_limits<int64_t>::max() - need ? std::numeric_limits<int64_t>::max() : need + part;
-  }
+  auto need = [&] {
+    int64_t sum = 0;  // saturating: the flags have no upper bound
+    for (int64_t part : {host_tier0 ? b.tier0 : 0, b.tier1, weights, kProcessOverheadBytes}) {
+      sum =
+          part > std::numeric_limits<int64_t>::max() - sum ? std::numeric_limits<int64_t>::max() : sum + part;
+    }
+    return sum;
+  };
   auto what = [&] {
     return absl::StrCat(
-        host_tier0 ? absl::StrCat("--tier0_bytes=", tier0, " (tier 0 is host memory on the CPU) + ") : "",
-        "--tier1_bytes=", tier1, " + the model's ", weights, " bytes + about ", kProcessOverheadBytes >> 20,
-        " MiB for the process = ", need, " bytes");
+        host_tier0 ? absl::StrCat("--tier0_bytes=", b.tier0, " (tier 0 is host memory on the CPU) + ") : "",
+        "--tier1_bytes=", b.tier1, " + the model's ", weights, " bytes + about ", kProcessOverheadBytes >> 20,
+        " MiB for the process = ", need(), " bytes");
   };
   const int64_t flag = absl::GetFlag(FLAGS_memory_limit_bytes);
-  if (flag < 0) return absl::OkStatus();
+  if (flag < 0) return b;
   std::optional<CgroupLimit> limit =
       flag > 0 ? std::optional<CgroupLimit>(CgroupLimit{flag, "--memory_limit_bytes"}) : ProcessMemoryLimit();
-  if (limit && need > limit->bytes) {
+  if (!limit) {
+    if (std::optional<int64_t> ram = PhysicalMemoryBytes(); ram && need() > *ram) {
+      KV_LOG_WARN("{}, above this machine's {} bytes of RAM: the tiers will not fill before memory runs out",
+                  what(), *ram);
+    }
+    return b;
+  }
+  if (need() <= limit->bytes) return b;
+  const TierBudgets asked = b;
+  int64_t over = need() - limit->bytes;
+  if (IsDefault(FLAGS_tier1_bytes)) {
+    const int64_t cut = std::min(over, b.tier1);
+    b.tier1 -= cut;
+    over -= cut;
+  }
+  if (over > 0 && host_tier0 && IsDefault(FLAGS_tier0_bytes) && b.tier0 > kMinDefaultTier0Bytes) {
+    const int64_t cut = std::min(over, b.tier0 - kMinDefaultTier0Bytes);
+    b.tier0 -= cut;
+    over -= cut;
+  }
+  if (over > 0) {
+    b = asked;
     return absl::InvalidArgumentError(
         absl::StrCat(what(), ", above this worker's memory limit of ", limit->bytes, " bytes (", limit->file,
-                     "): lower --tier1_bytes or --tier0_bytes, or raise the limit"));
+                     "): lower --tier1_bytes or --tier0_bytes, or raise the limit (budgets left at their "
+                     "defaults shrink to fit; budgets given do not)"));
   }
-  if (std::optional<int64_t> ram = PhysicalMemoryBytes(); ram && need > *ram) {
-    KV_LOG_WARN("{}, above this machine's {} bytes of RAM: the tiers will not fill before memory runs out",
-                what(), *ram);
-  }
-  return absl::OkStatus();
+  KV_LOG_WARN(
+      "default KV budgets shrunk to fit this worker's memory limit of {} bytes ({}): --tier0_bytes={} "
+      "(default {}), --tier1_bytes={} (default {}); {}",
+      limit->bytes, limit->file, b.tier0, asked.tier0, b.tier1, asked.tier1, what());
+  return b;
 }
 
 int Run() {
@@ -234,10 +275,9 @@ int Run() {
 
   std::string model_path = absl::GetFlag(FLAGS_model);
   if (model_path.empty()) model_path = gguf::DefaultModelPath();
-  if (absl::Status st = CheckMemoryBudget(*backend::ParseDevice(absl::GetFlag(FLAGS_device)), model_path);
-      !st.ok()) {
-    DieWith(kName, st);
-  }
+  absl::StatusOr<TierBudgets> budgets =
+      FitMemoryLimit(*backend::ParseDevice(absl::GetFlag(FLAGS_device)), model_path);
+  if (!budgets.ok()) DieWith(kName, budgets.status());
   auto model = model::LlamaModel::Load(model_path);
   if (!model.ok()) DieWith(kName, model.status(), 1);
   const gguf::LlamaHparams& hp = (*model)->hparams();
@@ -263,8 +303,8 @@ int Run() {
                          static_cast<int>(hp.head_dim),    *kv::ParseDtype(absl::GetFlag(FLAGS_kv_dtype)),
                          absl::GetFlag(FLAGS_page_tokens), static_cast<int>(hp.sliding_window)};
   ko.model_id = (*model)->model_id();
-  ko.tier0_bytes = absl::GetFlag(FLAGS_tier0_bytes);
-  ko.tier1_bytes = absl::GetFlag(FLAGS_tier1_bytes);
+  ko.tier0_bytes = budgets->tier0;
+  ko.tier1_bytes = budgets->tier1;
   ko.max_session_tokens = absl::GetFlag(FLAGS_max_context);
   ko.storage_factory = (*backend)->MakeTierStorageFactory();
   auto kv = kv::KvCacheManager::Create(ko);

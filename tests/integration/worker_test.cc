@@ -1042,10 +1042,11 @@ TEST_F(WorkerTest, WorkerAndModelInfoRefuseTheSameBadBudgetFlags) {
   EXPECT_THAT(out, HasSubstr("--page_tokens=32 --kv_dtype=bf16"));
 }
 
-// KV budgets the worker's memory limit cannot hold (--memory_limit_bytes, else
-// the container's cgroup limit) stop it at start with the sum spelled out,
-// instead of the OOM killer ending it, and its sessions, at peak load.
-TEST_F(WorkerTest, RefusesKvBudgetsAboveItsMemoryLimit) {
+// KV budgets given that the worker's memory limit cannot hold
+// (--memory_limit_bytes, else the container's cgroup limit) stop it at start
+// with the sum spelled out, instead of the OOM killer ending it, and its
+// sessions, at peak load; budgets left at their defaults shrink to fit.
+TEST_F(WorkerTest, KvBudgetsFitItsMemoryLimit) {
   const std::string worker = testing::BinaryPath("worker/kvcache-worker") +
                              " --allow_unauthenticated --model=" + *tiny_model_ +
                              " --memory_limit_bytes=1073741824";
@@ -1057,13 +1058,27 @@ TEST_F(WorkerTest, RefusesKvBudgetsAboveItsMemoryLimit) {
   EXPECT_THAT(out, HasSubstr("above this worker's memory limit of 1073741824 bytes (--memory_limit_bytes)"));
   EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
 
-  // Within the limit it serves; a negative limit turns the check off.
+  // Within the limit it serves as given; a negative limit turns the check off.
   for (const char* limit : {"--memory_limit_bytes=1073741824", "--memory_limit_bytes=-1"}) {
     auto w = StartWorker({limit, "--tier0_bytes=268435456", "--tier1_bytes=268435456"});
     ASSERT_NE(w, nullptr) << limit;
     auto stub = v1::Worker::NewStub(w->channel());
     EXPECT_TRUE(Generate(stub.get(), Text("", "within the limit", 2)).status.ok()) << limit;
+    auto metrics = testing::HttpGet(w->metrics_port(), "/metrics");
+    ASSERT_TRUE(metrics.ok());
+    EXPECT_THAT(*metrics, HasSubstr("kvcache_kv_capacity_bytes{tier=\"host\"} 268")) << limit;
   }
+
+  // The defaults (1 GiB of tier 0, 4 GiB of tier 1) shrink: tier 1 to nothing,
+  // tier 0 to what is left.
+  auto w = StartWorker({"--memory_limit_bytes=1073741824"});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  EXPECT_TRUE(Generate(stub.get(), Text("", "defaults that fit", 2)).status.ok());
+  auto metrics = testing::HttpGet(w->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_THAT(*metrics, HasSubstr("kvcache_kv_capacity_bytes{tier=\"host\"} 0\n"));
+  EXPECT_THAT(*metrics, ::testing::Not(HasSubstr("kvcache_kv_capacity_bytes{tier=\"device\"} 1073741824")));
 }
 
 TEST_F(WorkerTest, MetricsPassPromtool) {
