@@ -1,6 +1,7 @@
 #include "common/memory_limit.h"
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -76,6 +77,14 @@ std::optional<CgroupLimit> ProcessMemoryLimit() {
   std::optional<std::string> proc = ReadFile("/proc/self/cgroup");
   if (!proc) return std::nullopt;
   return CgroupMemoryLimit(*proc, "/sys/fs/cgroup");
+}
+
+int64_t WorkerHostBytes(int64_t host_tier0, int64_t tier1, int64_t weights) {
+  int64_t sum = 0;
+  for (int64_t part : {host_tier0, tier1, weights, kWorkerProcessBytes}) {
+    sum = part > std::numeric_limits<int64_t>::max() - sum ? std::numeric_limits<int64_t>::max() : sum + part;
+  }
+  return sum;
 }
 
 std::optional<int64_t> PhysicalMemoryBytes() {

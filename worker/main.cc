@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <limits>
 #include <optional>
 #include <string>
 
@@ -176,13 +175,6 @@ absl::Status CheckFlags() {
   return kv::ParseDtype(absl::GetFlag(FLAGS_kv_dtype)).status();
 }
 
-// Process memory beside the KV tiers and one copy of the model's weights, with
-// room for activations and gRPC buffers. A SmolLM2 worker with 16 MiB of tier 0
-// measured 233 MiB of RSS at start: 120 MiB anonymous (94 MiB of it the re-laid
-// weights) and 113 MiB of mapped files (the model, which the kernel can reclaim,
-// and the libraries).
-constexpr int64_t kProcessOverheadBytes = int64_t{256} << 20;
-
 // Tier 0 that defaults shrink to at most, to fit a memory limit.
 constexpr int64_t kMinDefaultTier0Bytes = int64_t{64} << 20;
 
@@ -198,7 +190,7 @@ bool IsDefault(const absl::Flag<T>& flag) {
 }
 
 // The KV budgets against the host memory the worker may use (tier 1, tier 0 on
-// the CPU backend, one copy of the weights, kProcessOverheadBytes): the
+// the CPU backend, one copy of the weights, kWorkerProcessBytes): the
 // container's cgroup limit or --memory_limit_bytes. Budgets left at their
 // defaults shrink to fit (tier 1 first, then tier 0 down to
 // kMinDefaultTier0Bytes), with a warning; budgets given that do not fit are
@@ -211,18 +203,11 @@ absl::StatusOr<TierBudgets> FitMemoryLimit(const backend::DeviceSpec& device, co
   const auto file_bytes = static_cast<int64_t>(std::filesystem::file_size(model_path, error));
   const int64_t weights = error ? 0 : file_bytes;
   const bool host_tier0 = device.kind == backend::DeviceSpec::Kind::kCpu;
-  auto need = [&] {
-    int64_t sum = 0;  // saturating: the flags have no upper bound
-    for (int64_t part : {host_tier0 ? b.tier0 : 0, b.tier1, weights, kProcessOverheadBytes}) {
-      sum =
-          part > std::numeric_limits<int64_t>::max() - sum ? std::numeric_limits<int64_t>::max() : sum + part;
-    }
-    return sum;
-  };
+  auto need = [&] { return WorkerHostBytes(host_tier0 ? b.tier0 : 0, b.tier1, weights); };
   auto what = [&] {
     return absl::StrCat(
         host_tier0 ? absl::StrCat("--tier0_bytes=", b.tier0, " (tier 0 is host memory on the CPU) + ") : "",
-        "--tier1_bytes=", b.tier1, " + the model's ", weights, " bytes + about ", kProcessOverheadBytes >> 20,
+        "--tier1_bytes=", b.tier1, " + the model's ", weights, " bytes + about ", kWorkerProcessBytes >> 20,
         " MiB for the process = ", need(), " bytes");
   };
   const int64_t flag = absl::GetFlag(FLAGS_memory_limit_bytes);

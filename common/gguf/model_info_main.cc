@@ -19,6 +19,7 @@
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/llama_hparams.h"
 #include "common/gguf/model_path.h"
+#include "common/memory_limit.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "worker/backend/cpu/matmul.h"
@@ -161,6 +162,23 @@ int main(int argc, char** argv) {
   }
   printf("weights: %lld bytes (mapped from the file on the CPU backend)\n",
          static_cast<long long>(weight_bytes));
+  // The sum the worker checks against its memory limit at start (worker/main.cc).
+  const auto file_bytes = static_cast<int64_t>(f.file_size());
+  const int64_t host_cpu = kvcache::WorkerHostBytes(absl::GetFlag(FLAGS_tier0_bytes),
+                                                    absl::GetFlag(FLAGS_tier1_bytes), file_bytes);
+  const int64_t host_cuda = kvcache::WorkerHostBytes(0, absl::GetFlag(FLAGS_tier1_bytes), file_bytes);
+  printf(
+      "host memory: %lld bytes on the CPU backend (tier 0 + tier 1 + the file + %lld MiB for the process), "
+      "%lld with tier 0 on a GPU\n",
+      static_cast<long long>(host_cpu), static_cast<long long>(kvcache::kWorkerProcessBytes >> 20),
+      static_cast<long long>(host_cuda));
+  if (std::optional<kvcache::CgroupLimit> limit = kvcache::ProcessMemoryLimit()) {
+    printf("  this container's memory limit: %lld bytes (%s)%s\n", static_cast<long long>(limit->bytes),
+           limit->file.c_str(),
+           host_cpu > limit->bytes
+               ? ": a CPU worker refuses these budgets given, and shrinks them as defaults"
+               : "");
+  }
   // The CUDA runner uploads every matrix unchanged (worker/backend/cuda/weight_kernels.h).
   int64_t matrix_bytes = 0, matrix_f16_bytes = 0;
   bool device_reads_all = true;

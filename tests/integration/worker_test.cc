@@ -1057,6 +1057,15 @@ TEST_F(WorkerTest, KvBudgetsFitItsMemoryLimit) {
       HasSubstr("--tier0_bytes=268435456 (tier 0 is host memory on the CPU) + --tier1_bytes=1073741824"));
   EXPECT_THAT(out, HasSubstr("above this worker's memory limit of 1073741824 bytes (--memory_limit_bytes)"));
   EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+  // kvcache-model-info prints the same sum for the same flags.
+  auto [info_code, info] =
+      testing::RunToExit(testing::BinaryPath("common/gguf/kvcache-model-info") + " --model=" + *tiny_model_ +
+                         " --tier0_bytes=268435456 --tier1_bytes=1073741824");
+  ASSERT_EQ(info_code, 0) << info;
+  const size_t at = info.find("host memory: ");
+  ASSERT_NE(at, std::string::npos) << info;
+  const std::string sum = info.substr(at + 13, info.find(' ', at + 13) - (at + 13));
+  EXPECT_THAT(out, HasSubstr(" = " + sum + " bytes")) << info;
 
   // Within the limit it serves as given; a negative limit turns the check off.
   for (const char* limit : {"--memory_limit_bytes=1073741824", "--memory_limit_bytes=-1"}) {
