@@ -119,6 +119,29 @@ def baked_model(dockerfile):
     return m.group(1)
 
 
+# The model the images bake (SmolLM2-135M-Instruct Q4_1).
+BAKED_MODEL_BYTES = 98_362_432
+
+
+def worker_process_bytes():
+    """kWorkerProcessBytes of common/memory_limit.h: the worker's memory beside its tiers and model."""
+    with open(os.path.join(ROOT, "common", "memory_limit.h")) as fh:
+        m = re.search(r"kWorkerProcessBytes = int64_t\{(\d+)\} << (\d+);", fh.read())
+    if not m:
+        sys.exit("FAIL: kWorkerProcessBytes not found in common/memory_limit.h")
+    return int(m.group(1)) << int(m.group(2))
+
+
+def memory_bytes(quantity):
+    """A Kubernetes memory quantity (\"6Gi\", \"512Mi\", \"4G\", bytes) in bytes; None if unreadable."""
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?", str(quantity or ""))
+    if not m:
+        return None
+    scale = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9,
+             "T": 10**12}[m.group(2)]
+    return int(m.group(1)) * scale
+
+
 def router_default_seconds(flag):
     """The default of a router duration flag given as absl::Seconds(N)."""
     with open(os.path.join(ROOT, "router", "main.cc")) as fh:
@@ -490,6 +513,14 @@ def check_variant(variant, objs, gpu, tls, autoscaling, exposed):
             for k in ("tier0_bytes", "tier1_bytes", "page_tokens", "threads", "max_batch_tokens", "max_context"):
                 if not expand(f.get(k, "")).isdigit():
                     err(variant, f"worker: --{k}={expand(f.get(k, ''))} is not a number")
+            # The budgets fit the memory limit as the worker checks at start (else it refuses them):
+            # tier 1, tier 0 on the CPU, the model and the process (common/memory_limit.h).
+            tiers = [int(v) if (v := expand(f.get(k, ""))).isdigit() else 0 for k in ("tier0_bytes", "tier1_bytes")]
+            need = (0 if gpu else tiers[0]) + tiers[1] + BAKED_MODEL_BYTES + worker_process_bytes()
+            limit = memory_bytes(res.get("limits", {}).get("memory"))
+            if limit is None or need > limit:
+                err(variant, f"worker: memory limit {res.get('limits', {}).get('memory')} below the "
+                             f"{need / 2**30:.2f} GiB its KV budgets, model and process need")
 
     # One model: the router hashes prompts with the workers' tokenizer.
     models = {role: flags[role][1](flags[role][0].get("model", "")) for role in workloads}
