@@ -871,7 +871,7 @@ void Engine::Loop() {
       // their queue slot, session and tenant quota without waiting for admission.
       const absl::Time now = absl::Now();
       for (auto it = waiting_.begin(); it != waiting_.end();) {
-        if (cancelled_.contains((*it)->id) || now > (*it)->req.deadline) {
+        if (LeavingLocked(**it, now)) {
           expired.push_back(std::move(*it));
           it = waiting_.erase(it);
         } else {

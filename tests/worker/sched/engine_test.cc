@@ -487,22 +487,22 @@ TEST_F(EngineTest, AppendWithTokensReadDropsTheUnreadEndOfTheLastReply) {
   EXPECT_EQ(d.tokens, Expected(seen, 2));
 }
 
-// Collects a request's tokens and notes, in a list shared by several requests,
-// when it sampled its first one (observers run on the engine thread).
+// Submits labelled requests and notes the order in which they sample their first
+// token (observers run on the engine thread).
 class FirstTokenOrder {
  public:
-  class Request : public Collector {
-   public:
-    Request(FirstTokenOrder* order, std::string label) : order_(order), label_(std::move(label)) {}
-    void OnToken(int32_t id, absl::string_view text) override {
-      if (tokens.empty()) order_->Add(label_);
-      Collector::OnToken(id, text);
-    }
+  absl::Status Submit(Engine& engine, const std::string& label, GenerateRequest request) {
+    requests_.push_back(std::make_unique<Request>(this, label));
+    return engine.Submit(std::move(request), requests_.back().get()).status();
+  }
 
-   private:
-    FirstTokenOrder* const order_;
-    const std::string label_;
-  };
+  // Waits for every request submitted; each must have succeeded.
+  void WaitAllOk() {
+    for (auto& r : requests_) {
+      r->Wait();
+      EXPECT_TRUE(r->status.ok()) << r->label() << ": " << r->status;
+    }
+  }
 
   std::vector<std::string> labels() {
     absl::MutexLock lock(&mu_);
@@ -510,11 +510,26 @@ class FirstTokenOrder {
   }
 
  private:
+  class Request : public Collector {
+   public:
+    Request(FirstTokenOrder* order, std::string label) : order_(order), label_(std::move(label)) {}
+    void OnToken(int32_t id, absl::string_view text) override {
+      if (tokens.empty()) order_->Add(label_);
+      Collector::OnToken(id, text);
+    }
+    const std::string& label() const { return label_; }
+
+   private:
+    FirstTokenOrder* const order_;
+    const std::string label_;
+  };
+
   void Add(const std::string& label) {
     absl::MutexLock lock(&mu_);
     labels_.push_back(label);
   }
 
+  std::vector<std::unique_ptr<Request>> requests_;
   absl::Mutex mu_;
   std::vector<std::string> labels_ ABSL_GUARDED_BY(mu_);
 };
@@ -528,27 +543,21 @@ TEST_F(EngineTest, QueuedRequestsAreAdmittedFairlyAcrossTenants) {
   o.max_running = 1;
   Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
   FirstTokenOrder order;
-  const std::vector<std::pair<std::string, std::string>> queued = {
-      {"a2", "a"}, {"a3", "a"}, {"b1", "b"}, {"b2", "b"}, {"c1", "c"}};
-  std::vector<std::unique_ptr<FirstTokenOrder::Request>> requests;
-  requests.push_back(std::make_unique<FirstTokenOrder::Request>(&order, "a1"));
   const int s0 = runner_->steps();
   runner_->LimitSteps(s0 + 1);
-  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(5), 3, "a"), requests[0].get()).ok());
+  ASSERT_TRUE(order.Submit(*engine_, "a1", Req("", RequestMode::kFullContext, Prompt(5), 3, "a")).ok());
   runner_->WaitForEntered(s0 + 2);  // a1 runs; the others queue behind it
+  const std::vector<std::pair<std::string, std::string>> queued = {
+      {"a2", "a"}, {"a3", "a"}, {"b1", "b"}, {"b2", "b"}, {"c1", "c"}};
   for (size_t i = 0; i < queued.size(); ++i) {
-    requests.push_back(std::make_unique<FirstTokenOrder::Request>(&order, queued[i].first));
-    ASSERT_TRUE(engine_
-                    ->Submit(Req("", RequestMode::kFullContext, Prompt(5, static_cast<int>(i) + 1), 3,
-                                 queued[i].second),
-                             requests.back().get())
+    const auto& [label, tenant] = queued[i];
+    ASSERT_TRUE(order
+                    .Submit(*engine_, label,
+                            Req("", RequestMode::kFullContext, Prompt(5, static_cast<int>(i) + 1), 3, tenant))
                     .ok());
   }
   runner_->LimitSteps(-1);
-  for (auto& r : requests) {
-    r->Wait();
-    EXPECT_TRUE(r->status.ok()) << r->status;
-  }
+  order.WaitAllOk();
   EXPECT_THAT(order.labels(), ::testing::ElementsAre("a1", "b1", "c1", "a2", "b2", "a3"));
 }
 
@@ -565,21 +574,15 @@ TEST_F(EngineTest, PromptsAreComputedFairlyAcrossTenants) {
   auto held_id = SubmitHeldInItsThirdStep("held", &held);
   ASSERT_TRUE(held_id.ok()) << held_id.status();
   FirstTokenOrder order;
-  std::vector<std::unique_ptr<FirstTokenOrder::Request>> requests;
   for (int i = 0; i < 5; ++i) {
     const bool b = i == 4;
-    requests.push_back(
-        std::make_unique<FirstTokenOrder::Request>(&order, b ? "b1" : absl::StrCat("a", i + 1)));
-    ASSERT_TRUE(engine_
-                    ->Submit(Req("", RequestMode::kFullContext, Prompt(b ? 48 : 32, i + 1), 2, b ? "b" : "a"),
-                             requests.back().get())
+    ASSERT_TRUE(order
+                    .Submit(*engine_, b ? "b1" : absl::StrCat("a", i + 1),
+                            Req("", RequestMode::kFullContext, Prompt(b ? 48 : 32, i + 1), 2, b ? "b" : "a"))
                     .ok());
   }
   runner_->LimitSteps(-1);
-  for (auto& r : requests) {
-    r->Wait();
-    EXPECT_TRUE(r->status.ok()) << r->status;
-  }
+  order.WaitAllOk();
   EXPECT_THAT(order.labels(), ::testing::ElementsAre("a1", "b1", "a2", "a3", "a4"));
   engine_->Cancel(*held_id);
   held.Wait();
@@ -599,22 +602,20 @@ TEST_F(EngineTest, PromptsAgeByTheirOwnTenantsWork) {
   auto held_id = SubmitHeldInItsThirdStep("held", &held);  // inside step s0 + 3
   ASSERT_TRUE(held_id.ok()) << held_id.status();
   FirstTokenOrder order;
-  FirstTokenOrder::Request a1(&order, "a1"), a2(&order, "a2"), a3(&order, "a3"), b1(&order, "b1"),
-      b2(&order, "b2");
-  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(32, 1), 2, "a"), &a1).ok());
-  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(32, 2), 2, "a"), &a2).ok());
-  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(32, 3), 2, "a"), &a3).ok());
-  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(96, 4), 2, "b"), &b1).ok());
+  for (int i = 0; i < 4; ++i) {
+    const bool b = i == 3;
+    ASSERT_TRUE(order
+                    .Submit(*engine_, b ? "b1" : absl::StrCat("a", i + 1),
+                            Req("", RequestMode::kFullContext, Prompt(b ? 96 : 32, i + 1), 2, b ? "b" : "a"))
+                    .ok());
+  }
   // Steps s0 + 4, 5, 6 compute a1, b1's first 32 tokens and a2 (the least served
   // tenant first); b2 arrives during s0 + 6, when b1 has 64 tokens left.
   runner_->LimitSteps(s0 + 5);
   runner_->WaitForEntered(s0 + 6);
-  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(16, 5), 2, "b"), &b2).ok());
+  ASSERT_TRUE(order.Submit(*engine_, "b2", Req("", RequestMode::kFullContext, Prompt(16, 5), 2, "b")).ok());
   runner_->LimitSteps(-1);
-  for (Collector* c : std::initializer_list<Collector*>{&a1, &a2, &a3, &b1, &b2}) {
-    c->Wait();
-    EXPECT_TRUE(c->status.ok()) << c->status;
-  }
+  order.WaitAllOk();
   const std::vector<std::string> labels = order.labels();
   auto at = [&labels](const std::string& label) {
     return std::find(labels.begin(), labels.end(), label) - labels.begin();
