@@ -79,7 +79,7 @@ void DispatchLedger::SessionDispatched(const SessionKey& session, const std::str
   ++sessions_[session][worker];
 }
 
-void DispatchLedger::SessionFinished(const SessionKey& session, const std::string& worker) {
+void DispatchLedger::SessionFinished(const SessionKey& session, const std::string& worker, bool held) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session);
   assert(it != sessions_.end());
@@ -88,6 +88,7 @@ void DispatchLedger::SessionFinished(const SessionKey& session, const std::strin
   assert(w != it->second.end());
   if (w != it->second.end() && --w->second == 0) it->second.erase(w);
   if (it->second.empty()) sessions_.erase(it);
+  if (!held) return;
   const absl::Time now = absl::Now();
   recent_sessions_[session] = RecentSession{worker, now + kFinishedGrace};
   if (recent_sessions_.size() >= recent_purge_at_) {
@@ -109,6 +110,24 @@ std::optional<std::string> DispatchLedger::RecentSessionWorker(const SessionKey&
   auto r = recent_sessions_.find(session);
   if (r == recent_sessions_.end() || r->second.until <= absl::Now()) return std::nullopt;
   return r->second.worker;
+}
+
+std::vector<SessionKey> DispatchLedger::RecentSessionsNamed(const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  std::vector<SessionKey> out;
+  for (const auto& [key, on] : sessions_) {
+    if (key.session_id == session_id) out.push_back(key);
+  }
+  for (const auto& [key, r] : recent_sessions_) {
+    if (key.session_id == session_id && r.until > now && !sessions_.contains(key)) out.push_back(key);
+  }
+  return out;
+}
+
+void DispatchLedger::SessionClosed(const SessionKey& session) {
+  absl::MutexLock lock(&mu_);
+  recent_sessions_.erase(session);
 }
 
 size_t DispatchLedger::sessions_tracked() const {

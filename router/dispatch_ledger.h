@@ -58,13 +58,20 @@ class DispatchLedger {
   // the session's next request there too (whatever the placement mode): the
   // worker refuses a second request on a busy session with ABORTED, so that two
   // concurrent first requests on a new id never create it on two workers.
+  // `held`: the request left the session on `worker` (it ended OK, or sent a
+  // token before it failed).
   void SessionDispatched(const SessionKey& session, const std::string& worker);
-  void SessionFinished(const SessionKey& session, const std::string& worker);
+  void SessionFinished(const SessionKey& session, const std::string& worker, bool held);
   std::optional<std::string> SessionWorker(const SessionKey& session) const;
-  // The worker a request on `session` is in flight on, or where one ended in
+  // The worker a request on `session` is in flight on, or where one left it in
   // the last kFinishedGrace (the worker's placement event may not have reached
   // the directory yet): where the session lives as far as this router knows.
   std::optional<std::string> RecentSessionWorker(const SessionKey& session) const;
+  // Every tenant's session with this id in flight or recently left (as
+  // RecentSessionWorker): for admin calls, which name a session by id alone.
+  std::vector<SessionKey> RecentSessionsNamed(const std::string& session_id) const;
+  // The session was closed through this router: it lives nowhere now.
+  void SessionClosed(const SessionKey& session);
 
   Outstanding Get(const std::string& worker) const;
   // Leading pages of `chain` that requests in flight on `worker` are computing.

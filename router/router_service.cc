@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <type_traits>
 
@@ -205,11 +206,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       // the session on its new worker.
       stale_copy_.clear();
       if (!append_) {
-        // The directory, or this router's own recent request while the
-        // worker's placement event is on its way.
-        auto loc = router_->directory_->FindSession(key);
-        std::optional<std::string> home =
-            loc ? std::optional<std::string>(loc->worker) : router_->ledger_.RecentSessionWorker(key);
+        std::optional<WorkerId> home = router_->SessionHome(key);
         if (home && *home != placement_.worker) stale_copy_ = *home;
       }
       router_->ledger_.SessionDispatched(key, placement_.worker);
@@ -260,9 +257,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       dispatched_prefill_ = 0;
       if (!request_.session_id().empty()) {
         const SessionKey key{request_.tenant(), request_.session_id()};
-        router_->ledger_.SessionFinished(key, placement_.worker);
-        // Its new worker holds the session once a token came (or it ended OK).
-        if (!stale_copy_.empty() && (st.ok() || emitted_.size() > continued_from_)) {
+        // Its worker holds the session once a token came (or it ended OK).
+        const bool held = st.ok() || emitted_.size() > continued_from_;
+        router_->ledger_.SessionFinished(key, placement_.worker, held);
+        if (!stale_copy_.empty() && held) {
           router_->CloseStaleCopy(key, stale_copy_);
         }
         stale_copy_.clear();
@@ -438,6 +436,11 @@ bool RouterService::BeginCall() {
 void RouterService::EndCall() {
   absl::MutexLock lock(&mu_);
   --calls_in_flight_;
+}
+
+std::optional<WorkerId> RouterService::SessionHome(const SessionKey& key) const {
+  if (auto loc = directory_->FindSession(key)) return loc->worker;
+  return ledger_.RecentSessionWorker(key);
 }
 
 bool RouterService::MustWaitForSession(const SessionKey& key) const {
@@ -630,7 +633,7 @@ class RouterService::SessionForward final : public grpc::ServerUnaryReactor {
     if constexpr (std::is_same_v<Req, v1::ForkSessionRequest>) {
       if (absl::Status st = ValidateSessionId(request_.new_session_id()); !st.ok())
         return Answer(ToGrpcStatus(st));
-      if (router_->directory_->FindSession({request_.tenant(), request_.new_session_id()}).has_value()) {
+      if (router_->SessionHome({request_.tenant(), request_.new_session_id()}).has_value()) {
         return Answer(grpc::Status(grpc::ALREADY_EXISTS,
                                    absl::StrCat("session '", request_.new_session_id(), "' already exists")));
       }
@@ -667,6 +670,9 @@ class RouterService::SessionForward final : public grpc::ServerUnaryReactor {
                                        "' is not reachable (", st.error_message(),
                                        "); if it was lost, so was the session: resend the whole "
                                        "conversation with FULL_CONTEXT"));
+      }
+      if constexpr (std::is_same_v<Resp, v1::CloseSessionResponse>) {
+        if (st.ok()) router_->ledger_.SessionClosed({request_.tenant(), request_.session_id()});
       }
       Answer(st);
     });
@@ -783,15 +789,27 @@ void RouterService::MigrateByIdAsync(const std::string& session_id, const std::s
                                      Done<v1::MigrateSessionResponse> done) {
   if (absl::Status st = ValidateSessionId(session_id); !st.ok()) return std::move(done)(st);
   const std::vector<SessionLocation> named = directory_->SessionsNamed(session_id);
-  if (named.empty()) {
+  if (named.size() == 1) return MigrateAsync(named.front().key(), target, "admin", std::move(done));
+  // A session this router has just served may not have reached the directory
+  // yet: wait for its worker's placement event as a tenant's own call on it
+  // would (blocking, so on the executor).
+  const std::vector<SessionKey> recent =
+      named.empty() ? ledger_.RecentSessionsNamed(session_id) : std::vector<SessionKey>();
+  const size_t tenants = std::max(named.size(), recent.size());
+  if (tenants == 0) {
     return std::move(done)(absl::NotFoundError(absl::StrCat("session '", session_id, "' not found")));
   }
-  if (named.size() > 1) {
+  if (tenants > 1) {
     return std::move(done)(
-        absl::FailedPreconditionError(absl::StrCat("session id '", session_id, "' is used by ", named.size(),
+        absl::FailedPreconditionError(absl::StrCat("session id '", session_id, "' is used by ", tenants,
                                                    " tenants; the admin API cannot tell which one to move")));
   }
-  MigrateAsync(named.front().key(), target, "admin", std::move(done));
+  auto pending = std::make_shared<Done<v1::MigrateSessionResponse>>(std::move(done));
+  const bool queued = executor_.Schedule([this, key = recent.front(), target, pending] {
+    directory_->AwaitSession(key, options_.session_lookup_wait);
+    MigrateAsync(key, target, "admin", std::move(*pending));
+  });
+  if (!queued) std::move (*pending)(absl::ResourceExhaustedError("the router is overloaded; retry later"));
 }
 
 void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,

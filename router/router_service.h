@@ -145,6 +145,10 @@ class RouterService final : public v1::KvCache::CallbackService {
   bool BeginCall();
   void EndCall();
 
+  // The worker session `key` lives on as far as this router knows: the
+  // directory's, or where this router's own request on it is in flight or
+  // just left it (the worker's placement event may still be on its way).
+  std::optional<WorkerId> SessionHome(const SessionKey& key) const;
   // An APPEND on `key` must wait (on the executor) before placement: the
   // directory has not heard of the session yet, or its worker drains.
   bool MustWaitForSession(const SessionKey& key) const;

@@ -449,6 +449,43 @@ int HoldersOf(const std::vector<std::unique_ptr<testing::ServerUnderTest>>& work
   return holders;
 }
 
+TEST_F(RouterTest, SessionCallsRightAfterItsFirstTurnFindIt) {
+  // A worker's placement event reaches the router on another stream than the
+  // reply that created the session, and may trail it: calls made at once on
+  // the new id must still see it (no second copy, no NOT_FOUND).
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  ASSERT_TRUE(Generate(stub.get(), Text("src", "the source conversation", 1)).status.ok());
+  constexpr int kRounds = 12;
+  for (int i = 0; i < kRounds; ++i) {
+    const std::string taken = absl::StrCat("taken-", i);
+    ASSERT_TRUE(Generate(stub.get(), Text(taken, absl::StrCat("conversation ", i), 1)).status.ok());
+    grpc::ClientContext fctx;
+    v1::ForkSessionRequest fr;
+    fr.set_session_id("src");
+    fr.set_new_session_id(taken);
+    v1::SessionInfo forked;
+    EXPECT_EQ(stub->ForkSession(&fctx, fr, &forked).error_code(), grpc::ALREADY_EXISTS) << taken;
+
+    const std::string moved = absl::StrCat("moved-", i);
+    Reply r = Generate(stub.get(), Text(moved, absl::StrCat("another conversation ", i), 1));
+    ASSERT_TRUE(r.status.ok());
+    grpc::ClientContext mctx;
+    v1::AdminMigrateRequest mr;
+    mr.set_session_id(moved);
+    mr.set_target_worker(r.final.worker_id() == "w0" ? "w1" : "w0");
+    v1::MigrateSessionResponse done;
+    const grpc::Status st = admin->MigrateSession(&mctx, mr, &done);
+    EXPECT_TRUE(st.ok()) << moved << ": " << st.error_message();
+  }
+  int copies = 0;
+  for (int i = 0; i < kRounds; ++i) copies += HoldersOf(workers_, absl::StrCat("taken-", i));
+  EXPECT_EQ(copies, kRounds);
+}
+
 TEST_F(RouterTest, RequestOnASessionInFlightGoesToItsWorkerAndIsAborted) {
   // A second request on an id whose first request is still running: placement
   // alone would send it to the idle worker and create the session there too.

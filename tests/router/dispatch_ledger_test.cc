@@ -1,5 +1,6 @@
 #include "router/dispatch_ledger.h"
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace kvcache::router {
@@ -60,14 +61,40 @@ TEST(DispatchLedgerTest, SessionsInFlightNameTheirWorkerUntilTheLastEnds) {
   ledger.SessionDispatched(s, "w1");  // a second request, refused there
   EXPECT_EQ(ledger.SessionWorker(s), "w1");
   EXPECT_FALSE(ledger.SessionWorker(other).has_value());  // tenants are separate
-  ledger.SessionFinished(s, "w1");
+  ledger.SessionFinished(s, "w1", /*held=*/false);
   EXPECT_EQ(ledger.SessionWorker(s), "w1");
-  ledger.SessionFinished(s, "w1");
+  ledger.SessionFinished(s, "w1", /*held=*/true);
   EXPECT_FALSE(ledger.SessionWorker(s).has_value());
   EXPECT_EQ(ledger.sessions_tracked(), 0u);
   // Where it ended stays known for the grace period (the directory may trail).
   EXPECT_EQ(ledger.RecentSessionWorker(s), "w1");
   EXPECT_FALSE(ledger.RecentSessionWorker(other).has_value());
+  EXPECT_THAT(ledger.RecentSessionsNamed("s"), ::testing::ElementsAre(s));
+  // Closed through the router: it lives nowhere now.
+  ledger.SessionClosed(s);
+  EXPECT_FALSE(ledger.RecentSessionWorker(s).has_value());
+  EXPECT_TRUE(ledger.RecentSessionsNamed("s").empty());
+}
+
+TEST(DispatchLedgerTest, OnlyARequestThatLeftTheSessionNamesItsWorker) {
+  DispatchLedger ledger;
+  const SessionKey s{"tenant", "s"};
+  const SessionKey other{"other-tenant", "s"};
+  // A first request that failed before any token created nothing.
+  ledger.SessionDispatched(s, "w0");
+  EXPECT_THAT(ledger.RecentSessionsNamed("s"), ::testing::ElementsAre(s));  // in flight
+  ledger.SessionFinished(s, "w0", /*held=*/false);
+  EXPECT_FALSE(ledger.RecentSessionWorker(s).has_value());
+  // One that did; a later failed one elsewhere does not move it.
+  ledger.SessionDispatched(s, "w1");
+  ledger.SessionFinished(s, "w1", /*held=*/true);
+  ledger.SessionDispatched(s, "w0");
+  ledger.SessionFinished(s, "w0", /*held=*/false);
+  EXPECT_EQ(ledger.RecentSessionWorker(s), "w1");
+  // Every tenant's session by that id, once each.
+  ledger.SessionDispatched(other, "w0");
+  EXPECT_THAT(ledger.RecentSessionsNamed("s"), ::testing::UnorderedElementsAre(s, other));
+  EXPECT_TRUE(ledger.RecentSessionsNamed("t").empty());
 }
 
 }  // namespace
