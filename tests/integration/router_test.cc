@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -378,6 +379,41 @@ TEST_F(RouterTest, ClientCancelCancelsTheWorkerStream) {
   EXPECT_THAT(metrics, HasSubstr("kvcache_requests_total{code=\"CANCELLED\"} 1"));
   EXPECT_THAT(metrics, ::testing::Not(HasSubstr("kvcache_requests_total{code=\"OK\"}")));
   std::remove(model.c_str());
+}
+
+// "Stop generating", then the next message at once: the APPEND may reach the
+// worker before the cancel of the stream it follows. With tokens_read it waits
+// for that cancel instead of failing with ABORTED, and the session holds
+// exactly the tokens the client read.
+TEST_F(RouterTest, StopGeneratingThenContinueAtOnce) {
+  StartWorkers(1);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  constexpr int kRead = 3;
+  // The APPEND's prompt: the first prompt, the tokens read and its own input,
+  // the same length every time when the session kept exactly what was read.
+  std::set<int32_t> prompts;
+  for (int i = 0; i < 10; ++i) {
+    const std::string id = absl::StrCat("stop-", i);
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      auto reader = stub->Generate(&ctx, Text(id, "a very long answer, please", 1500));
+      v1::GenerateResponse msg;
+      for (int t = 0; t < kRead; ++t) ASSERT_TRUE(reader->Read(&msg));
+      ctx.TryCancel();
+      while (reader->Read(&msg)) {
+      }
+      EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
+    }
+    v1::GenerateRequest next = Text(id, " and then?", 2, v1::APPEND);
+    next.set_tokens_read(kRead);
+    Reply r = Generate(stub.get(), next);
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.error_message();
+    prompts.insert(r.final.usage().prompt_tokens());
+  }
+  EXPECT_EQ(prompts.size(), 1u);
 }
 
 TEST_F(RouterTest, TwoReplicasAgree) {

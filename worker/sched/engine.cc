@@ -144,7 +144,11 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   const std::string& sid = request.session_id;
   const std::string key = sid.empty() ? std::string() : kv::SessionKey(request.tenant, sid);
   absl::MutexLock lock(&mu_);
-  const bool busy = !key.empty() && AwaitHolderLocked(key);
+  // A client that says how much of its last reply it read (tokens_read) is
+  // continuing after a "stop generating": its cancel was sent, and may only be
+  // late (a loaded worker, or a router in between), so wait for it longer.
+  const absl::Duration cancel_grace = request.tokens_read >= 0 ? kCancelledRequestWait : kCancelGrace;
+  const bool busy = !key.empty() && AwaitHolderLocked(key, cancel_grace);
   if (request.mode == RequestMode::kAppend && !sessions_.contains(key) && kv_->GetSession(key).ok()) {
     // An imported session whose pages are in the cache, not yet adopted
     // (FinishImport): its cache events may reach a router, and the router this
@@ -419,6 +423,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
   {
     absl::MutexLock lock(&mu_);
     if (!r.req.session_id.empty()) busy_.erase(kv::SessionKey(r.req.tenant, r.req.session_id));
+    if (holder_waiters_ > 0 && cancelled_.contains(r.id)) ended_cancelled_.insert(r.id);
     cancelled_.erase(r.id);
     live_.erase(r.id);
     if (--inflight_[r.req.tenant] <= 0) inflight_.erase(r.req.tenant);
@@ -1017,7 +1022,7 @@ const char* Engine::BusyWithLocked(const std::string& key) const {
              : "another request";
 }
 
-bool Engine::AwaitHolderLocked(const std::string& key) {
+bool Engine::AwaitHolderLocked(const std::string& key, absl::Duration cancel_grace) {
   auto running = busy_.find(key);
   if (running == busy_.end()) return false;
   if (running->second == 0) {
@@ -1031,13 +1036,23 @@ bool Engine::AwaitHolderLocked(const std::string& key) {
     return false;
   }
   const uint64_t id = running->second;
-  auto cancelled = [this, id]()
-                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || cancelled_.contains(id); };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&cancelled), kCancelGrace)) return true;
-  auto ended = [this, &key, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  auto holds = [this, &key, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = busy_.find(key);
-    return stopping_ || it == busy_.end() || it->second != id;
+    return it != busy_.end() && it->second == id;
   };
+  // The cancel may come and the request end (its next step boundary) before
+  // this thread runs again: ended_cancelled_ keeps what the wait must see.
+  auto was_cancelled = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || cancelled_.contains(id) || ended_cancelled_.contains(id);
+  };
+  auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return was_cancelled() || !holds(); };
+  ++holder_waiters_;
+  mu_.AwaitWithTimeout(absl::Condition(&settled), cancel_grace);
+  const bool cancelled = was_cancelled();
+  if (--holder_waiters_ == 0) ended_cancelled_.clear();
+  // Not cancelled in the grace, running still or ended on its own: ABORTED.
+  if (!cancelled) return true;
+  auto ended = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !holds(); };
   mu_.AwaitWithTimeout(absl::Condition(&ended), kCancelledRequestWait);
   return false;
 }
@@ -1046,7 +1061,7 @@ absl::Status Engine::Reserve(const std::string& id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
   const std::string key = kv::SessionKey(tenant, id);
   // A session whose first request is still queued is busy before it is known.
-  if (AwaitHolderLocked(key) || busy_.contains(key))
+  if (AwaitHolderLocked(key, kCancelGrace) || busy_.contains(key))
     return absl::AbortedError(absl::StrCat("session '", id, "' is busy with ", BusyWithLocked(key)));
   KVCACHE_RETURN_IF_ERROR(CheckKnown(key, id));
   busy_.emplace(key, 0);

@@ -202,7 +202,9 @@ class Engine {
   // or another tenant's, also one that a session call being waited for moved
   // away or closed), ABORTED (a request is running on the session; one that was
   // cancelled, or is cancelled within kCancelGrace, is waited for, up to
-  // kCancelledRequestWait; or a session call held it for kSessionCallWait),
+  // kCancelledRequestWait; an APPEND with tokens_read set follows a cancel, and
+  // waits up to kCancelledRequestWait for it; or a session call held it for
+  // kSessionCallWait),
   // RESOURCE_EXHAUSTED (queue full, or the prompt can never fit in tier 0),
   // UNAVAILABLE (stopping). Returns a request id for Cancel.
   absl::StatusOr<uint64_t> Submit(GenerateRequest request, GenerateObserver* observer);
@@ -369,12 +371,14 @@ class Engine {
   //   of failing. Returns false; the caller checks busy_ again.
   // - A request: a client that cancelled it may send its next call at once, and
   //   the cancel can reach this worker after the call (they travel separately).
-  //   Waits up to kCancelGrace for the cancel, then up to kCancelledRequestWait
-  //   for the cancelled request to end (the next step boundary). True when the
-  //   request was not cancelled in the grace: the call arrived while it ran,
-  //   ABORTED (also if it has ended meanwhile, so that the answer depends on the
-  //   order of arrival alone).
-  bool AwaitHolderLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  //   Waits up to `cancel_grace` for the cancel (kCancelGrace; a request that
+  //   says it follows a cancel, kCancelledRequestWait), then up to
+  //   kCancelledRequestWait for the cancelled request to end (the next step
+  //   boundary). True when the request was not cancelled in the grace: the
+  //   call arrived while it ran, ABORTED (also if it has ended meanwhile, so
+  //   that the answer depends on the order of arrival alone).
+  bool AwaitHolderLocked(const std::string& key, absl::Duration cancel_grace)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What holds a busy session, for ABORTED messages.
   const char* BusyWithLocked(const std::string& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr absl::Duration kCancelGrace = absl::Milliseconds(100);
@@ -401,6 +405,10 @@ class Engine {
   absl::flat_hash_set<uint64_t> live_ ABSL_GUARDED_BY(mu_);                     // submitted, not finished
   // Live requests to end at the next step boundary, with their status.
   absl::flat_hash_map<uint64_t, absl::Status> cancelled_ ABSL_GUARDED_BY(mu_);
+  // Calls waiting in AwaitHolderLocked, and the requests that ended cancelled
+  // meanwhile (cleared when none waits).
+  int holder_waiters_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_set<uint64_t> ended_cancelled_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);  // tenant -> requests
   // Tenants with requests queued or running -> when one of theirs was last
   // admitted (in admissions_), for AdmitFairlyLocked.

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/worker/sched/fake_runner.h"
@@ -397,6 +398,41 @@ TEST_F(EngineTest, RequestAfterACancelWaitsForTheCancelledOneInsteadOfAborted) {
   ASSERT_TRUE(next.status.ok()) << next.status;
   std::vector<int32_t> seen = Prompt(20);
   seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(next.tokens, Expected(seen, 3));
+}
+
+// "Stop generating", then the next message, which reaches the worker before
+// the cancel does (a loaded worker, a router in between): an APPEND that sets
+// tokens_read says it follows a cancel, and waits for it past kCancelGrace.
+TEST_F(EngineTest, AppendWithTokensReadWaitsForALateCancel) {
+  Collector first;
+  auto id = SubmitHeldInItsThirdStep("s", &first);
+  ASSERT_TRUE(id.ok()) << id.status();
+  GenerateRequest req = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  req.tokens_read = 1;
+  Collector next;
+  absl::StatusOr<uint64_t> next_id;
+  std::atomic<bool> returned{false};
+  std::thread submit([&] {
+    next_id = engine_->Submit(req, &next);
+    returned = true;
+  });
+  // The cancel arrives well after the 100 ms grace. (A slow thread start only
+  // makes this weaker: it cannot fail with the wait in place.)
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(returned) << next_id.status();
+  engine_->Cancel(*id);
+  runner_->LimitSteps(-1);
+  submit.join();
+  ASSERT_TRUE(next_id.ok()) << next_id.status();
+  first.Wait();
+  EXPECT_EQ(first.status.code(), absl::StatusCode::kCancelled);
+  ASSERT_GE(first.tokens.size(), 1u);
+  next.Wait();
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  std::vector<int32_t> seen = Prompt(20);
+  seen.push_back(first.tokens[0]);
   for (int32_t t : Prompt(3, 7)) seen.push_back(t);
   EXPECT_EQ(next.tokens, Expected(seen, 3));
 }
