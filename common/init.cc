@@ -17,6 +17,14 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0",
           "Prometheus /metrics listen address host:port (port 0 picks a free port; empty disables)");
 ABSL_FLAG(absl::Duration, shutdown_deadline, absl::Seconds(10),
           "On SIGTERM, how long running RPCs may take to finish");
+ABSL_FLAG(
+    absl::Duration, keepalive_time, absl::Seconds(30),
+    "Ping every gRPC connection (accepted, and to peers) after this long without one, so that a peer that "
+    "vanished without closing it is noticed; 0 disables");
+ABSL_FLAG(
+    absl::Duration, keepalive_timeout, absl::Seconds(10),
+    "A keepalive ping unanswered this long closes the connection (its calls fail or are cancelled); keep "
+    "it above 5s, as gRPC C++ clients with no call open answer pings every 5s");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (enables TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA bundle: require and verify client certificates (mTLS)");
@@ -64,6 +72,8 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags(const std::string& name) {
   o.grpc_address = absl::GetFlag(FLAGS_listen);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   o.shutdown_deadline = absl::GetFlag(FLAGS_shutdown_deadline);
+  o.keepalive.time = absl::GetFlag(FLAGS_keepalive_time);
+  o.keepalive.timeout = absl::GetFlag(FLAGS_keepalive_timeout);
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
@@ -71,6 +81,7 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags(const std::string& name) {
   o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   KVCACHE_RETURN_IF_ERROR(ValidateAddress("listen", o.grpc_address, false));
   KVCACHE_RETURN_IF_ERROR(ValidateAddress("metrics_listen", o.metrics_address, true));
+  KVCACHE_RETURN_IF_ERROR(o.keepalive.Validate());
   if (o.shutdown_deadline < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--shutdown_deadline must not be negative");
   }

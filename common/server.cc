@@ -203,6 +203,7 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
   int port = 0;
   builder.AddListeningPort(options_.grpc_address, creds, &port);
   builder.SetMaxReceiveMessageSize(options_.max_receive_message_bytes);
+  options_.keepalive.ApplyTo(&builder);
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/keepalive.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
@@ -52,6 +53,9 @@ struct ServerOptions {
   absl::Duration shutdown_deadline = absl::Seconds(10);
   // Largest gRPC message received, in bytes.
   int max_receive_message_bytes = 8 << 20;
+  // Pings of the connections it accepts (and, in the binaries, of the channels
+  // they open to peers).
+  Keepalive keepalive;
   // Optional TLS: PEM paths. With cert and key set the server speaks TLS; with a
   // client CA too it requires client certificates (mutual TLS).
   std::string tls_cert_file;

@@ -187,6 +187,7 @@ int Run() {
   po.dns_refresh = absl::GetFlag(FLAGS_dns_refresh);
   po.credentials = *creds;
   po.cluster_token = cluster_token;
+  po.channel_args = options->keepalive.ChannelArgs();
   router::WorkerPool pool(po, &directory);
   if (!workers.empty()) pool.SetAddresses(workers);
   for (const auto& name : dns) {

@@ -96,7 +96,8 @@ void WorkerPool::AddLocked(const std::string& address) {
   auto w = std::make_unique<Worker>();
   w->address = address;
   w->channel = options_.cluster_token.NewChannel(
-      address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials());
+      address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(),
+      options_.channel_args);
   Worker* raw = w.get();
   workers_[address] = std::move(w);
   raw->thread = std::thread([this, raw] {

@@ -38,6 +38,7 @@ struct WorkerPoolOptions {
   absl::Duration dns_refresh = absl::Seconds(10);
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // insecure when null
   ClusterToken cluster_token;                             // sent on every call to a worker (none when empty)
+  grpc::ChannelArguments channel_args;                    // of every channel to a worker (keepalive)
   // Told the result ("ok", "empty", "failed") of every DNS lookup.
   std::function<void(const char* result)> on_dns_result;
 };

@@ -330,6 +330,7 @@ int Run() {
   so.model_id = (*model)->model_id();
   so.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
   so.cluster_token = *cluster_token;
+  so.peer_channel_args = options->keepalive.ChannelArgs();
   // Migration calls other workers: with TLS configured, as a client presenting
   // this worker's certificate and trusting the CA that signs the workers.
   if (!options->tls_cert_file.empty()) {

@@ -1,5 +1,7 @@
 #include "common/server.h"
 
+#include <map>
+#include <string>
 #include <thread>
 
 #include "gmock/gmock.h"
@@ -87,6 +89,39 @@ TEST(ServerProcessStandaloneTest, RejectsBadOptions) {
   options.tls_cert_file = "/nonexistent/cert.pem";
   options.tls_key_file = "/nonexistent/key.pem";
   EXPECT_EQ(MakeServerCredentials(options).status().code(), absl::StatusCode::kNotFound);
+}
+
+// The channel arguments a Keepalive sets, by name.
+std::map<std::string, int> IntArgs(const grpc::ChannelArguments& args) {
+  std::map<std::string, int> out;
+  const grpc_channel_args c = args.c_channel_args();
+  for (size_t i = 0; i < c.num_args; ++i) {
+    if (c.args[i].type == GRPC_ARG_INTEGER) out[c.args[i].key] = c.args[i].value.integer;
+  }
+  return out;
+}
+
+TEST(KeepaliveTest, ChannelsPingPeersUnlessTurnedOff) {
+  Keepalive k;
+  k.time = absl::Seconds(30);
+  k.timeout = absl::Seconds(10);
+  EXPECT_TRUE(k.Validate().ok());
+  auto args = IntArgs(k.ChannelArgs());
+  EXPECT_EQ(args[GRPC_ARG_KEEPALIVE_TIME_MS], 30000);
+  EXPECT_EQ(args[GRPC_ARG_KEEPALIVE_TIMEOUT_MS], 10000);
+  EXPECT_EQ(args[GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS], 1);
+  EXPECT_EQ(args[GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA], 0);  // also on a stream that waits
+  // Never faster than a peer accepts.
+  k.time = absl::Milliseconds(10);
+  EXPECT_EQ(IntArgs(k.ChannelArgs())[GRPC_ARG_KEEPALIVE_TIME_MS], 1000);
+  k.time = absl::ZeroDuration();
+  EXPECT_TRUE(k.Validate().ok());
+  EXPECT_TRUE(IntArgs(k.ChannelArgs()).empty());
+  k.time = absl::Seconds(-1);
+  EXPECT_EQ(k.Validate().code(), absl::StatusCode::kInvalidArgument);
+  k.time = absl::Seconds(30);
+  k.timeout = absl::ZeroDuration();
+  EXPECT_EQ(k.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

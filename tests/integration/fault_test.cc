@@ -6,34 +6,23 @@
 // and APPEND to a lost worker are in router_test.cc.
 //
 // A migration is stopped mid-stream deterministically by a TCP proxy in front
-// of its target (HoldingProxy below): gRPC waits for the server's HTTP/2
+// of its target (a TcpProxy that holds it): gRPC waits for the server's HTTP/2
 // settings before sending, so freezing the target with SIGSTOP before the
 // migration would stop it before its first byte, and freezing it later races.
 //
 // Each test says in a comment what a client sees and asserts exactly that.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <map>
 #include <set>
 #include <thread>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "common/gguf/tiny_llama.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -41,6 +30,7 @@
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "tests/testing/child_process.h"
 #include "tests/testing/generate_client.h"
+#include "tests/testing/tcp_proxy.h"
 
 namespace kvcache {
 namespace {
@@ -106,137 +96,6 @@ std::string RouterHealthOf(v1::KvCacheAdmin::Stub* admin, const std::string& wor
   }
   return "";
 }
-
-int PortOf(const std::string& address) {
-  int port = 0;
-  EXPECT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) << address;
-  return port;
-}
-
-// A loopback TCP proxy in front of a worker that stops a migration stream
-// mid-way: once a connection has carried `hold_after` bytes towards the worker,
-// the proxy stops reading from that client (whose writes then block on flow
-// control) and notifies. When either end of a connection goes away, the proxy
-// resets the other end, as the kernel does when a process dies.
-class HoldingProxy {
- public:
-  static absl::StatusOr<std::unique_ptr<HoldingProxy>> Start(int upstream_port, int64_t hold_after) {
-    std::unique_ptr<HoldingProxy> p(new HoldingProxy(upstream_port, hold_after));
-    p->listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(addr);
-    if (p->listen_fd_ < 0 || bind(p->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        listen(p->listen_fd_, 16) != 0 ||
-        getsockname(p->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
-        pipe2(p->stop_pipe_, O_CLOEXEC) != 0) {
-      return absl::InternalError(absl::StrCat("proxy: ", strerror(errno)));
-    }
-    p->port_ = ntohs(addr.sin_port);
-    p->acceptor_ = std::thread([q = p.get()] { q->Accept(); });
-    return p;
-  }
-  ~HoldingProxy() {
-    if (stop_pipe_[1] >= 0) (void)!write(stop_pipe_[1], "x", 1);
-    if (acceptor_.joinable()) acceptor_.join();
-    for (auto& t : pumps_) t.join();
-    for (int fd : {listen_fd_, stop_pipe_[0], stop_pipe_[1]}) {
-      if (fd >= 0) close(fd);
-    }
-  }
-
-  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
-  // Whether some connection reached `hold_after` bytes within `timeout`.
-  bool WaitForHold(absl::Duration timeout) { return held_.WaitForNotificationWithTimeout(timeout); }
-
- private:
-  HoldingProxy(int upstream_port, int64_t hold_after)
-      : upstream_port_(upstream_port), hold_after_(hold_after) {}
-
-  void Accept() {
-    while (true) {
-      pollfd p[2] = {{listen_fd_, POLLIN, 0}, {stop_pipe_[0], POLLIN, 0}};
-      if (poll(p, 2, -1) < 0 && errno == EINTR) continue;
-      if (p[1].revents != 0) return;
-      const int client = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (client < 0) continue;
-      const int upstream = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_port = htons(static_cast<uint16_t>(upstream_port_));
-      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      if (connect(upstream, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-        Reset(client);
-        Reset(upstream);
-        continue;
-      }
-      pumps_.emplace_back([this, client, upstream] { Pump(client, upstream); });
-    }
-  }
-
-  // Forwards both ways until either end closes, holding client -> upstream
-  // after `hold_after_` bytes.
-  void Pump(int client, int upstream) {
-    int64_t forwarded = 0;
-    bool holding = false;
-    char buf[64 << 10];
-    while (true) {
-      pollfd p[3] = {{client, static_cast<short>((holding ? 0 : POLLIN) | POLLRDHUP), 0},
-                     {upstream, POLLIN | POLLRDHUP, 0},
-                     {stop_pipe_[0], POLLIN, 0}};
-      if (poll(p, 3, -1) < 0) {
-        if (errno == EINTR) continue;
-        break;
-      }
-      if (p[2].revents != 0) break;
-      if (!holding && (p[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
-        const ssize_t n = read(client, buf, sizeof(buf));
-        if (n <= 0 || !WriteAll(upstream, buf, n)) break;
-        forwarded += n;
-        if (forwarded >= hold_after_) {
-          holding = true;
-          if (!notified_.exchange(true)) held_.Notify();
-        }
-      } else if (holding && (p[0].revents & (POLLHUP | POLLERR | POLLRDHUP)) != 0) {
-        break;  // the held client went away
-      }
-      if ((p[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
-        const ssize_t n = read(upstream, buf, sizeof(buf));
-        if (n <= 0 || !WriteAll(client, buf, n)) break;
-      }
-    }
-    Reset(client);
-    Reset(upstream);
-  }
-
-  static bool WriteAll(int fd, const char* data, ssize_t n) {
-    while (n > 0) {
-      const ssize_t w = write(fd, data, static_cast<size_t>(n));
-      if (w <= 0) return false;
-      data += w;
-      n -= w;
-    }
-    return true;
-  }
-
-  // Closes with a reset rather than an orderly shutdown.
-  static void Reset(int fd) {
-    linger l{1, 0};
-    setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
-    close(fd);
-  }
-
-  const int upstream_port_;
-  const int64_t hold_after_;
-  int listen_fd_ = -1;
-  int stop_pipe_[2] = {-1, -1};
-  int port_ = 0;
-  std::thread acceptor_;
-  std::vector<std::thread> pumps_;  // touched by the acceptor only until it is joined
-  std::atomic<bool> notified_{false};
-  absl::Notification held_;
-};
 
 class FaultTest : public ::testing::Test {
  protected:
@@ -389,7 +248,7 @@ TEST_F(FaultTest, RestartedRouterRebuildsItsDirectoryFromSnapshots) {
   }
 }
 
-// Three workers; w2, the migration target, sits behind a HoldingProxy that
+// Three workers; w2, the migration target, sits behind a TcpProxy that
 // stops the stream after 256 KiB of the session's 750 KiB of KV (3,000 tokens),
 // so the test acts while the target is mid-import. The session is created
 // directly on w0 (the source); the router learns of it from w0's Watch stream.
@@ -397,9 +256,10 @@ class MigrationFaultTest : public FaultTest {
  protected:
   void SetUp() override {
     StartWorkers(3);
-    auto proxy = HoldingProxy::Start(PortOf(workers_[2]->grpc_address()), 256 << 10);
+    auto proxy = testing::TcpProxy::Start(workers_[2]->grpc_address());
     ASSERT_TRUE(proxy.ok()) << proxy.status();
     proxy_ = std::move(*proxy);
+    proxy_->HoldAfter(256 << 10);
     router_ = StartRouter({"--forget_after=1s"},
                           {workers_[0]->grpc_address(), workers_[1]->grpc_address(), proxy_->address()});
     ASSERT_NE(router_, nullptr);
@@ -443,7 +303,7 @@ class MigrationFaultTest : public FaultTest {
   }
 
   const std::vector<int32_t> prompt_ = Prompt(7, 3000);
-  std::unique_ptr<HoldingProxy> proxy_;
+  std::unique_ptr<testing::TcpProxy> proxy_;
   std::unique_ptr<testing::ServerUnderTest> router_;
   std::unique_ptr<v1::KvCache::Stub> stub_;
   Reply first_;

@@ -19,6 +19,7 @@
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "tests/testing/child_process.h"
 #include "tests/testing/generate_client.h"
+#include "tests/testing/tcp_proxy.h"
 
 namespace kvcache {
 namespace {
@@ -301,6 +302,56 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   EXPECT_EQ(r.final.worker_id(), final.worker_id());
   EXPECT_EQ(r.tokens.size(), 3u);
   EXPECT_GE(r.final.usage().cached_tokens(), kTokens) << "the conversation was recomputed, not continued";
+}
+
+// A worker that vanishes without closing its connections (its node lost power,
+// a partition) behind a stream: the router's keepalive pings go unanswered, it
+// closes the connection, and the stream continues on the other worker, instead
+// of hanging until the client's deadline.
+TEST_F(RouterTest, WorkerThatVanishesMidStreamIsCutByKeepaliveAndTheStreamCompletesElsewhere) {
+  StartWorkers(2, {"--keepalive_time=0s"});  // only the router's pings can tell
+  auto proxy = testing::TcpProxy::Start(workers_[0]->grpc_address());
+  ASSERT_TRUE(proxy.ok()) << proxy.status();
+  auto started = testing::ServerUnderTest::Start(
+      testing::BinaryPath("router/kvcache-router"),
+      {"--workers=" + (*proxy)->address() + "," + workers_[1]->grpc_address(), "--model=" + *model_,
+       "--placement=round_robin", "--keepalive_time=1s", "--keepalive_timeout=6s", "--health_timeout=2s",
+       "--rebalance_interval=0s", "--min_ready_workers=2"});
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<testing::ServerUnderTest> router = std::move(*started);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  constexpr int kTokens = 1500;
+  const v1::GenerateRequest req = Text("", "tell me a long story about the sea", kTokens);
+  Reply ref = Generate(v1::Worker::NewStub(workers_[1]->channel()).get(), req);
+  ASSERT_TRUE(ref.status.ok());
+  // Round-robin alternates: the request after one served by w1 goes to w0.
+  Reply probe = Generate(stub.get(), Text("", "which one?", 1));
+  ASSERT_TRUE(probe.status.ok());
+  if (probe.final.worker_id() == "w0") ASSERT_TRUE(Generate(stub.get(), Text("", "and now?", 1)).status.ok());
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = stub->Generate(&ctx, req);
+  std::vector<int32_t> got;
+  v1::GenerateResponse msg;
+  while (got.size() < 3) {
+    ASSERT_TRUE(reader->Read(&msg));
+    ASSERT_TRUE(msg.has_token());
+    got.push_back(msg.token().id());
+  }
+  (*proxy)->Freeze();
+  v1::GenerateResponse::Final final;
+  while (reader->Read(&msg)) {
+    if (msg.has_token()) got.push_back(msg.token().id());
+    if (msg.has_final()) final = msg.final();
+  }
+  const grpc::Status st = reader->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(got, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
+  EXPECT_EQ(final.worker_id(), "w1");
+  // It ran on w0 until the cut, and was resent once.
+  EXPECT_THAT(testing::HttpGet(router->metrics_port(), "/metrics").value_or(""),
+              HasSubstr("kvcache_router_retries_total 1"));
 }
 
 TEST_F(RouterTest, AppendOnALostWorkerNamesTheSession) {

@@ -59,6 +59,8 @@ TEST_P(ServerScaffoldTest, BadFlagsExitNonZero) {
                                                {"--listen=nonsense"},
                                                {"--listen=127.0.0.1:70000"},
                                                {"--shutdown_deadline=-1s"},
+                                               {"--keepalive_time=-1s"},
+                                               {"--keepalive_timeout=0s"},
                                                {"--log_level=loud"},
                                                {"positional"}}) {
     std::vector<std::string> argv = {testing::BinaryPath(GetParam().path)};

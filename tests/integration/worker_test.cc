@@ -29,6 +29,7 @@
 #include "tests/common/tokenizer/llamacpp_vocab.h"
 #include "tests/testing/child_process.h"
 #include "tests/testing/generate_client.h"
+#include "tests/testing/tcp_proxy.h"
 
 namespace kvcache {
 namespace {
@@ -499,6 +500,44 @@ TEST_F(WorkerTest, DeadlinePassedMidStreamIsCountedAsDeadlineExceeded) {
   };
   EXPECT_TRUE(testing::WaitUntil([&] { return counted("DEADLINE_EXCEEDED"); }, absl::Seconds(15)));
   EXPECT_FALSE(counted("CANCELLED"));
+}
+
+// A client that vanishes mid-stream without closing its connection (its node
+// died, a partition): the worker's keepalive pings go unanswered, it closes the
+// connection, and the request ends as cancelled, its session free for the
+// client's next attempt, instead of generating for no one with the session busy.
+TEST_F(WorkerTest, ClientThatVanishesMidStreamIsCutByKeepalive) {
+  // SmolLM2: 2,000 tokens take far longer than the 7 s the cut takes. (A
+  // timeout under 5 s would also cut idle clients that are alive: gRPC C++
+  // answers pings on a channel with no call open every 5 s.)
+  auto w = StartWorker({"--keepalive_time=1s", "--keepalive_timeout=6s", "--max_tokens_per_request=4000"},
+                       /*tiny=*/false);
+  ASSERT_NE(w, nullptr);
+  auto proxy = testing::TcpProxy::Start(w->grpc_address());
+  ASSERT_TRUE(proxy.ok()) << proxy.status();
+  auto far =
+      v1::Worker::NewStub(grpc::CreateChannel((*proxy)->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto reader = far->Generate(&ctx, Text("gone", "Tell me a very long story.", 2000));
+  v1::GenerateResponse msg;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+  (*proxy)->Freeze();
+  EXPECT_TRUE((*proxy)->WaitForServerHangUp(absl::Seconds(30))) << "the worker kept the connection";
+  auto counted = [&](const std::string& code) {
+    auto body = testing::HttpGet(w->metrics_port(), "/metrics");
+    return body.ok() && body->find("kvcache_requests_total{code=\"" + code + "\"} 1") != std::string::npos;
+  };
+  EXPECT_TRUE(testing::WaitUntil([&] { return counted("CANCELLED"); }, absl::Seconds(15)));
+  EXPECT_FALSE(counted("OK"));
+  // The client, back on another connection, continues its conversation.
+  auto stub = v1::Worker::NewStub(w->channel());
+  Turn next = Generate(stub.get(), Text("gone", " and then?", 2, v1::APPEND));
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+  ctx.TryCancel();
+  while (reader->Read(&msg)) {
+  }
+  reader->Finish();
 }
 
 TEST_F(WorkerTest, SessionCallsAndWatchEvents) {

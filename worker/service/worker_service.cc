@@ -558,7 +558,8 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   const absl::Time start = absl::Now();
   KVCACHE_RETURN_IF_ERROR(engine_->Context(session_id, tenant).status());
   auto channel = options_.cluster_token.NewChannel(
-      target, options_.peer_credentials ? options_.peer_credentials : grpc::InsecureChannelCredentials());
+      target, options_.peer_credentials ? options_.peer_credentials : grpc::InsecureChannelCredentials(),
+      options_.peer_channel_args);
   auto stub = v1::Worker::NewStub(channel);
   if (absl::Status st = CheckTarget(stub.get(), target); !st.ok()) {
     return absl::Status(st.code(), absl::StrCat("migration of '", session_id, "' to ", target,

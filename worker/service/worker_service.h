@@ -41,6 +41,7 @@ struct WorkerServiceOptions {
   int64_t max_chunk_bytes = 2 << 20;
   // Credentials for worker-to-worker calls (migration); insecure when null.
   std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  grpc::ChannelArguments peer_channel_args;  // of those calls' channels (keepalive)
   // The fleet's shared token: required of every caller, sent to migration
   // targets, which must prove they hold it too. Empty: callers are
   // authenticated by mutual TLS, or not at all (--allow_unauthenticated).
