@@ -25,6 +25,11 @@ ABSL_FLAG(
     absl::Duration, keepalive_timeout, absl::Seconds(10),
     "A keepalive ping unanswered this long closes the connection (its calls fail or are cancelled); keep "
     "it above 5s, as gRPC C++ clients with no call open answer pings every 5s");
+ABSL_FLAG(absl::Duration, max_connection_age, absl::ZeroDuration(),
+          "Ask clients to reconnect after a connection has lived this long (behind a Kubernetes Service: "
+          "spreads long-lived clients over replicas added later); 0: never");
+ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::Minutes(10),
+          "After --max_connection_age, how long calls in flight on the old connection may take to finish");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (enables TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA bundle: require and verify client certificates (mTLS)");
@@ -74,6 +79,8 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags(const std::string& name) {
   o.shutdown_deadline = absl::GetFlag(FLAGS_shutdown_deadline);
   o.keepalive.time = absl::GetFlag(FLAGS_keepalive_time);
   o.keepalive.timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  o.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
+  o.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
@@ -82,6 +89,10 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags(const std::string& name) {
   KVCACHE_RETURN_IF_ERROR(ValidateAddress("listen", o.grpc_address, false));
   KVCACHE_RETURN_IF_ERROR(ValidateAddress("metrics_listen", o.metrics_address, true));
   KVCACHE_RETURN_IF_ERROR(o.keepalive.Validate());
+  if (o.max_connection_age < absl::ZeroDuration() || o.max_connection_age_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--max_connection_age and --max_connection_age_grace must not be negative");
+  }
   if (o.shutdown_deadline < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--shutdown_deadline must not be negative");
   }

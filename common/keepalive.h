@@ -22,6 +22,9 @@
 
 namespace kvcache {
 
+// A duration as a gRPC channel argument: milliseconds, clamped to [0, INT_MAX].
+int MillisArg(absl::Duration d);
+
 struct Keepalive {
   // Ping a connection after this long without one; zero: never (pings from
   // peers are still answered and accepted).

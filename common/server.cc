@@ -204,6 +204,11 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
   builder.AddListeningPort(options_.grpc_address, creds, &port);
   builder.SetMaxReceiveMessageSize(options_.max_receive_message_bytes);
   options_.keepalive.ApplyTo(&builder);
+  if (options_.max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, MillisArg(options_.max_connection_age));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               MillisArg(options_.max_connection_age_grace));
+  }
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

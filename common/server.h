@@ -56,6 +56,13 @@ struct ServerOptions {
   // Pings of the connections it accepts (and, in the binaries, of the channels
   // they open to peers).
   Keepalive keepalive;
+  // After this long a connection is asked to close (GOAWAY), and its client
+  // reconnects, through a Service's load balancing to any replica: without it
+  // a gRPC client keeps one connection, to one router pod, for as long as both
+  // live, and routers added by a scale-out get none of its calls. Calls in
+  // flight then get max_connection_age_grace to finish. Zero: never.
+  absl::Duration max_connection_age = absl::ZeroDuration();
+  absl::Duration max_connection_age_grace = absl::Minutes(10);
   // Optional TLS: PEM paths. With cert and key set the server speaks TLS; with a
   // client CA too it requires client certificates (mutual TLS).
   std::string tls_cert_file;

@@ -61,6 +61,7 @@ TEST_P(ServerScaffoldTest, BadFlagsExitNonZero) {
                                                {"--shutdown_deadline=-1s"},
                                                {"--keepalive_time=-1s"},
                                                {"--keepalive_timeout=0s"},
+                                               {"--max_connection_age=-1s"},
                                                {"--log_level=loud"},
                                                {"positional"}}) {
     std::vector<std::string> argv = {testing::BinaryPath(GetParam().path)};

@@ -540,6 +540,27 @@ TEST_F(WorkerTest, ClientThatVanishesMidStreamIsCutByKeepalive) {
   reader->Finish();
 }
 
+// --max_connection_age: the server asks a client to reconnect once its
+// connection is that old (so that, behind a Kubernetes Service, long-lived
+// clients spread over replicas added later); a stream in flight then finishes
+// within the grace, and the client's next call goes over a new connection.
+TEST_F(WorkerTest, OldConnectionsAreReplacedWithoutCuttingStreams) {
+  // SmolLM2: 600 tokens take longer than the 1 s age (about 4 s here).
+  auto w = StartWorker({"--max_connection_age=1s", "--max_connection_age_grace=60s"}, /*tiny=*/false);
+  ASSERT_NE(w, nullptr);
+  auto channel = grpc::CreateChannel(w->grpc_address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Worker::NewStub(channel);
+  const absl::Time start = absl::Now();
+  Turn long_one = Generate(stub.get(), Text("", "Tell me a very long story.", 600));
+  ASSERT_TRUE(long_one.status.ok()) << long_one.status.error_message();
+  EXPECT_EQ(long_one.tokens.size(), 600u);
+  EXPECT_GT(absl::Now() - start, absl::Seconds(1.2)) << "the stream ended before the connection's age";
+  // The server's GOAWAY put the channel back to IDLE (without it: READY).
+  EXPECT_EQ(channel->GetState(/*try_to_connect=*/false), GRPC_CHANNEL_IDLE);
+  Turn next = Generate(stub.get(), Text("", "and a short one", 2));
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+}
+
 TEST_F(WorkerTest, SessionCallsAndWatchEvents) {
   auto w = StartWorker({});
   ASSERT_NE(w, nullptr);
