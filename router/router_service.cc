@@ -809,7 +809,10 @@ void RouterService::MigrateByIdAsync(const std::string& session_id, const std::s
     directory_->AwaitSession(key, options_.session_lookup_wait);
     MigrateAsync(key, target, "admin", std::move(*pending));
   });
-  if (!queued) std::move (*pending)(absl::ResourceExhaustedError("the router is overloaded; retry later"));
+  if (!queued) {
+    Done<v1::MigrateSessionResponse> refused = std::move(*pending);
+    std::move(refused)(absl::ResourceExhaustedError("the router is overloaded; retry later"));
+  }
 }
 
 void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
