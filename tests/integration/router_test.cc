@@ -250,18 +250,10 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
     ASSERT_TRUE(ref.status.ok());
   }
 
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = stub->Generate(&ctx, req);
-  std::vector<int32_t> got;
-  v1::GenerateResponse msg;
+  testing::PartialStream stream(stub.get(), req);
   // 40 tokens in: the continuation's context (prompt and these) then reaches
   // pages past the prompt in the survivor's cache.
-  while (got.size() < 40) {
-    ASSERT_TRUE(reader->Read(&msg));
-    ASSERT_TRUE(msg.has_token());
-    got.push_back(msg.token().id());
-  }
+  ASSERT_TRUE(stream.ReadTokens(40));
   // Find and kill the worker serving it.
   int victim = -1;
   {
@@ -274,14 +266,10 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
     victim = info.worker_id() == "w0" ? 0 : 1;
     workers_[victim]->process().Signal(SIGKILL);
   }
-  v1::GenerateResponse::Final final;
-  while (reader->Read(&msg)) {
-    if (msg.has_token()) got.push_back(msg.token().id());
-    if (msg.has_final()) final = msg.final();
-  }
-  grpc::Status st = reader->Finish();
-  ASSERT_TRUE(st.ok()) << st.error_message();
-  EXPECT_EQ(got, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
+  const Reply& got = stream.Finish();
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
+  const v1::GenerateResponse::Final& final = got.final;
   EXPECT_EQ(final.usage().generated_tokens(), kTokens);
   // Usage is the client's view: its own prompt, of which at most all was cached
   // (the survivor's cache may hold the reference run's tokens beyond the prompt).
@@ -329,26 +317,13 @@ TEST_F(RouterTest, WorkerThatVanishesMidStreamIsCutByKeepaliveAndTheStreamComple
   ASSERT_TRUE(probe.status.ok());
   if (probe.final.worker_id() == "w0") ASSERT_TRUE(Generate(stub.get(), Text("", "and now?", 1)).status.ok());
 
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = stub->Generate(&ctx, req);
-  std::vector<int32_t> got;
-  v1::GenerateResponse msg;
-  while (got.size() < 3) {
-    ASSERT_TRUE(reader->Read(&msg));
-    ASSERT_TRUE(msg.has_token());
-    got.push_back(msg.token().id());
-  }
+  testing::PartialStream stream(stub.get(), req);
+  ASSERT_TRUE(stream.ReadTokens(3));
   (*proxy)->Freeze();
-  v1::GenerateResponse::Final final;
-  while (reader->Read(&msg)) {
-    if (msg.has_token()) got.push_back(msg.token().id());
-    if (msg.has_final()) final = msg.final();
-  }
-  const grpc::Status st = reader->Finish();
-  ASSERT_TRUE(st.ok()) << st.error_message();
-  EXPECT_EQ(got, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
-  EXPECT_EQ(final.worker_id(), "w1");
+  const Reply& got = stream.Finish();
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, ref.tokens) << "one uninterrupted stream, no duplicated or missing tokens";
+  EXPECT_EQ(got.final.worker_id(), "w1");
   // It ran on w0 until the cut, and was resent once.
   EXPECT_THAT(testing::HttpGet(router->metrics_port(), "/metrics").value_or(""),
               HasSubstr("kvcache_router_retries_total 1"));
@@ -400,15 +375,10 @@ TEST_F(RouterTest, ClientCancelCancelsTheWorkerStream) {
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    auto reader = stub->Generate(&ctx, Text("", "a very long answer, please", 8000));
-    v1::GenerateResponse msg;
-    for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
-    ctx.TryCancel();
-    while (reader->Read(&msg)) {
-    }
-    EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
+    testing::PartialStream stream(stub.get(), Text("", "a very long answer, please", 8000));
+    ASSERT_TRUE(stream.ReadTokens(3));
+    stream.Cancel();
+    EXPECT_EQ(stream.Finish().status.error_code(), grpc::CANCELLED);
   }
   // The worker's stream ends as cancelled, not as 8,000 tokens generated for no
   // one. Its load reports (every 100 ms) are the clock: once it runs nothing,
@@ -448,15 +418,10 @@ TEST_F(RouterTest, StopGeneratingThenContinueAtOnce) {
   for (int i = 0; i < 10; ++i) {
     const std::string id = absl::StrCat("stop-", i);
     {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-      auto reader = stub->Generate(&ctx, Text(id, "a very long answer, please", 1500));
-      v1::GenerateResponse msg;
-      for (int t = 0; t < kRead; ++t) ASSERT_TRUE(reader->Read(&msg));
-      ctx.TryCancel();
-      while (reader->Read(&msg)) {
-      }
-      EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
+      testing::PartialStream stream(stub.get(), Text(id, "a very long answer, please", 1500));
+      ASSERT_TRUE(stream.ReadTokens(kRead));
+      stream.Cancel();
+      EXPECT_EQ(stream.Finish().status.error_code(), grpc::CANCELLED);
     }
     v1::GenerateRequest next = Text(id, " and then?", 2, v1::APPEND);
     next.set_tokens_read(kRead);
@@ -580,19 +545,14 @@ TEST_F(RouterTest, RequestOnASessionInFlightGoesToItsWorkerAndIsAborted) {
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
-  grpc::ClientContext first_ctx;
-  first_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto first = stub->Generate(&first_ctx, Text("race", std::string(100, 'r'), 1900));
-  v1::GenerateResponse msg;
-  ASSERT_TRUE(first->Read(&msg));  // streaming: in flight on its worker
+  testing::PartialStream first(stub.get(), Text("race", std::string(100, 'r'), 1900));
+  ASSERT_TRUE(first.ReadTokens(1));  // streaming: in flight on its worker
   for (v1::Mode mode : {v1::FULL_CONTEXT, v1::APPEND}) {
     Reply second = Generate(stub.get(), Text("race", "another conversation", 4, mode));
     EXPECT_EQ(second.status.error_code(), grpc::ABORTED) << second.status.error_message();
   }
-  first_ctx.TryCancel();
-  while (first->Read(&msg)) {
-  }
-  first->Finish();
+  first.Cancel();
+  first.Finish();
   EXPECT_EQ(HoldersOf(workers_, "race"), 1);
 }
 

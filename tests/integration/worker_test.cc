@@ -439,16 +439,12 @@ TEST_F(WorkerTest, ConcurrentRequestOnOneSessionIsAborted) {
   ASSERT_NE(w, nullptr);
   auto stub = v1::Worker::NewStub(w->channel());
   // A long request holds the session; a second one must be refused, not queued.
-  grpc::ClientContext ctx;
-  auto reader = stub->Generate(&ctx, Text("busy", "long running", 500));
-  v1::GenerateResponse msg;
-  ASSERT_TRUE(reader->Read(&msg));  // it is running
+  testing::PartialStream first(stub.get(), Text("busy", "long running", 500));
+  ASSERT_TRUE(first.ReadTokens(1));  // it is running
   Turn second = Generate(stub.get(), Text("busy", "second", 3));
   EXPECT_EQ(second.status.error_code(), grpc::ABORTED);
-  ctx.TryCancel();
-  while (reader->Read(&msg)) {
-  }
-  EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
+  first.Cancel();
+  EXPECT_EQ(first.Finish().status.error_code(), grpc::CANCELLED);
 }
 
 TEST_F(WorkerTest, CancelAndDeadlineFreePages) {
@@ -459,14 +455,10 @@ TEST_F(WorkerTest, CancelAndDeadlineFreePages) {
   Turn t = Generate(stub.get(), Text("", std::string(200, 'q'), 900), /*deadline_s=*/0);
   EXPECT_EQ(t.status.error_code(), grpc::DEADLINE_EXCEEDED);
   {
-    grpc::ClientContext ctx;
-    auto reader = stub->Generate(&ctx, Text("", std::string(200, 'r'), 900));
-    v1::GenerateResponse msg;
-    ASSERT_TRUE(reader->Read(&msg));
-    ctx.TryCancel();
-    while (reader->Read(&msg)) {
-    }
-    EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
+    testing::PartialStream stream(stub.get(), Text("", std::string(200, 'r'), 900));
+    ASSERT_TRUE(stream.ReadTokens(1));
+    stream.Cancel();
+    EXPECT_EQ(stream.Finish().status.error_code(), grpc::CANCELLED);
   }
   // Cancellation takes effect at the next step the worker runs after it hears of
   // it, which can be after the client's Finish returns (a loaded machine saw 16
@@ -517,11 +509,9 @@ TEST_F(WorkerTest, ClientThatVanishesMidStreamIsCutByKeepalive) {
   ASSERT_TRUE(proxy.ok()) << proxy.status();
   auto far =
       v1::Worker::NewStub(grpc::CreateChannel((*proxy)->address(), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-  auto reader = far->Generate(&ctx, Text("gone", "Tell me a very long story.", 2000));
-  v1::GenerateResponse msg;
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+  testing::PartialStream stream(far.get(), Text("gone", "Tell me a very long story.", 2000),
+                                absl::Seconds(120));
+  ASSERT_TRUE(stream.ReadTokens(3));
   (*proxy)->Freeze();
   EXPECT_TRUE((*proxy)->WaitForServerHangUp(absl::Seconds(30))) << "the worker kept the connection";
   auto counted = [&](const std::string& code) {
@@ -534,10 +524,6 @@ TEST_F(WorkerTest, ClientThatVanishesMidStreamIsCutByKeepalive) {
   auto stub = v1::Worker::NewStub(w->channel());
   Turn next = Generate(stub.get(), Text("gone", " and then?", 2, v1::APPEND));
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
-  ctx.TryCancel();
-  while (reader->Read(&msg)) {
-  }
-  reader->Finish();
 }
 
 // --max_connection_age: the server asks a client to reconnect once its

@@ -1,11 +1,13 @@
 // Test helpers that run one Generate call against a worker or a router and
 // collect the stream: the requests the integration tests send, in one place.
 //
-// Thread-safety: free functions; each call uses its own ClientContext.
+// Thread-safety: each call uses its own ClientContext; a PartialStream is used
+// by one thread at a time.
 #ifndef KVCACHE_TESTS_TESTING_GENERATE_CLIENT_H_
 #define KVCACHE_TESTS_TESTING_GENERATE_CLIENT_H_
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,27 +45,72 @@ inline v1::GenerateRequest TokensRequest(const std::string& session, const std::
   return r;
 }
 
-// Runs the call on `stub` (a Worker or a KvCache stub) and reads the whole
-// stream. `bearer_token` (when not empty) goes into the authorization metadata.
+// A Generate stream read in parts, for tests that act mid-stream (cancel it,
+// kill or freeze its worker): ReadTokens, act, then Finish. Destroyed before
+// Finish, it cancels the call and reads it to the end.
+class PartialStream {
+ public:
+  // `stub`: a Worker or a KvCache stub. `bearer_token` (when not empty) goes
+  // into the authorization metadata.
+  template <typename Stub>
+  PartialStream(Stub* stub, const v1::GenerateRequest& request, absl::Duration deadline = absl::Seconds(60),
+                const std::string& bearer_token = "") {
+    ctx_.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
+    if (!bearer_token.empty()) ctx_.AddMetadata("authorization", "Bearer " + bearer_token);
+    reader_ = stub->Generate(&ctx_, request);
+  }
+  ~PartialStream() {
+    if (finished_) return;
+    Cancel();
+    Finish();
+  }
+  PartialStream(const PartialStream&) = delete;
+  PartialStream& operator=(const PartialStream&) = delete;
+
+  // Reads until `n` tokens have come in all; false when the stream ended, or
+  // sent its final message, first.
+  bool ReadTokens(size_t n) {
+    v1::GenerateResponse msg;
+    while (reply_.tokens.size() < n) {
+      if (!reader_->Read(&msg) || !Take(&msg)) return false;
+    }
+    return true;
+  }
+  void Cancel() { ctx_.TryCancel(); }
+  // Reads the rest of the stream; the whole reply, its status included.
+  const Reply& Finish() {
+    v1::GenerateResponse msg;
+    while (reader_->Read(&msg)) Take(&msg);
+    reply_.status = reader_->Finish();
+    finished_ = true;
+    return reply_;
+  }
+  const Reply& reply() const { return reply_; }
+
+ private:
+  // Adds a token (true) or the final message (false) to the reply.
+  bool Take(v1::GenerateResponse* msg) {
+    if (!msg->has_token()) {
+      if (msg->has_final()) reply_.final = msg->final();
+      return false;
+    }
+    reply_.tokens.push_back(msg->token().id());
+    reply_.text += msg->token().text();
+    return true;
+  }
+
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
+  Reply reply_;
+  bool finished_ = false;
+};
+
+// Runs the call on `stub` and reads the whole stream.
 template <typename Stub>
 Reply Generate(Stub* stub, const v1::GenerateRequest& request, absl::Duration deadline = absl::Seconds(60),
                const std::string& bearer_token = "") {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
-  if (!bearer_token.empty()) ctx.AddMetadata("authorization", "Bearer " + bearer_token);
-  auto reader = stub->Generate(&ctx, request);
-  Reply r;
-  v1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
-    if (msg.has_token()) {
-      r.tokens.push_back(msg.token().id());
-      r.text += msg.token().text();
-    } else if (msg.has_final()) {
-      r.final = msg.final();
-    }
-  }
-  r.status = reader->Finish();
-  return r;
+  PartialStream stream(stub, request, deadline, bearer_token);
+  return stream.Finish();
 }
 
 }  // namespace kvcache::testing

@@ -73,6 +73,16 @@ class EngineTest : public ::testing::Test {
     return id;
   }
 
+  // A fresh engine whose steps hold one decode and two pages of prompt (33
+  // tokens, no step-time target): with a request held in a step
+  // (SubmitHeldInItsThirdStep), the order of prompts shows step by step.
+  void BuildWithTwoPagesOfPromptPerStep() {
+    EngineOptions o;
+    o.max_batch_tokens = 33;
+    o.max_step_time = absl::Milliseconds(-1);
+    Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  }
+
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::unique_ptr<kv::KvCacheManager> kv_;
   std::unique_ptr<FakeRunner> runner_;
@@ -602,10 +612,7 @@ TEST_F(EngineTest, QueuedRequestsAreAdmittedFairlyAcrossTenants) {
 // prompts do not hold back another tenant's longer one. (Shortest first alone
 // would compute all four of a's before b's.)
 TEST_F(EngineTest, PromptsAreComputedFairlyAcrossTenants) {
-  EngineOptions o;
-  o.max_batch_tokens = 33;  // the held request's decode and two pages of prompt
-  o.max_step_time = absl::Milliseconds(-1);
-  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  BuildWithTwoPagesOfPromptPerStep();
   Collector held;
   auto held_id = SubmitHeldInItsThirdStep("held", &held);
   ASSERT_TRUE(held_id.ok()) << held_id.status();
@@ -629,10 +636,7 @@ TEST_F(EngineTest, PromptsAreComputedFairlyAcrossTenants) {
 // tenant's prompts are computed in between (aged by all work, the long one,
 // older, would tie with it and go first).
 TEST_F(EngineTest, PromptsAgeByTheirOwnTenantsWork) {
-  EngineOptions o;
-  o.max_batch_tokens = 33;  // the held request's decode and two pages of prompt
-  o.max_step_time = absl::Milliseconds(-1);
-  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  BuildWithTwoPagesOfPromptPerStep();
   Collector held;
   const int s0 = runner_->steps();
   auto held_id = SubmitHeldInItsThirdStep("held", &held);  // inside step s0 + 3
