@@ -285,7 +285,7 @@ TEST_P(CpuKernelsTest, IntegerDotEqualsScalarBitForBit) {
       const int64_t rows = std::array<int64_t, 4>{8, 27, rows_dist(rng), rows_dist(rng)}[shape];
       const int64_t cols = block * std::array<int64_t, 4>{1, 3, 5, 2}[shape];
       const TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
-      for (int n_tokens : {1, 2, 3, 4, 5, 7, 16, 19}) {
+      for (int n_tokens : {1, 2, 3, 4, 5, 7, 8, 16, 17, 19}) {
         SCOPED_TRACE(::testing::Message()
                      << gguf::TypeName(type) << " " << rows << "x" << cols << " n_tokens=" << n_tokens);
         const std::vector<float> x = RandomVec(rng, n_tokens * cols, -3.0f, 3.0f);
@@ -321,7 +321,7 @@ TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
                 std::vector<uint8_t>(w.bytes.begin(), w.bytes.begin() + 64))
           << "re-laid bytes equal the stored ones: the layout is not exercised";
       const KernelWeight kw(w.view, inter.data());
-      for (int n_tokens : {1, 2, 3, 4, 5, 7, 16, 19}) {
+      for (int n_tokens : {1, 2, 3, 4, 5, 7, 8, 16, 17, 19}) {
         SCOPED_TRACE(::testing::Message()
                      << gguf::TypeName(type) << " " << rows << "x" << cols << " n_tokens=" << n_tokens);
         const std::vector<float> x = RandomVec(rng, n_tokens * cols, -3.0f, 3.0f);
