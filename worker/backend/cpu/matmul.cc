@@ -36,7 +36,8 @@ struct QuantJob {
   const int8_t* aq;  // [n_tokens][cols]
   const float* ad;   // [n_tokens][nb]
   const float* as;   // [n_tokens][nb]
-  float* y;          // [n_tokens][y_stride]
+  const int32_t* ai;  // [n_tokens][nb][2]: sum of each 16 qa (the VNNI kernels' offsets)
+  float* y;           // [n_tokens][y_stride]
   int64_t y_stride;
 };
 
@@ -59,20 +60,24 @@ constexpr int64_t kIQ6Qh = kIQ6Ql + 4 * 8 * 64;
 
 // ---- Scalar reference kernels (level kScalar) ----
 
-void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, float* s) {
+void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, float* s, int32_t* sums16) {
   for (int64_t b = 0; b < cols / 32; ++b) {
     float amax = 0.0f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
     const float dd = amax / 127.0f;
     const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
+    int sum[2] = {0, 0};
     for (int i = 0; i < 32; ++i) {
       const int v = static_cast<int>(std::nearbyint(x[b * 32 + i] * id));
       q[b * 32 + i] = static_cast<int8_t>(v);
-      sum += v;
+      sum[i / 16] += v;
     }
     d[b] = dd;
-    s[b] = dd * static_cast<float>(sum);
+    s[b] = dd * static_cast<float>(sum[0] + sum[1]);
+    if (sums16 != nullptr) {
+      sums16[2 * b] = sum[0];
+      sums16[2 * b + 1] = sum[1];
+    }
   }
 }
 
@@ -257,7 +262,9 @@ namespace {
 namespace {
 
 struct Kernels {
-  void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s);
+  // One activation row (QuantizeActivationsQ8), and into sums16 [cols / 16]
+  // (when not null) the sum of each 16 q.
+  void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s, int32_t* sums16);
   // Rows [r_begin, r_end) of the job.
   void (*quant_rows)(const QuantJob& job, int64_t r_begin, int64_t r_end);
   void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
@@ -345,18 +352,23 @@ struct QuantOut {
 void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const float* x, int64_t x_stride,
                       int64_t cols, int n_tokens, int n_threads) {
   ComputePool& pool = ComputePool::Get();
-  // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32 — shared by all threads.
+  // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32, ai: [n_tokens][nb][2]
+  // int32 — shared by all threads.
   const int64_t nb = cols / 32;
   thread_local std::vector<int8_t> aq;
+  thread_local std::vector<int32_t> ai;
   std::vector<float>& ads = ThreadScratch(1);
   aq.resize(static_cast<size_t>(n_tokens * cols));
+  ai.resize(static_cast<size_t>(n_tokens * 2 * nb));
   ads.resize(static_cast<size_t>(2 * n_tokens * nb));
   // Plain pointers: inside the loops `aq` would name each thread's own copy.
   int8_t* const q_ptr = aq.data();
+  int32_t* const i_ptr = ai.data();
   float* const d_ptr = ads.data();
   float* const s_ptr = ads.data() + n_tokens * nb;
   pool.ParallelFor(n_tokens, n_threads, [&](int64_t t) {
-    k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb);
+    k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb,
+                   i_ptr + t * 2 * nb);
   });
   struct Part {
     int job;
@@ -366,7 +378,7 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   absl::InlinedVector<Part, 64> parts;
   for (const QuantOut& o : outs) {
     jobs.push_back(
-        QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, o.y, o.y_stride});
+        QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, i_ptr, o.y, o.y_stride});
     const int64_t part = RowsPerPart(o.rows, n_threads);
     for (int64_t r0 = 0; r0 < o.rows; r0 += part) {
       parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, std::min(o.rows, r0 + part)});
@@ -438,7 +450,7 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
   const Kernels& k = KernelsFor(GetCpuKernelLevel());
   const int64_t nb = cols / 32;
   for (int t = 0; t < n_tokens; ++t) {
-    k.quantize_row(x + t * x_stride, cols, q + t * cols, d + t * nb, s + t * nb);
+    k.quantize_row(x + t * x_stride, cols, q + t * cols, d + t * nb, s + t * nb, nullptr);
   }
 }
 
