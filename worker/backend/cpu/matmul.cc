@@ -33,9 +33,9 @@ struct QuantJob {
   int64_t w_stride;  // RowBytes(type, cols)
   int64_t nb;        // 32-blocks per row = cols / 32 (a multiple of 8 for k-quants)
   int n_tokens;
-  const int8_t* aq;  // [n_tokens][cols]
-  const float* ad;   // [n_tokens][nb]
-  const float* as;   // [n_tokens][nb]
+  const int8_t* aq;   // [n_tokens][cols]
+  const float* ad;    // [n_tokens][nb]
+  const float* as;    // [n_tokens][nb]
   const int32_t* ai;  // [n_tokens][nb][2]: sum of each 16 qa (the VNNI kernels' offsets)
   float* y;           // [n_tokens][y_stride]
   int64_t y_stride;
@@ -377,8 +377,8 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   absl::InlinedVector<QuantJob, 3> jobs;
   absl::InlinedVector<Part, 64> parts;
   for (const QuantOut& o : outs) {
-    jobs.push_back(
-        QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, i_ptr, o.y, o.y_stride});
+    jobs.push_back(QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, i_ptr,
+                            o.y, o.y_stride});
     const int64_t part = RowsPerPart(o.rows, n_threads);
     for (int64_t r0 = 0; r0 < o.rows; r0 += part) {
       parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, std::min(o.rows, r0 + part)});
