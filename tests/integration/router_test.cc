@@ -315,7 +315,9 @@ TEST_F(RouterTest, WorkerThatVanishesMidStreamIsCutByKeepaliveAndTheStreamComple
   // Round-robin alternates: the request after one served by w1 goes to w0.
   Reply probe = Generate(stub.get(), Text("", "which one?", 1));
   ASSERT_TRUE(probe.status.ok());
-  if (probe.final.worker_id() == "w0") ASSERT_TRUE(Generate(stub.get(), Text("", "and now?", 1)).status.ok());
+  if (probe.final.worker_id() == "w0") {
+    ASSERT_TRUE(Generate(stub.get(), Text("", "and now?", 1)).status.ok());
+  }
 
   testing::PartialStream stream(stub.get(), req);
   ASSERT_TRUE(stream.ReadTokens(3));
