@@ -700,7 +700,7 @@ bool Engine::Step() {
         if (prefill_seconds != HUGE_VAL) {
           prefill_seconds -= n * step_cost_.PrefillTokenSeconds(res->first_pos + n / 2);
         }
-        if (warmup_prefill_tokens != std::numeric_limits<int64_t>::max()) warmup_prefill_tokens -= n;
+        warmup_prefill_tokens -= n;  // unbounded (max) stays far above any chunk
       }
       plan.push_back(Planned{&r, n, std::move(*res)});
     }
