@@ -596,25 +596,16 @@ bool Engine::Step() {
   // Seconds left for prefill in this step; infinite while nothing decodes (no
   // stream waits on this step) or when there is no target.
   double prefill_seconds = HUGE_VAL;
-  // Until the step model has seen enough steps to size chunks (a fresh worker's
-  // first mixed steps), a step that decodes takes at most one page of prompt.
-  // Unbounded, those steps ran a whole --max_batch_tokens chunk: 0.3-0.5 s gaps
-  // in streams at the start of the multi-round QA load (shape c, 1-thread
-  // workers), for as long as traffic brought too few mixed steps to fit the model.
-  int64_t warmup_prefill_tokens = std::numeric_limits<int64_t>::max();
   absl::flat_hash_set<const Request*> planned;  // a decode that must recompute turns into a prefill
   // Decode first: one token per request past its prompt; then prefill chunks.
   for (int pass = 0; pass < 2 && budget > 0; ++pass) {
-    if (pass == 1 && shape.decode_tokens > 0 && options_.max_step_time >= absl::ZeroDuration()) {
-      if (step_cost_.ready()) {
-        const double decodes = absl::ToDoubleSeconds(step_cost_.Predict(shape));
-        const double target = options_.max_step_time > absl::ZeroDuration()
-                                  ? absl::ToDoubleSeconds(options_.max_step_time)
-                                  : kAutoStepTimeFactor * decodes;
-        prefill_seconds = target - decodes;
-      } else {
-        warmup_prefill_tokens = page_tokens_;
-      }
+    if (pass == 1 && shape.decode_tokens > 0 && options_.max_step_time >= absl::ZeroDuration() &&
+        step_cost_.ready()) {
+      const double decodes = absl::ToDoubleSeconds(step_cost_.Predict(shape));
+      const double target = options_.max_step_time > absl::ZeroDuration()
+                                ? absl::ToDoubleSeconds(options_.max_step_time)
+                                : kAutoStepTimeFactor * decodes;
+      prefill_seconds = target - decodes;
     }
     // Decodes in admission order; prompts of the least served tenant first (see
     // TrackTenantPrefill), and within a tenant shortest remaining first, so that a
@@ -660,8 +651,6 @@ bool Engine::Step() {
           limit = static_cast<int>(std::min<double>(limit, std::max(fit, floor_tokens)));
           if (limit == 0) continue;
         }
-        if (warmup_prefill_tokens <= 0) continue;
-        limit = static_cast<int>(std::min<int64_t>(limit, warmup_prefill_tokens));
         // End a partial chunk on a page boundary, so that its pages are published
         // (and shareable) when it commits and the next chunk can join cached ones.
         if (limit < static_cast<int>(r.pending.size())) {
@@ -700,7 +689,6 @@ bool Engine::Step() {
         if (prefill_seconds != HUGE_VAL) {
           prefill_seconds -= n * step_cost_.PrefillTokenSeconds(res->first_pos + n / 2);
         }
-        warmup_prefill_tokens -= n;  // unbounded (max) stays far above any chunk
       }
       plan.push_back(Planned{&r, n, std::move(*res)});
     }

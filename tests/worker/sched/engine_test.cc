@@ -190,34 +190,6 @@ TEST_F(EngineTest, ConcurrentRequestsShareSteps) {
   EXPECT_LT(runner_->steps_, 4 * 6);      // far fewer steps than running them one by one
 }
 
-// A fresh engine cannot size prompt chunks to its step-time target yet (its step
-// model fits only after a few steps with both decodes and prompt): until then a
-// step that decodes takes at most one page of prompt, so a long prompt arriving
-// while a stream runs does not stall it for a whole --max_batch_tokens chunk.
-TEST_F(EngineTest, FreshEngineTakesOnePageOfPromptPerDecodingStep) {
-  Collector streaming, cold;
-  ASSERT_TRUE(SubmitHeldInItsThirdStep("streaming", &streaming).ok());
-  const auto long_prompt = Prompt(120, 7);
-  ASSERT_TRUE(engine_->Submit(Req("cold", RequestMode::kFullContext, long_prompt, 3), &cold).ok());
-  runner_->LimitSteps(-1);
-  cold.Wait();
-  streaming.Wait();
-  ASSERT_TRUE(cold.status.ok()) << cold.status;
-  ASSERT_TRUE(streaming.status.ok()) << streaming.status;
-  EXPECT_EQ(cold.tokens, Expected(long_prompt, 3));
-  ASSERT_TRUE(engine_->WaitIdle(absl::Seconds(10)));
-  // The first steps that hold the stream's decode and the cold prompt (before the
-  // step model can be ready) take one page (16 tokens) of the prompt each.
-  int mixed = 0;
-  for (const std::vector<int>& sizes : runner_->step_sizes_) {
-    if (sizes.size() != 2 || mixed == 4) continue;
-    ++mixed;
-    EXPECT_EQ(std::min(sizes[0], sizes[1]), 1) << "step " << mixed << ": the stream's decode";
-    EXPECT_LE(std::max(sizes[0], sizes[1]), 16) << "step " << mixed << ": one page of prompt at most";
-  }
-  EXPECT_EQ(mixed, 4);
-}
-
 TEST_F(EngineTest, SecondRequestOnBusySessionIsAborted) {
   absl::Notification gate;
   runner_->gate_ = &gate;

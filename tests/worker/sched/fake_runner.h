@@ -53,9 +53,6 @@ class FakeRunner : public model::ModelRunner {
       ++steps_;
     }
     max_sequences_ = std::max(max_sequences_, static_cast<int>(batch.size()));
-    std::vector<int> sizes;
-    for (const auto& seq : batch) sizes.push_back(static_cast<int>(seq.tokens.size()));
-    step_sizes_.push_back(std::move(sizes));
     const kv::KvShape& s = kv_->shape();
     logits->clear();
     for (const auto& seq : batch) {
@@ -113,8 +110,7 @@ class FakeRunner : public model::ModelRunner {
 
   absl::Notification* gate_ = nullptr;
   int max_sequences_ = 0;
-  std::vector<std::vector<int>> step_sizes_;  // each step's new tokens per sequence (read once idle)
-  int steps_ = 0;                             // read by tests once the engine is idle (else steps())
+  int steps_ = 0;  // read by tests once the engine is idle (else steps())
 
  private:
   uint8_t* Slot(const model::SequenceStep& seq, int64_t pos) {
