@@ -89,7 +89,7 @@ def percentile(values, p):
 
 class Result:
     __slots__ = ("user", "round", "ok", "incomplete", "error", "ttft", "itls", "e2e", "generated", "prompt",
-                 "cached", "server_ttft", "worker")
+                 "cached", "server_ttft", "worker", "sent")
 
     def __init__(self, user, rnd):
         self.user, self.round = user, rnd
@@ -97,6 +97,7 @@ class Result:
         self.ttft, self.itls, self.e2e, self.generated = None, [], None, 0
         self.prompt = self.cached = self.server_ttft = None
         self.worker = None
+        self.sent = None  # seconds after the run started
 
 
 # ----------------------------------------------------------------------------- gRPC
@@ -282,6 +283,7 @@ class Run:
                 break
             history.append(("user", self.questions[u][r]))
             res = Result(u, r)
+            res.sent = time.monotonic() - self.t0
             answer = self.client.run(f"mrqa-{self.run_id}-u{u}", history, min(self.args.timeout, left), res)
             with self.lock:
                 self.results.append(res)
@@ -434,6 +436,19 @@ COMPARED = [("ttft_p50_ms", True), ("ttft_p99_ms", True), ("itl_p50_ms", True), 
             ("output_tokens_per_s", False)]
 
 
+def write_requests(path, run):
+    """One line per request, in the order they finished: what a percentile hides."""
+    ms = lambda v: None if v is None else round(v * 1000.0, 3)  # noqa: E731
+    with open(path, "w") as f:
+        for r in run.results:
+            f.write(json.dumps({
+                "run_id": run.args.run_id, "user": r.user, "round": r.round, "sent_s": round(r.sent, 3),
+                "ok": r.ok, "error": r.error, "ttft_ms": ms(r.ttft), "server_ttft_ms": ms(r.server_ttft),
+                "e2e_ms": ms(r.e2e), "itl_max_ms": ms(max(r.itls)) if r.itls else None,
+                "generated": r.generated, "prompt_tokens": r.prompt, "cached_tokens": r.cached,
+                "worker": r.worker}) + "\n")
+
+
 def combine(pairs, json_path):
     """`pairs`: ["a/affinity=a.json", ...] (SHAPE/MODE=FILE, or MODE=FILE for one
     unnamed shape). Writes multi_round_qa.json: every mode's figures under
@@ -526,6 +541,8 @@ def main():
     p.add_argument("--run_id", default=None,
                    help="id of the benchmark run this report belongs to (--combine refuses mixed ids)")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--requests_jsonl", default=None,
+                   help="write one JSON line per request here (user, round, send time, TTFT, tokens, worker)")
     p.add_argument("--proto_dir", default=DEFAULT_PROTO_DIR)
     p.add_argument("--combine", nargs="+", metavar="MODE=FILE",
                    help="merge per-mode reports of one run (SHAPE/MODE=FILE) into --json and exit")
@@ -568,6 +585,8 @@ def main():
         print(f"note {k}: {v}")
     if args.json:
         write_json(args.json, f"multi_round_qa_{args.label}", metrics, {}, {}, notes, run_id=args.run_id)
+    if args.requests_jsonl:
+        write_requests(args.requests_jsonl, run)
     return 1 if metrics["errors"] else 0
 
 

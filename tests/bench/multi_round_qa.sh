@@ -176,6 +176,7 @@ for shape in $SHAPES; do
   for mode in $modes; do
     log "shape $shape, mode $mode"
     json="$WORK/$shape-$mode.json"
+    requests="$OUT/multi_round_qa_$shape-$mode.requests.jsonl"
     case $mode in
       llama_server)
         port=$(free_port)
@@ -202,6 +203,7 @@ for shape in $SHAPES; do
         [ $started = 1 ] || { failed=1; stop_all; continue; }
         info=$(grep -m1 -o 'system_info:.*' "$WORK/llama-server-$shape.log" || true)
         "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --openai_ignore_eos --label="$mode" \
+          --requests_jsonl="$requests" \
           --server_note="llama-server from the llama-cpp-python ${LLAMACPP_PY_VERSION:-0.3.36} sdist ($("$LLAMA_BIN/llama-server" --version 2>&1 | head -1)), flags: ${args[*]} $extra; $info" \
           --json="$json" || failed=1
         ;;
@@ -216,7 +218,8 @@ for shape in $SHAPES; do
           --verbose False >"$WORK/llamacpp-py-$shape.log" 2>&1 &
         PIDS+=($!)
         wait_http "http://127.0.0.1:$port/v1/models" || { failed=1; stop_all; continue; }
-        "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --label="$mode" --json="$json" || failed=1
+        "${BENCH[@]}" --openai_url="http://127.0.0.1:$port/v1" --label="$mode" --json="$json" \
+          --requests_jsonl="$requests" || failed=1
         ;;
       affinity | affinity_http | affinity_token_budget | round_robin | round_robin_http | random | random_http)
         placement=${mode%_http}
@@ -238,9 +241,10 @@ for shape in $SHAPES; do
           model=$(curl -sf "http://$HTTP_ADDRESS/v1/models" |
                   python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
           "${BENCH[@]}" --openai_url="http://$HTTP_ADDRESS/v1" --openai_model="$model" --openai_ignore_eos \
-            --label="$mode" --json="$json" || failed=1
+            --label="$mode" --json="$json" --requests_jsonl="$requests" || failed=1
         else
-          "${BENCH[@]}" --address="$ADDRESS" --target=router --label="$mode" --json="$json" || failed=1
+          "${BENCH[@]}" --address="$ADDRESS" --target=router --label="$mode" --json="$json" \
+            --requests_jsonl="$requests" || failed=1
         fi
         ;;
       *)
@@ -249,10 +253,10 @@ for shape in $SHAPES; do
         ;;
     esac
     stop_all
-    for log_file in "$WORK"/w[0-9]*.err "$WORK/llama-server-$shape.log"; do
+    for log_file in "$WORK"/w[0-9]*.err "$WORK/router.err" "$WORK/llama-server-$shape.log"; do
       [ -s "$log_file" ] && cp "$log_file" "$OUT/$shape-$mode-$(basename "$log_file")"
     done
-    rm -f "$WORK"/w[0-9]*.err
+    rm -f "$WORK"/w[0-9]*.err "$WORK/router.err"
     if [ -s "$json" ]; then
       cp "$json" "$OUT/multi_round_qa_$shape-$mode.json"
       reports+=("$shape/$mode=$json")
