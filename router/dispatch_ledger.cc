@@ -53,7 +53,11 @@ void DispatchLedger::Finish(const std::string& worker, absl::Span<const BlockHas
 DispatchLedger::Outstanding DispatchLedger::Get(const std::string& worker) const {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(worker);
-  return it == workers_.end() ? Outstanding{} : it->second.out;
+  Outstanding out = it == workers_.end() ? Outstanding{} : it->second.out;
+  if (auto c = creating_.find(worker); c != creating_.end()) out.new_sessions = c->second;
+  const absl::Time now = absl::Now();
+  for (const auto& [session, u] : unseen_) out.new_sessions += u.worker == worker && u.until > now ? 1 : 0;
+  return out;
 }
 
 int DispatchLedger::LeadingPages(const std::string& worker, absl::Span<const BlockHash> chain) const {
@@ -74,13 +78,20 @@ int DispatchLedger::LeadingPages(const std::string& worker, absl::Span<const Blo
   return n;
 }
 
-void DispatchLedger::SessionDispatched(const SessionKey& session, const std::string& worker) {
+void DispatchLedger::SessionDispatched(const SessionKey& session, const std::string& worker, bool creates) {
   absl::MutexLock lock(&mu_);
   ++sessions_[session][worker];
+  if (creates) ++creating_[worker];
 }
 
-void DispatchLedger::SessionFinished(const SessionKey& session, const std::string& worker, bool held) {
+void DispatchLedger::SessionFinished(const SessionKey& session, const std::string& worker, bool creates,
+                                     bool held) {
   absl::MutexLock lock(&mu_);
+  if (creates) {
+    auto c = creating_.find(worker);
+    assert(c != creating_.end() && c->second > 0);
+    if (c != creating_.end() && --c->second == 0) creating_.erase(c);
+  }
   auto it = sessions_.find(session);
   assert(it != sessions_.end());
   if (it == sessions_.end()) return;
@@ -95,6 +106,28 @@ void DispatchLedger::SessionFinished(const SessionKey& session, const std::strin
     absl::erase_if(recent_sessions_, [now](const auto& e) { return e.second.until <= now; });
     recent_purge_at_ = std::max<size_t>(1024, 2 * recent_sessions_.size());
   }
+}
+
+void DispatchLedger::CreatedUnseen(const SessionKey& session, const std::string& worker) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  absl::erase_if(unseen_, [now](const auto& e) { return e.second.until <= now; });
+  unseen_[session] = RecentSession{worker, now + kFinishedGrace};
+}
+
+std::vector<SessionKey> DispatchLedger::Unseen(const std::string& worker) const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  std::vector<SessionKey> out;
+  for (const auto& [session, u] : unseen_) {
+    if (u.worker == worker && u.until > now) out.push_back(session);
+  }
+  return out;
+}
+
+void DispatchLedger::Seen(const SessionKey& session) {
+  absl::MutexLock lock(&mu_);
+  unseen_.erase(session);
 }
 
 std::optional<std::string> DispatchLedger::SessionWorker(const SessionKey& session) const {
@@ -128,6 +161,7 @@ std::vector<SessionKey> DispatchLedger::RecentSessionsNamed(const std::string& s
 void DispatchLedger::SessionClosed(const SessionKey& session) {
   absl::MutexLock lock(&mu_);
   recent_sessions_.erase(session);
+  unseen_.erase(session);
 }
 
 size_t DispatchLedger::sessions_tracked() const {
@@ -137,7 +171,9 @@ size_t DispatchLedger::sessions_tracked() const {
 
 size_t DispatchLedger::workers_tracked() const {
   absl::MutexLock lock(&mu_);
-  return workers_.size();
+  size_t n = workers_.size();
+  for (const auto& [worker, count] : creating_) n += workers_.contains(worker) ? 0 : 1;
+  return n;
 }
 
 }  // namespace kvcache::router

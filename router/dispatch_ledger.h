@@ -36,6 +36,9 @@ class DispatchLedger {
   struct Outstanding {
     int64_t requests = 0;
     int64_t prefill_tokens = 0;
+    // Sessions those requests are creating there (the directory hears of a
+    // session only when its first request has prefilled).
+    int64_t new_sessions = 0;
   };
 
   // A request was sent to `worker`: `prefill_tokens` of its prompt are expected
@@ -58,10 +61,21 @@ class DispatchLedger {
   // the session's next request there too (whatever the placement mode): the
   // worker refuses a second request on a busy session with ABORTED, so that two
   // concurrent first requests on a new id never create it on two workers.
-  // `held`: the request left the session on `worker` (it ended OK, or sent a
-  // token before it failed).
-  void SessionDispatched(const SessionKey& session, const std::string& worker);
-  void SessionFinished(const SessionKey& session, const std::string& worker, bool held);
+  // `creates`: the request makes the session on `worker` (a new session, or a
+  // FULL_CONTEXT turn that moves it there); counted in Get's new_sessions until
+  // it ends. `held`: the request left the session on `worker` (it ended OK, or
+  // sent a token before it failed). Pair each call with SessionFinished with the
+  // same session, worker and `creates`.
+  void SessionDispatched(const SessionKey& session, const std::string& worker, bool creates);
+  void SessionFinished(const SessionKey& session, const std::string& worker, bool creates, bool held);
+  // A request created `session` on `worker`, but the directory has not applied
+  // the worker's event for it yet (it trails the reply a moment): the session
+  // still counts in Get's new_sessions, until Seen or for kFinishedGrace.
+  void CreatedUnseen(const SessionKey& session, const std::string& worker);
+  // The sessions CreatedUnseen counts on `worker` now.
+  std::vector<SessionKey> Unseen(const std::string& worker) const;
+  // The directory has `session` now.
+  void Seen(const SessionKey& session);
   std::optional<std::string> SessionWorker(const SessionKey& session) const;
   // The worker a request on `session` is in flight on, or where one left it in
   // the last kFinishedGrace (the worker's placement event may not have reached
@@ -96,6 +110,9 @@ class DispatchLedger {
   absl::flat_hash_map<std::string, Finished> finished_ ABSL_GUARDED_BY(mu_);
   // session -> worker -> requests in flight there (one worker but in a race).
   absl::flat_hash_map<SessionKey, absl::flat_hash_map<std::string, int>> sessions_ ABSL_GUARDED_BY(mu_);
+  // worker -> requests in flight there that create their session.
+  absl::flat_hash_map<std::string, int64_t> creating_ ABSL_GUARDED_BY(mu_);
+
   struct RecentSession {
     std::string worker;
     absl::Time until;
@@ -104,6 +121,9 @@ class DispatchLedger {
   // finished_ is).
   absl::flat_hash_map<SessionKey, RecentSession> recent_sessions_ ABSL_GUARDED_BY(mu_);
   size_t recent_purge_at_ ABSL_GUARDED_BY(mu_) = 1024;
+  // CreatedUnseen's sessions: session -> where, and until when (few: only
+  // those whose event had not been applied when their request ended).
+  absl::flat_hash_map<SessionKey, RecentSession> unseen_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcache::router

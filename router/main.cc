@@ -31,6 +31,9 @@ ABSL_FLAG(absl::Duration, dns_refresh, absl::Seconds(10), "How often --worker_dn
 ABSL_FLAG(std::string, model, "",
           "GGUF file whose tokenizer the router uses for prefix hashes (same as the workers')");
 ABSL_FLAG(std::string, placement, "affinity", "Placement policy: affinity, round_robin or random");
+ABSL_FLAG(double, session_balance, 1.25,
+          "Affinity: a new session skips a worker that would then hold more than this factor times its share "
+          "of the sessions (shares follow prefill rates) while another would not; 0 disables");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "Client bearer tokens: lines 'TOKEN TENANT [admin]'. Without it the router starts only with "
           "--allow_unauthenticated");
@@ -114,6 +117,9 @@ int Run() {
   }
   if (absl::GetFlag(FLAGS_rebalance_batch) < 1 || absl::GetFlag(FLAGS_rebalance_min_tokens) < 0) {
     DieWith(kName, absl::InvalidArgumentError("--rebalance_batch must be >= 1, --rebalance_min_tokens >= 0"));
+  }
+  if (const double b = absl::GetFlag(FLAGS_session_balance); !(b == 0 || b >= 1)) {
+    DieWith(kName, absl::InvalidArgumentError("--session_balance must be 0 (off) or >= 1"));
   }
   if (absl::GetFlag(FLAGS_max_attempts) < 1)
     DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
@@ -206,6 +212,7 @@ int Run() {
   ro.rebalance_high_free = absl::GetFlag(FLAGS_rebalance_high_free);
   ro.rebalance_batch = absl::GetFlag(FLAGS_rebalance_batch);
   ro.rebalance_min_tokens = absl::GetFlag(FLAGS_rebalance_min_tokens);
+  ro.placement.session_cap_factor = absl::GetFlag(FLAGS_session_balance);
   router::RouterService service(ro, &pool, &directory, tokenizer->get(), chat.ok() ? &*chat : nullptr,
                                 auth.get(), &metrics);
   router::AdminService admin(&service);

@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -47,7 +48,7 @@ uint64_t RendezvousWeight(const std::string& key, const WorkerId& worker) {
 
 absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& session_id,
                                  const WorkerId& affinity_worker, int page_tokens, int request_pages,
-                                 const std::vector<Candidate>& candidates, bool retry) {
+                                 bool new_session, const std::vector<Candidate>& candidates, bool retry) {
   if (candidates.empty()) return absl::UnavailableError("no healthy worker can take the request");
   if (!affinity_worker.empty()) {
     for (const Candidate& cand : candidates) {
@@ -58,15 +59,46 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
   }
   double mean = 0;
   double fastest = 0;
+  int64_t sessions = 0;
   for (const Candidate& cand : candidates) {
     mean += LoadTokens(c, cand);
     fastest = std::max(fastest, cand.load.prefill_tokens_per_second());
+    sessions += cand.sessions;
   }
   if (fastest <= 0) fastest = kDefaultPrefillRate;
   mean /= static_cast<double>(candidates.size());
   const double cap = c.cap_factor * (mean + c.cap_slack);
-  bool any_under_cap = false;
-  for (const Candidate& cand : candidates) any_under_cap |= LoadTokens(c, cand) <= cap;
+  auto rate_of = [fastest](const Candidate& cand) {
+    return cand.load.prefill_tokens_per_second() > 0 ? cand.load.prefill_tokens_per_second() : fastest;
+  };
+  // Each worker's share of the sessions is its share of the pages that keep
+  // them (both tiers): a worker with twice the memory keeps twice the
+  // conversations. Equal shares while any worker has not reported its pages.
+  auto pages_of = [](const Candidate& cand) {
+    return static_cast<double>(cand.load.pages_total_device() + cand.load.pages_total_host());
+  };
+  double total_pages = 0;
+  bool pages_known = true;
+  for (const Candidate& cand : candidates) {
+    total_pages += pages_of(cand);
+    pages_known &= pages_of(cand) > 0;
+  }
+  auto share = [&](const Candidate& cand) {
+    return pages_known ? pages_of(cand) / total_pages : 1.0 / static_cast<double>(candidates.size());
+  };
+  const bool cap_sessions = new_session && c.session_cap_factor > 0;
+  // 3: under both caps, 2: under the load cap only, 1: under the session cap
+  // only, 0: neither. The best level any candidate reaches is the one to choose
+  // from.
+  auto level = [&](const Candidate& cand) {
+    const bool load_ok = LoadTokens(c, cand) <= cap;
+    const double session_cap =
+        std::ceil(c.session_cap_factor * static_cast<double>(sessions + 1) * share(cand));
+    const bool sessions_ok = !cap_sessions || static_cast<double>(cand.sessions + 1) <= session_cap;
+    return (load_ok ? 2 : 0) + (sessions_ok ? 1 : 0);
+  };
+  int eligible = 0;
+  for (const Candidate& cand : candidates) eligible = std::max(eligible, level(cand));
   const double request_tokens = static_cast<double>(page_tokens) * request_pages;
 
   const Candidate* best = nullptr;
@@ -74,15 +106,14 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
   uint64_t best_weight = 0;
   for (const Candidate& cand : candidates) {
     const double load = LoadTokens(c, cand);
-    if (any_under_cap && load > cap) continue;
+    if (level(cand) < eligible) continue;
     const double reuse =
         page_tokens * (cand.match.device_pages + c.host_restore_weight * cand.match.host_pages);
     const int64_t needed = std::max(0, request_pages - cand.match.device_pages);
     const int64_t shortfall = std::max<int64_t>(0, needed - cand.load.pages_free_device());
     const double pressure =
         cand.load.pages_total_device() > 0 ? c.eviction_weight * page_tokens * shortfall : 0;
-    const double rate =
-        cand.load.prefill_tokens_per_second() > 0 ? cand.load.prefill_tokens_per_second() : fastest;
+    const double rate = rate_of(cand);
     const double score = -(request_tokens - reuse + c.load_weight * load + pressure) / rate;
     const uint64_t weight = RendezvousWeight(session_id, cand.worker);
     const bool tie = best != nullptr && score == best_score;

@@ -18,7 +18,16 @@
 //     where tier 0 is full evicts other sessions' pages to host RAM), among
 //     candidates under the bounded-load cap: a worker whose queued tokens exceed
 //     cap_factor * (mean + cap_slack) is skipped unless every worker is over it
-//     (so one hot prefix cannot herd all traffic onto one worker);
+//     (so one hot prefix cannot herd all traffic onto one worker). A new named
+//     session stays where it is placed, and every later turn with it, so for
+//     one the sessions are bounded too: a worker that would hold more than
+//     ceil(session_cap_factor * (sessions + 1) * its share of the candidates'
+//     KV pages) is skipped unless every worker would (consistent hashing with
+//     bounded loads, Mirrokni et al. 2018, weighted by memory); a shared
+//     system prompt cached on one worker would otherwise draw
+//     every conversation there while the others idle, since this request's
+//     time to first token is all the score sees. Candidates under both caps
+//     come first, then those under the load cap, then all;
 //  3. ties go to the worker holding fewer sessions (so new sessions without a
 //     cached prefix spread over idle workers: the directory hears of each
 //     session before its client does), then by rendezvous hashing of (session
@@ -54,13 +63,17 @@ struct PlacementConfig {
   // Bounded-load cap: load <= cap_factor * (mean + cap_slack).
   double cap_factor = 1.5;
   double cap_slack = 256.0;
+  // Bounded sessions for a new session (0 disables, else >= 1): sessions after
+  // placing <= ceil(session_cap_factor * (all sessions + 1) * pages / all pages),
+  // pages: pages_total_device + pages_total_host.
+  double session_cap_factor = 1.25;
 };
 
 struct Candidate {
   WorkerId worker;
   v1::WorkerLoad load;
   PrefixMatch match;                // leading pages of the request's chain held there
-  int64_t sessions = 0;             // sessions the directory places there
+  int64_t sessions = 0;             // sessions there (the directory's, and those being created)
   int64_t dispatched_requests = 0;  // WorkerView's
   int64_t dispatched_prefill_tokens = 0;
 };
@@ -77,11 +90,12 @@ struct Placement {
 
 // REQUIRES: candidates hold only workers allowed for this request (healthy, not
 // draining, not already tried). `affinity_worker` may be empty. `request_pages`
-// is the pages the request's context needs (0 when unknown).
+// is the pages the request's context needs (0 when unknown). `new_session`: the
+// request keeps a session where it is placed (the session cap applies).
 // UNAVAILABLE when there is no candidate.
 absl::StatusOr<Placement> Choose(const PlacementConfig& config, const std::string& session_id,
                                  const WorkerId& affinity_worker, int page_tokens, int request_pages,
-                                 const std::vector<Candidate>& candidates, bool retry);
+                                 bool new_session, const std::vector<Candidate>& candidates, bool retry);
 
 // Load of a worker in queued-token units (`queued` above: what the cap and the
 // estimate use).

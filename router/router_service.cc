@@ -205,11 +205,13 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       // there; the copy it leaves behind is closed once the turn has created
       // the session on its new worker.
       stale_copy_.clear();
+      creates_session_ = false;
       if (!append_) {
         std::optional<WorkerId> home = router_->SessionHome(key);
         if (home && *home != placement_.worker) stale_copy_ = *home;
+        creates_session_ = !home || *home != placement_.worker;
       }
-      router_->ledger_.SessionDispatched(key, placement_.worker);
+      router_->ledger_.SessionDispatched(key, placement_.worker, creates_session_);
     }
     call->Start();  // last: its callbacks may run at once, on other threads
   }
@@ -259,7 +261,13 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         const SessionKey key{request_.tenant(), request_.session_id()};
         // Its worker holds the session once a token came (or it ended OK).
         const bool held = st.ok() || emitted_.size() > continued_from_;
-        router_->ledger_.SessionFinished(key, placement_.worker, held);
+        router_->ledger_.SessionFinished(key, placement_.worker, creates_session_, held);
+        if (creates_session_ && held) {
+          auto loc = router_->directory_->FindSession(key);
+          if (!loc.has_value() || loc->worker != placement_.worker) {
+            router_->ledger_.CreatedUnseen(key, placement_.worker);
+          }
+        }
         if (!stale_copy_.empty() && held) {
           router_->CloseStaleCopy(key, stale_copy_);
         }
@@ -376,8 +384,9 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   size_t continued_from_ = 0;     // tokens already streamed when the current attempt began
   std::vector<WorkerId> tried_;
   int attempts_ = 0;
-  Placement placement_;  // the current attempt's
-  WorkerId stale_copy_;  // the worker the session was on when this attempt moved it, if so
+  Placement placement_;           // the current attempt's
+  WorkerId stale_copy_;           // the worker the session was on when this attempt moved it, if so
+  bool creates_session_ = false;  // this attempt makes the session on its worker (new, or moved)
   // The current attempt's entry in the router's DispatchLedger: its prompt's
   // page chain (empty unless placed by affinity), and its prompt tokens until
   // the first token arrives.
@@ -523,6 +532,11 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     Candidate c;
     c.worker = w.address;
     c.load = w.load;
+    // Sessions created there whose events the directory has applied since
+    // count once, as the directory's.
+    for (const SessionKey& s : ledger_.Unseen(w.address)) {
+      if (auto l = directory_->FindSession(s); l.has_value() && l->worker == w.address) ledger_.Seen(s);
+    }
     const DispatchLedger::Outstanding out = ledger_.Get(w.address);
     c.dispatched_requests = out.requests;
     c.dispatched_prefill_tokens = out.prefill_tokens;
@@ -532,7 +546,8 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     // be by the time this one's prefill reaches them.
     const int computing = ledger_.LeadingPages(w.address, chain);
     if (computing > c.match.total_pages()) c.match = PrefixMatch{computing, 0};
-    if (auto n = session_counts.find(w.address); n != session_counts.end()) c.sessions = n->second;
+    c.sessions = out.new_sessions;
+    if (auto n = session_counts.find(w.address); n != session_counts.end()) c.sessions += n->second;
     candidates.push_back(std::move(c));
   }
   // Ties among equals go by rendezvous of the session id (or the prompt's start).
@@ -541,8 +556,10 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
           ? absl::StrJoin(tokens.begin(), tokens.begin() + std::min<size_t>(tokens.size(), 64), ",")
           : session_id;
   const int request_pages = static_cast<int>((tokens.size() + page_tokens - 1) / page_tokens);
+  // A named session stays where it is placed, so its placement is bounded by
+  // the sessions each worker holds as well as by its queue.
   auto placed = Choose(options_.placement, key, loc.has_value() ? loc->worker : WorkerId(), page_tokens,
-                       request_pages, candidates, /*retry=*/false);
+                       request_pages, /*new_session=*/!session_id.empty(), candidates, /*retry=*/false);
   if (placed.ok() && chain_out != nullptr) *chain_out = std::move(chain);
   return placed;
 }
@@ -833,7 +850,7 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
     }
     dest = w->address;
   } else {
-    auto p = Place("", loc->tenant, false, {}, {loc->worker});
+    auto p = Place(session_id, loc->tenant, false, {}, {loc->worker});
     if (!p.ok()) {
       return std::move(done)(absl::UnavailableError(
           absl::StrCat("no other healthy worker to move session '", session_id, "' to")));

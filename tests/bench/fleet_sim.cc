@@ -486,13 +486,15 @@ absl::StatusOr<router::Placement> SimRouter::Place(const std::string& session_id
     if (auto m = matches.find(w); m != matches.end()) c.match = m->second;
     const int computing = ledger_.LeadingPages(w, chain);
     if (computing > c.match.total_pages()) c.match = router::PrefixMatch{computing, 0};
-    if (auto n = session_counts.find(w); n != session_counts.end()) c.sessions = n->second;
+    c.sessions = out.new_sessions;
+    if (auto n = session_counts.find(w); n != session_counts.end()) c.sessions += n->second;
     candidates.push_back(std::move(c));
   }
   if (timing != nullptr) timing->candidates_us += MicrosSince(t0);
   t0 = std::chrono::steady_clock::now();
   auto placed = router::Choose(config_, session_id, loc.has_value() ? loc->worker : router::WorkerId(),
-                               page_tokens, static_cast<int>(chain.size()), candidates, /*retry=*/false);
+                               page_tokens, static_cast<int>(chain.size()),
+                               /*new_session=*/!session_id.empty(), candidates, /*retry=*/false);
   if (timing != nullptr) timing->choose_us += MicrosSince(t0);
   return placed;
 }

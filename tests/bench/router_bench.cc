@@ -278,7 +278,8 @@ double DecisionsPerSecond() {
       cands.push_back(std::move(c));
     }
     auto placed = router::Choose(config, absl::StrCat("new-", decisions), "", page_tokens,
-                                 static_cast<int>(p.size() / page_tokens), cands, false);
+                                 static_cast<int>(p.size() / page_tokens), /*new_session=*/true, cands,
+                                 /*retry=*/false);
     sink += placed.ok() ? placed->worker.size() : 0;
     ++decisions;
   }

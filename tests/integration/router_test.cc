@@ -119,14 +119,46 @@ TEST_F(RouterTest, NewSessionWithACachedPrefixGoesToItsWorker) {
   const std::string system(600, 's');  // a long shared system prompt
   Reply first = Generate(stub.get(), Text("a", system + " question one", 2));
   ASSERT_TRUE(first.status.ok());
+  // Requests without a session keep nothing on their worker: the prefix takes
+  // every one.
   for (int i = 0; i < 4; ++i) {
-    Reply r =
-        Generate(stub.get(), Text("b" + std::to_string(i), system + " question " + std::to_string(i + 2), 2));
+    Reply r = Generate(stub.get(), Text("", system + " question " + std::to_string(i + 2), 2));
     ASSERT_TRUE(r.status.ok());
     EXPECT_EQ(r.final.worker_id(), first.final.worker_id());
     EXPECT_GT(r.final.usage().cached_tokens(), 200);
     EXPECT_GT(r.final.predicted_cached_tokens(), 200);
   }
+  // A new session too, while that worker holds no more than its share.
+  Reply second = Generate(stub.get(), Text("b", system + " question six", 2));
+  ASSERT_TRUE(second.status.ok());
+  EXPECT_EQ(second.final.worker_id(), first.final.worker_id());
+  EXPECT_GT(second.final.usage().cached_tokens(), 200);
+}
+
+// Sessions stay where they are placed. New conversations that share a cached
+// system prompt, one after another (no queue builds), would all score best on
+// the worker that has it while the other idles; the session cap
+// (--session_balance, 1.25) spreads them, and each worker computes the prompt
+// once.
+TEST_F(RouterTest, NewSessionsSharingACachedPrefixSpreadOverWorkers) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  const std::string system(600, 's');
+  std::map<std::string, int> per_worker;
+  int misses = 0;
+  for (int i = 0; i < 8; ++i) {
+    Reply r =
+        Generate(stub.get(), Text("user-" + std::to_string(i), system + " question " + std::to_string(i), 2));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ++per_worker[r.final.worker_id()];
+    if (r.final.usage().cached_tokens() < 200) ++misses;
+    // At most ceil(1.25 * sessions / 2) on either worker.
+    for (const auto& [w, n] : per_worker) EXPECT_LE(n, (5 * (i + 1) + 7) / 8) << w << " after " << i + 1;
+  }
+  ASSERT_EQ(per_worker.size(), 2u);
+  EXPECT_EQ(misses, 2) << "each worker should compute the system prompt once";
 }
 
 // Sends `requests` at once, one thread each; returns the replies in order.

@@ -57,13 +57,13 @@ TEST(DispatchLedgerTest, SessionsInFlightNameTheirWorkerUntilTheLastEnds) {
   const SessionKey s{"tenant", "s"};
   const SessionKey other{"other-tenant", "s"};
   EXPECT_FALSE(ledger.SessionWorker(s).has_value());
-  ledger.SessionDispatched(s, "w1");
-  ledger.SessionDispatched(s, "w1");  // a second request, refused there
+  ledger.SessionDispatched(s, "w1", /*creates=*/false);
+  ledger.SessionDispatched(s, "w1", /*creates=*/false);  // a second request, refused there
   EXPECT_EQ(ledger.SessionWorker(s), "w1");
   EXPECT_FALSE(ledger.SessionWorker(other).has_value());  // tenants are separate
-  ledger.SessionFinished(s, "w1", /*held=*/false);
+  ledger.SessionFinished(s, "w1", /*creates=*/false, /*held=*/false);
   EXPECT_EQ(ledger.SessionWorker(s), "w1");
-  ledger.SessionFinished(s, "w1", /*held=*/true);
+  ledger.SessionFinished(s, "w1", /*creates=*/false, /*held=*/true);
   EXPECT_FALSE(ledger.SessionWorker(s).has_value());
   EXPECT_EQ(ledger.sessions_tracked(), 0u);
   // Where it ended stays known for the grace period (the directory may trail).
@@ -81,20 +81,54 @@ TEST(DispatchLedgerTest, OnlyARequestThatLeftTheSessionNamesItsWorker) {
   const SessionKey s{"tenant", "s"};
   const SessionKey other{"other-tenant", "s"};
   // A first request that failed before any token created nothing.
-  ledger.SessionDispatched(s, "w0");
+  ledger.SessionDispatched(s, "w0", /*creates=*/false);
   EXPECT_THAT(ledger.RecentSessionsNamed("s"), ::testing::ElementsAre(s));  // in flight
-  ledger.SessionFinished(s, "w0", /*held=*/false);
+  ledger.SessionFinished(s, "w0", /*creates=*/false, /*held=*/false);
   EXPECT_FALSE(ledger.RecentSessionWorker(s).has_value());
   // One that did; a later failed one elsewhere does not move it.
-  ledger.SessionDispatched(s, "w1");
-  ledger.SessionFinished(s, "w1", /*held=*/true);
-  ledger.SessionDispatched(s, "w0");
-  ledger.SessionFinished(s, "w0", /*held=*/false);
+  ledger.SessionDispatched(s, "w1", /*creates=*/false);
+  ledger.SessionFinished(s, "w1", /*creates=*/false, /*held=*/true);
+  ledger.SessionDispatched(s, "w0", /*creates=*/false);
+  ledger.SessionFinished(s, "w0", /*creates=*/false, /*held=*/false);
   EXPECT_EQ(ledger.RecentSessionWorker(s), "w1");
   // Every tenant's session by that id, once each.
-  ledger.SessionDispatched(other, "w0");
+  ledger.SessionDispatched(other, "w0", /*creates=*/false);
   EXPECT_THAT(ledger.RecentSessionsNamed("s"), ::testing::UnorderedElementsAre(s, other));
   EXPECT_TRUE(ledger.RecentSessionsNamed("t").empty());
+}
+
+// New sessions count on their worker from dispatch: the directory hears of a
+// session only once its first request has prefilled there.
+TEST(DispatchLedgerTest, SessionsBeingCreatedCountOnTheirWorkerUntilTheirRequestEnds) {
+  DispatchLedger ledger;
+  const SessionKey a{"tenant", "a"};
+  const SessionKey b{"tenant", "b"};
+  ledger.SessionDispatched(a, "w0", /*creates=*/true);
+  ledger.SessionDispatched(b, "w0", /*creates=*/true);
+  ledger.SessionDispatched(a, "w1", /*creates=*/false);  // a turn on a session that exists
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 2);
+  EXPECT_EQ(ledger.Get("w1").new_sessions, 0);
+  EXPECT_EQ(ledger.workers_tracked(), 1u);
+  ledger.SessionFinished(a, "w0", /*creates=*/true, /*held=*/true);
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 1);
+  ledger.SessionFinished(b, "w0", /*creates=*/true, /*held=*/false);
+  ledger.SessionFinished(a, "w1", /*creates=*/false, /*held=*/true);
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 0);
+  EXPECT_EQ(ledger.workers_tracked(), 0u);
+  EXPECT_EQ(ledger.sessions_tracked(), 0u);
+
+  // Created, but the directory has not applied the worker's event yet: it
+  // still counts, until the directory has it.
+  ledger.CreatedUnseen(a, "w0");
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 1);
+  EXPECT_THAT(ledger.Unseen("w0"), ::testing::ElementsAre(a));
+  EXPECT_TRUE(ledger.Unseen("w1").empty());
+  ledger.Seen(a);
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 0);
+  EXPECT_TRUE(ledger.Unseen("w0").empty());
+  ledger.CreatedUnseen(b, "w1");
+  ledger.SessionClosed(b);
+  EXPECT_EQ(ledger.Get("w1").new_sessions, 0);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "router/placement.h"
 
+#include <cmath>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -20,11 +21,12 @@ Candidate Cand(const std::string& w, int queued = 0, int device_pages = 0, int h
 }
 
 TEST(PlacementTest, NoCandidatesIsUnavailable) {
-  EXPECT_EQ(Choose({}, "s", "", 16, 0, {}, false).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Choose({}, "s", "", 16, 0, /*new_session=*/true, {}, false).status().code(),
+            absl::StatusCode::kUnavailable);
 }
 
 TEST(PlacementTest, AffinityWinsWhenItsWorkerIsACandidate) {
-  auto p = Choose({}, "s", "b", 16, 0, {Cand("a", 0, 10), Cand("b", 5000, 2)}, false);
+  auto p = Choose({}, "s", "b", 16, 0, /*new_session=*/true, {Cand("a", 0, 10), Cand("b", 5000, 2)}, false);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->worker, "b");
   EXPECT_EQ(p->reason, PlacementReason::kAffinity);
@@ -32,20 +34,25 @@ TEST(PlacementTest, AffinityWinsWhenItsWorkerIsACandidate) {
 }
 
 TEST(PlacementTest, AffinityWorkerGoneFallsBackToScore) {
-  auto p = Choose({}, "s", "gone", 16, 0, {Cand("a"), Cand("b", 0, 4)}, false);
+  auto p = Choose({}, "s", "gone", 16, 0, /*new_session=*/true, {Cand("a"), Cand("b", 0, 4)}, false);
   EXPECT_EQ(p->worker, "b");
   EXPECT_EQ(p->reason, PlacementReason::kPrefix);
 }
 
 TEST(PlacementTest, PrefixBeatsSmallLoadButNotHugeLoad) {
   // 20 pages * 16 = 320 reused tokens vs 100 queued tokens: prefix wins.
-  EXPECT_EQ(Choose({}, "s", "", 16, 0, {Cand("a", 0), Cand("b", 100, 20)}, false)->worker, "b");
+  EXPECT_EQ(
+      Choose({}, "s", "", 16, 0, /*new_session=*/true, {Cand("a", 0), Cand("b", 100, 20)}, false)->worker,
+      "b");
   // 2000 queued tokens outweigh 320 reused tokens.
-  EXPECT_EQ(Choose({}, "s", "", 16, 0, {Cand("a", 0), Cand("b", 2000, 20)}, false)->worker, "a");
+  EXPECT_EQ(
+      Choose({}, "s", "", 16, 0, /*new_session=*/true, {Cand("a", 0), Cand("b", 2000, 20)}, false)->worker,
+      "a");
 }
 
 TEST(PlacementTest, DeviceHitBeatsHostHitOfSameLength) {
-  auto p = Choose({}, "s", "", 16, 0, {Cand("a", 0, 0, 10), Cand("b", 0, 10, 0)}, false);
+  auto p =
+      Choose({}, "s", "", 16, 0, /*new_session=*/true, {Cand("a", 0, 0, 10), Cand("b", 0, 10, 0)}, false);
   EXPECT_EQ(p->worker, "b");
 }
 
@@ -53,10 +60,11 @@ TEST(PlacementTest, BoundedLoadCapStopsHerding) {
   PlacementConfig c;
   c.load_weight = 0.0;  // prefix alone would always win
   // "hot" holds the prefix but is far above the mean load: skipped.
-  auto p = Choose(c, "s", "", 16, 0, {Cand("hot", 10000, 50), Cand("x", 0), Cand("y", 0)}, false);
+  auto p = Choose(c, "s", "", 16, 0, /*new_session=*/true,
+                  {Cand("hot", 10000, 50), Cand("x", 0), Cand("y", 0)}, false);
   EXPECT_NE(p->worker, "hot");
   // When every worker is over the cap the cap is ignored.
-  auto q = Choose(c, "s", "", 16, 0, {Cand("hot", 10000, 50)}, false);
+  auto q = Choose(c, "s", "", 16, 0, /*new_session=*/true, {Cand("hot", 10000, 50)}, false);
   EXPECT_EQ(q->worker, "hot");
 }
 
@@ -65,12 +73,12 @@ TEST(PlacementTest, TiesSpreadByRendezvousAndAreStable) {
   std::map<std::string, int> counts;
   for (int i = 0; i < 4000; ++i) {
     const std::string s = absl::StrCat("session-", i);
-    auto p = Choose({}, s, "", 16, 0, cands, false);
+    auto p = Choose({}, s, "", 16, 0, /*new_session=*/true, cands, false);
     ++counts[p->worker];
     EXPECT_EQ(p->reason, PlacementReason::kLoad);
     // Same inputs, same answer, regardless of candidate order.
     std::vector<Candidate> reversed(cands.rbegin(), cands.rend());
-    EXPECT_EQ(Choose({}, s, "", 16, 0, reversed, false)->worker, p->worker);
+    EXPECT_EQ(Choose({}, s, "", 16, 0, /*new_session=*/true, reversed, false)->worker, p->worker);
   }
   for (const auto& [w, n] : counts) EXPECT_NEAR(n, 1000, 150) << w;
 }
@@ -80,11 +88,11 @@ TEST(PlacementTest, TiesGoToTheWorkerWithFewerSessionsFirst) {
   cands[0].sessions = 3;
   cands[1].sessions = 2;
   for (int i = 0; i < 100; ++i) {
-    EXPECT_EQ(Choose({}, absl::StrCat("s", i), "", 16, 0, cands, false)->worker, "w1");
+    EXPECT_EQ(Choose({}, absl::StrCat("s", i), "", 16, 0, /*new_session=*/true, cands, false)->worker, "w1");
   }
   // A better score still wins over fewer sessions.
   cands[0].match.device_pages = 1;
-  EXPECT_EQ(Choose({}, "s", "", 16, 1, cands, false)->worker, "w0");
+  EXPECT_EQ(Choose({}, "s", "", 16, 1, /*new_session=*/true, cands, false)->worker, "w0");
 }
 
 TEST(PlacementTest, FullTierZeroCostsEvictions) {
@@ -96,10 +104,10 @@ TEST(PlacementTest, FullTierZeroCostsEvictions) {
   Candidate empty = Cand("empty");
   empty.load.set_pages_total_device(100);
   empty.load.set_pages_free_device(100);
-  EXPECT_EQ(Choose({}, "s", "", 16, 30, {full, empty}, false)->worker, "empty");
+  EXPECT_EQ(Choose({}, "s", "", 16, 30, /*new_session=*/true, {full, empty}, false)->worker, "empty");
   // With room on both, the prefix wins again.
   full.load.set_pages_free_device(50);
-  EXPECT_EQ(Choose({}, "s", "", 16, 30, {full, empty}, false)->worker, "full");
+  EXPECT_EQ(Choose({}, "s", "", 16, 30, /*new_session=*/true, {full, empty}, false)->worker, "full");
 }
 
 // A burst placed before any load report arrives: each placement counts what it
@@ -108,7 +116,7 @@ TEST(PlacementTest, FullTierZeroCostsEvictions) {
 std::map<std::string, int> Burst(std::vector<Candidate> cands, int rounds, int prompt_pages) {
   std::map<std::string, int> placed;
   for (int i = 0; i < rounds; ++i) {
-    auto p = Choose({}, absl::StrCat("new-", i), "", 16, prompt_pages, cands, false);
+    auto p = Choose({}, absl::StrCat("new-", i), "", 16, prompt_pages, /*new_session=*/true, cands, false);
     EXPECT_TRUE(p.ok());
     for (Candidate& c : cands) {
       if (c.worker != p->worker) continue;
@@ -135,6 +143,55 @@ TEST(PlacementTest, BurstOfDistinctSessionsSpreadsEvenly) {
   for (const auto& [w, n] : placed) EXPECT_EQ(n, 8) << w;
 }
 
+// Sessions stay where they are placed. New conversations that share a system
+// prompt cached on "a", arriving one at a time (the queues empty in between),
+// would all score best on "a"; the session cap spreads them while "b" idles.
+TEST(PlacementTest, NewSessionsSharingACachedPrefixAreBoundedPerWorker) {
+  std::vector<Candidate> cands = {Cand("a", 0, 26), Cand("b")};
+  std::map<std::string, int> placed;
+  for (int i = 0; i < 8; ++i) {
+    auto p = Choose({}, absl::StrCat("user-", i), "", 16, 108, /*new_session=*/true, cands, false);
+    ASSERT_TRUE(p.ok());
+    ++placed[p->worker];
+    for (Candidate& c : cands) c.sessions += c.worker == p->worker ? 1 : 0;
+    // Once "b" has served a conversation it holds the system prompt too.
+    if (p->worker == "b") cands[1].match.device_pages = 26;
+    const int64_t most = std::max(cands[0].sessions, cands[1].sessions);
+    EXPECT_LE(most, static_cast<int64_t>(std::ceil(1.25 * (i + 1) / 2.0))) << "after " << i + 1;
+  }
+  EXPECT_EQ(placed["a"] + placed["b"], 8);
+  EXPECT_GE(placed["b"], 3);
+
+  // Without the cap (or for a request that keeps no session) the prefix wins
+  // every time.
+  PlacementConfig off;
+  off.session_cap_factor = 0;
+  cands = {Cand("a", 0, 26), Cand("b")};
+  cands[0].sessions = 7;
+  EXPECT_EQ(Choose(off, "user-8", "", 16, 108, /*new_session=*/true, cands, false)->worker, "a");
+  EXPECT_EQ(Choose({}, "no-session", "", 16, 108, /*new_session=*/false, cands, false)->worker, "a");
+  EXPECT_EQ(Choose({}, "user-8", "", 16, 108, /*new_session=*/true, cands, false)->worker, "b");
+  // A session's own worker is not bound by the cap: its turns stay there.
+  EXPECT_EQ(Choose({}, "user-0", "a", 16, 108, /*new_session=*/true, cands, false)->worker, "a");
+}
+
+TEST(PlacementTest, LargerWorkersHoldMoreSessions) {
+  // 6 sessions against 2, the 9th on its way: with equal pages "a" may hold
+  // ceil(1.25 * 9 / 2) = 6, so the prefix it holds does not take it there.
+  std::vector<Candidate> cands = {Cand("a", 0, 26), Cand("b")};
+  cands[0].sessions = 6;
+  cands[1].sessions = 2;
+  for (Candidate& c : cands) {
+    c.load.set_pages_total_device(1000);
+    c.load.set_pages_free_device(500);
+    c.load.set_pages_total_host(1000);
+  }
+  EXPECT_EQ(Choose({}, "s", "", 16, 108, /*new_session=*/true, cands, false)->worker, "b");
+  // With twice the pages (host RAM counts), it may hold ceil(1.25 * 9 * 2 / 3) = 8.
+  cands[0].load.set_pages_total_host(3000);
+  EXPECT_EQ(Choose({}, "s", "", 16, 108, /*new_session=*/true, cands, false)->worker, "a");
+}
+
 TEST(PlacementTest, FasterWorkersTakeMoreOfABurst) {
   std::vector<Candidate> cands = {Cand("fast"), Cand("slow")};
   cands[0].load.set_prefill_tokens_per_second(2000);
@@ -148,14 +205,15 @@ TEST(PlacementTest, DispatchedWorkCountsUntilTheReportCatchesUp) {
   Candidate a = Cand("a", 0, 4);
   a.dispatched_requests = 2;
   a.dispatched_prefill_tokens = 3000;
-  EXPECT_EQ(Choose({}, "s", "", 16, 8, {a, Cand("b")}, false)->worker, "b");
+  EXPECT_EQ(Choose({}, "s", "", 16, 8, /*new_session=*/true, {a, Cand("b")}, false)->worker, "b");
   // Once the report covers it, the larger of the two counts (not their sum).
   a.load.set_queued_prefill_tokens(3000);
   EXPECT_EQ(LoadTokens({}, a), 3000 + 32 * 2);
 }
 
 TEST(PlacementTest, RetryReason) {
-  EXPECT_EQ(Choose({}, "s", "", 16, 0, {Cand("a")}, true)->reason, PlacementReason::kRetry);
+  EXPECT_EQ(Choose({}, "s", "", 16, 0, /*new_session=*/true, {Cand("a")}, true)->reason,
+            PlacementReason::kRetry);
 }
 
 }  // namespace
