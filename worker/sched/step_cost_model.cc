@@ -30,7 +30,7 @@ void StepCostModel::Observe(const StepShape& shape, absl::Duration took) {
     for (int j = 0; j < kFeatures; ++j) xtx_[i][j] = forget_ * xtx_[i][j] + x[i] * x[j];
     xty_[i] = forget_ * xty_[i] + x[i] * y;
   }
-  if (shape.prefill_tokens > 0 && shape.decode_tokens > 0) ++mixed_steps_;
+  if (shape.prefill_tokens > 0) ++prefill_steps_;
   if (shape.decode_tokens > 0) ++decode_steps_;
   Solve();
 }

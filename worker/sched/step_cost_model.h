@@ -42,9 +42,11 @@ class StepCostModel {
   explicit StepCostModel(double forget = 0.98);
 
   void Observe(const StepShape& shape, absl::Duration took);
-  // True once enough steps with both decodes and prefill were seen for the
-  // prefill terms to mean something.
-  bool ready() const { return mixed_steps_ >= kMinMixedSteps && decode_steps_ >= kMinMixedSteps; }
+  // True once enough steps with decodes and enough with prefill were seen for
+  // every term to mean something. They need not be the same steps: the model
+  // is additive, so a fresh worker's first prompt (prefill-only chunks) and
+  // first answer (decode-only steps) already bound its first mixed steps.
+  bool ready() const { return prefill_steps_ >= kMinSteps && decode_steps_ >= kMinSteps; }
   // Predicted duration (never negative).
   absl::Duration Predict(const StepShape& shape) const;
   // Seconds that one more prefill token at position `pos` adds (at least a floor
@@ -54,7 +56,7 @@ class StepCostModel {
   const std::array<double, kFeatures>& coefficients() const { return coef_; }
 
  private:
-  static constexpr int kMinMixedSteps = 4;
+  static constexpr int kMinSteps = 4;
   static std::array<double, kFeatures> Features(const StepShape& shape);
   void Solve();
 
@@ -62,7 +64,7 @@ class StepCostModel {
   std::array<std::array<double, kFeatures>, kFeatures> xtx_{};
   std::array<double, kFeatures> xty_{};
   std::array<double, kFeatures> coef_{};
-  int64_t mixed_steps_ = 0;
+  int64_t prefill_steps_ = 0;
   int64_t decode_steps_ = 0;
 };
 

@@ -46,6 +46,37 @@ TEST(StepCostModelTest, LearnsALinearMachineFromItsSteps) {
   EXPECT_NEAR(m.PrefillTokenSeconds(4000), 200e-6 + 4000 * 10e-9, 20e-6);
 }
 
+// A fresh worker: its first prompt runs in prefill-only chunks, its answer in
+// decode-only steps. That is enough to bound the first step that mixes them,
+// which would otherwise run a whole chunk beside the decodes.
+TEST(StepCostModelTest, PrefillOnlyAndDecodeOnlyStepsPredictMixedSteps) {
+  StepCostModel m;
+  int64_t pos = 0;
+  for (int chunk = 0; chunk < 7; ++chunk) {
+    StepShape s;
+    s.prefill_tokens = chunk < 6 ? 256 : 152;
+    s.prefill_attention = static_cast<double>(s.prefill_tokens) * (pos + s.prefill_tokens / 2.0);
+    pos += s.prefill_tokens;
+    m.Observe(s, TrueCost(s));
+  }
+  EXPECT_FALSE(m.ready());  // no decode yet
+  for (int i = 0; i < 32; ++i) {
+    StepShape s;
+    s.decode_tokens = 1;
+    s.decode_context = pos++;
+    m.Observe(s, TrueCost(s));
+  }
+  ASSERT_TRUE(m.ready());
+  StepShape mixed;
+  mixed.decode_tokens = 1;
+  mixed.decode_context = 1800;
+  mixed.prefill_tokens = 128;
+  mixed.prefill_attention = 128 * (416 + 64.0);
+  const double want = absl::ToDoubleSeconds(TrueCost(mixed));
+  EXPECT_NEAR(absl::ToDoubleSeconds(m.Predict(mixed)), want, 0.15 * want);
+  EXPECT_NEAR(m.PrefillTokenSeconds(416), 200e-6 + 416 * 10e-9, 40e-6);
+}
+
 TEST(StepCostModelTest, FollowsAMachineThatSlowsDown) {
   StepCostModel m;
   std::mt19937 rng(3);
