@@ -31,9 +31,9 @@ ABSL_FLAG(absl::Duration, dns_refresh, absl::Seconds(10), "How often --worker_dn
 ABSL_FLAG(std::string, model, "",
           "GGUF file whose tokenizer the router uses for prefix hashes (same as the workers')");
 ABSL_FLAG(std::string, placement, "affinity", "Placement policy: affinity, round_robin or random");
-ABSL_FLAG(double, session_balance, 1.25,
+ABSL_FLAG(double, session_balance, 1.0,
           "Affinity: a new session skips a worker that would then hold more than this factor times its share "
-          "of the sessions (shares follow prefill rates) while another would not; 0 disables");
+          "of the sessions (shares follow KV pages, both tiers) while another would not; 0 disables");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "Client bearer tokens: lines 'TOKEN TENANT [admin]'. Without it the router starts only with "
           "--allow_unauthenticated");

@@ -19,18 +19,18 @@
 //     candidates under the bounded-load cap: a worker whose queued tokens exceed
 //     cap_factor * (mean + cap_slack) is skipped unless every worker is over it
 //     (so one hot prefix cannot herd all traffic onto one worker). A new named
-//     session stays where it is placed, and every later turn with it, so for
-//     one the sessions are bounded too: a worker that would hold more than
+//     session stays where it is placed, with every later turn, so for one the
+//     sessions are bounded too: a worker that would hold more than
 //     ceil(session_cap_factor * (sessions + 1) * its share of the candidates'
 //     KV pages) is skipped unless every worker would (consistent hashing with
-//     bounded loads, Mirrokni et al. 2018, weighted by memory); a shared
-//     system prompt cached on one worker would otherwise draw
-//     every conversation there while the others idle, since this request's
-//     time to first token is all the score sees. Candidates under both caps
-//     come first, then those under the load cap, then all;
+//     bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018, weighted by
+//     memory); since the score sees only this request's time to first token, a
+//     system prompt cached on one worker would otherwise draw every new
+//     conversation there while the others idle. Candidates under both caps
+//     come first, then those under the load cap only, then those under the
+//     session cap only, then all;
 //  3. ties go to the worker holding fewer sessions (so new sessions without a
-//     cached prefix spread over idle workers: the directory hears of each
-//     session before its client does), then by rendezvous hashing of (session
+//     cached prefix spread over idle workers), then by rendezvous hashing of (session
 //     id, worker id), so every router replica picks the same worker for the
 //     same inputs.
 // The decision carries its reason (for the decisions-by-reason metric) and the
@@ -66,7 +66,7 @@ struct PlacementConfig {
   // Bounded sessions for a new session (0 disables, else >= 1): sessions after
   // placing <= ceil(session_cap_factor * (all sessions + 1) * pages / all pages),
   // pages: pages_total_device + pages_total_host.
-  double session_cap_factor = 1.25;
+  double session_cap_factor = 1.0;
 };
 
 struct Candidate {

@@ -50,7 +50,8 @@
 # Usage: tests/bench/multi_round_qa.sh [OUTDIR]     (default: .)
 # Environment: KVCACHE_BUILD_DIR (build), KVCACHE_MODEL, SHAPES, MODES, THREADS (2),
 #   DURATION (240 s per mode at most), FRACTION (0.6), TOKEN_BUDGET_SHAPES ("a"; empty: none),
-#   WORKER_FLAGS (more kvcache worker flags, e.g. --device=cuda:0 on a GPU).
+#   WORKER_FLAGS (more kvcache worker flags, e.g. --device=cuda:0 on a GPU),
+#   ROUTER_FLAGS (more kvcache router flags, e.g. --session_balance=1).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/common.sh
@@ -64,6 +65,7 @@ THREADS=${THREADS:-2}
 DURATION=${DURATION:-240}
 FRACTION=${FRACTION:-0.6}
 read -r -a WORKER_EXTRA <<<"${WORKER_FLAGS:-}"
+read -r -a ROUTER_EXTRA <<<"${ROUTER_FLAGS:-}"
 # K and V bytes per token of SmolLM2-135M with f16 pages: 2 * 30 layers * 3 KV heads * 64 * 2 bytes.
 KV_BYTES_PER_TOKEN=${KV_BYTES_PER_TOKEN:-23040}
 RUN_ID=$(python3 -c 'import uuid; print(uuid.uuid4())')
@@ -235,7 +237,7 @@ for shape in $SHAPES; do
         done
         start router "$ROUTER" --listen=127.0.0.1:0 --metrics_listen= --http_listen=127.0.0.1:0 \
           --workers="$(IFS=,; echo "${workers[*]}")" \
-          --placement="$placement" --model="$KVCACHE_MODEL" --allow_unauthenticated
+          --placement="$placement" --model="$KVCACHE_MODEL" --allow_unauthenticated "${ROUTER_EXTRA[@]}"
         if [[ $mode == *_http ]]; then
           wait_http "http://$HTTP_ADDRESS/ready" || { failed=1; stop_all; continue; }
           model=$(curl -sf "http://$HTTP_ADDRESS/v1/models" |

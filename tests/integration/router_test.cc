@@ -128,17 +128,22 @@ TEST_F(RouterTest, NewSessionWithACachedPrefixGoesToItsWorker) {
     EXPECT_GT(r.final.usage().cached_tokens(), 200);
     EXPECT_GT(r.final.predicted_cached_tokens(), 200);
   }
-  // A new session too, while that worker holds no more than its share.
+  // A second session would give that worker more than its share (one of two):
+  // it goes to the other, which computes the prompt once; a third finds it
+  // cached on either.
   Reply second = Generate(stub.get(), Text("b", system + " question six", 2));
   ASSERT_TRUE(second.status.ok());
-  EXPECT_EQ(second.final.worker_id(), first.final.worker_id());
-  EXPECT_GT(second.final.usage().cached_tokens(), 200);
+  EXPECT_NE(second.final.worker_id(), first.final.worker_id());
+  Reply third = Generate(stub.get(), Text("c", system + " question seven", 2));
+  ASSERT_TRUE(third.status.ok());
+  EXPECT_GT(third.final.usage().cached_tokens(), 200);
+  EXPECT_GT(third.final.predicted_cached_tokens(), 200);
 }
 
 // Sessions stay where they are placed. New conversations that share a cached
 // system prompt, one after another (no queue builds), would all score best on
 // the worker that has it while the other idles; the session cap
-// (--session_balance, 1.25) spreads them, and each worker computes the prompt
+// (--session_balance, 1: within one of each worker's share) spreads them, and each worker computes the prompt
 // once.
 TEST_F(RouterTest, NewSessionsSharingACachedPrefixSpreadOverWorkers) {
   StartWorkers(2);
@@ -154,8 +159,8 @@ TEST_F(RouterTest, NewSessionsSharingACachedPrefixSpreadOverWorkers) {
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
     ++per_worker[r.final.worker_id()];
     if (r.final.usage().cached_tokens() < 200) ++misses;
-    // At most ceil(1.25 * sessions / 2) on either worker.
-    for (const auto& [w, n] : per_worker) EXPECT_LE(n, (5 * (i + 1) + 7) / 8) << w << " after " << i + 1;
+    // At most ceil(sessions / 2) on either worker.
+    for (const auto& [w, n] : per_worker) EXPECT_LE(n, (i + 2) / 2) << w << " after " << i + 1;
   }
   ASSERT_EQ(per_worker.size(), 2u);
   EXPECT_EQ(misses, 2) << "each worker should compute the system prompt once";

@@ -90,9 +90,10 @@ TEST(PlacementTest, TiesGoToTheWorkerWithFewerSessionsFirst) {
   for (int i = 0; i < 100; ++i) {
     EXPECT_EQ(Choose({}, absl::StrCat("s", i), "", 16, 0, /*new_session=*/true, cands, false)->worker, "w1");
   }
-  // A better score still wins over fewer sessions.
+  // A better score still wins over fewer sessions (here for a request that
+  // keeps no session: a new one would give w0 more than its share).
   cands[0].match.device_pages = 1;
-  EXPECT_EQ(Choose({}, "s", "", 16, 1, /*new_session=*/true, cands, false)->worker, "w0");
+  EXPECT_EQ(Choose({}, "s", "", 16, 1, /*new_session=*/false, cands, false)->worker, "w0");
 }
 
 TEST(PlacementTest, FullTierZeroCostsEvictions) {
@@ -113,10 +114,11 @@ TEST(PlacementTest, FullTierZeroCostsEvictions) {
 // A burst placed before any load report arrives: each placement counts what it
 // dispatched (as the router does), `rounds` requests of `prompt_pages` pages
 // whose first `shared_pages` the candidates hold as `cands[i].match`.
-std::map<std::string, int> Burst(std::vector<Candidate> cands, int rounds, int prompt_pages) {
+// `sessions`: each request creates a named session (bound by the session cap).
+std::map<std::string, int> Burst(std::vector<Candidate> cands, int rounds, int prompt_pages, bool sessions) {
   std::map<std::string, int> placed;
   for (int i = 0; i < rounds; ++i) {
-    auto p = Choose({}, absl::StrCat("new-", i), "", 16, prompt_pages, /*new_session=*/true, cands, false);
+    auto p = Choose({}, absl::StrCat("new-", i), "", 16, prompt_pages, sessions, cands, false);
     EXPECT_TRUE(p.ok());
     for (Candidate& c : cands) {
       if (c.worker != p->worker) continue;
@@ -133,14 +135,20 @@ TEST(PlacementTest, BurstSharingAPrefixSpreadsOverWorkers) {
   // 32 new sessions of 20 pages whose first 12 pages "a" holds: the prefix
   // draws them to "a" until its queue outweighs recomputing 12 pages on "b"
   // (which, before any report, is not known to have cached them since).
-  auto placed = Burst({Cand("a", 0, 12), Cand("b")}, 32, 20);
+  auto placed = Burst({Cand("a", 0, 12), Cand("b")}, 32, 20, /*sessions=*/false);
   EXPECT_GT(placed["a"], placed["b"]);
   EXPECT_GE(placed["b"], 8) << "a took " << placed["a"];
+  // New sessions stay: their counts stay within one of each worker's share.
+  placed = Burst({Cand("a", 0, 12), Cand("b")}, 32, 20, /*sessions=*/true);
+  EXPECT_EQ(placed["a"], 16);
+  EXPECT_EQ(placed["b"], 16);
 }
 
 TEST(PlacementTest, BurstOfDistinctSessionsSpreadsEvenly) {
-  auto placed = Burst({Cand("a"), Cand("b"), Cand("c"), Cand("d")}, 32, 10);
-  for (const auto& [w, n] : placed) EXPECT_EQ(n, 8) << w;
+  for (bool sessions : {false, true}) {
+    auto placed = Burst({Cand("a"), Cand("b"), Cand("c"), Cand("d")}, 32, 10, sessions);
+    for (const auto& [w, n] : placed) EXPECT_EQ(n, 8) << w;
+  }
 }
 
 // Sessions stay where they are placed. New conversations that share a system
@@ -157,10 +165,23 @@ TEST(PlacementTest, NewSessionsSharingACachedPrefixAreBoundedPerWorker) {
     // Once "b" has served a conversation it holds the system prompt too.
     if (p->worker == "b") cands[1].match.device_pages = 26;
     const int64_t most = std::max(cands[0].sessions, cands[1].sessions);
-    EXPECT_LE(most, static_cast<int64_t>(std::ceil(1.25 * (i + 1) / 2.0))) << "after " << i + 1;
+    EXPECT_LE(most, (i + 2) / 2) << "after " << i + 1;  // ceil((i + 1) / 2)
   }
-  EXPECT_EQ(placed["a"] + placed["b"], 8);
-  EXPECT_GE(placed["b"], 3);
+  EXPECT_EQ(placed["a"], 4);
+  EXPECT_EQ(placed["b"], 4);
+  // A looser factor lets the prefix take more first: ceil(1.5 * 3 / 2) = 3
+  // sessions go to "a" before "b" gets one.
+  PlacementConfig loose;
+  loose.session_cap_factor = 1.5;
+  cands = {Cand("a", 0, 26), Cand("b")};
+  int before_b = 0;
+  for (int i = 0; i < 8; ++i) {
+    auto p = Choose(loose, absl::StrCat("user-", i), "", 16, 108, /*new_session=*/true, cands, false);
+    if (p->worker == "b") break;
+    ++before_b;
+    ++cands[0].sessions;
+  }
+  EXPECT_EQ(before_b, 3);
 
   // Without the cap (or for a request that keeps no session) the prefix wins
   // every time.
@@ -176,10 +197,10 @@ TEST(PlacementTest, NewSessionsSharingACachedPrefixAreBoundedPerWorker) {
 }
 
 TEST(PlacementTest, LargerWorkersHoldMoreSessions) {
-  // 6 sessions against 2, the 9th on its way: with equal pages "a" may hold
-  // ceil(1.25 * 9 / 2) = 6, so the prefix it holds does not take it there.
+  // 5 sessions against 2, the 8th on its way: with equal pages "a" may hold
+  // ceil(8 / 2) = 4, so the prefix it holds does not take it there.
   std::vector<Candidate> cands = {Cand("a", 0, 26), Cand("b")};
-  cands[0].sessions = 6;
+  cands[0].sessions = 5;
   cands[1].sessions = 2;
   for (Candidate& c : cands) {
     c.load.set_pages_total_device(1000);
@@ -187,7 +208,7 @@ TEST(PlacementTest, LargerWorkersHoldMoreSessions) {
     c.load.set_pages_total_host(1000);
   }
   EXPECT_EQ(Choose({}, "s", "", 16, 108, /*new_session=*/true, cands, false)->worker, "b");
-  // With twice the pages (host RAM counts), it may hold ceil(1.25 * 9 * 2 / 3) = 8.
+  // With twice the pages (host RAM counts), it may hold ceil(8 * 2 / 3) = 6.
   cands[0].load.set_pages_total_host(3000);
   EXPECT_EQ(Choose({}, "s", "", 16, 108, /*new_session=*/true, cands, false)->worker, "a");
 }
@@ -196,7 +217,7 @@ TEST(PlacementTest, FasterWorkersTakeMoreOfABurst) {
   std::vector<Candidate> cands = {Cand("fast"), Cand("slow")};
   cands[0].load.set_prefill_tokens_per_second(2000);
   cands[1].load.set_prefill_tokens_per_second(1000);
-  auto placed = Burst(cands, 30, 10);
+  auto placed = Burst(cands, 30, 10, /*sessions=*/false);
   EXPECT_NEAR(placed["fast"], 20, 2);
 }
 
