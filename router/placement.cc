@@ -97,16 +97,22 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
     const bool sessions_ok = !cap_sessions || static_cast<double>(cand.sessions + 1) <= session_cap;
     return (load_ok ? 2 : 0) + (sessions_ok ? 1 : 0);
   };
+  std::vector<int> levels;
+  levels.reserve(candidates.size());
   int eligible = 0;
-  for (const Candidate& cand : candidates) eligible = std::max(eligible, level(cand));
+  for (const Candidate& cand : candidates) {
+    levels.push_back(level(cand));
+    eligible = std::max(eligible, levels.back());
+  }
   const double request_tokens = static_cast<double>(page_tokens) * request_pages;
 
   const Candidate* best = nullptr;
   double best_score = -std::numeric_limits<double>::infinity();
   uint64_t best_weight = 0;
-  for (const Candidate& cand : candidates) {
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& cand = candidates[i];
+    if (levels[i] < eligible) continue;
     const double load = LoadTokens(c, cand);
-    if (level(cand) < eligible) continue;
     const double reuse =
         page_tokens * (cand.match.device_pages + c.host_restore_weight * cand.match.host_pages);
     const int64_t needed = std::max(0, request_pages - cand.match.device_pages);
