@@ -68,6 +68,7 @@ struct Engine::Request {
   std::vector<int32_t> pending;     // tokens of `context` without K/V yet, in order
   int64_t prefix_restored = 0;      // of the cached tokens attached before it started, from tier 1
   int64_t admitted_at_prefill = 0;  // its tenant's tenant_prefilled_ when it was admitted
+  int64_t prefilled = 0;            // prompt tokens computed for it (its own part of that count)
   GenerateResult result;
 };
 
@@ -612,9 +613,12 @@ bool Engine::Step() {
     // conversation's short next turn is not queued behind a long cold prompt, aged
     // by the tenant's prompt work done since each arrived (ties: oldest): a prompt
     // counts as one token shorter for every kPromptAgingTokens prompt tokens the
-    // engine computes for its tenant after admitting it, so a long prompt waits at
-    // most about that many times its own length in its tenant's other prompts'
-    // work (shortest-first alone starves it while shorter turns keep arriving).
+    // engine computes for its tenant's other requests after admitting it, so a
+    // long prompt waits at most about that many times its own length in its
+    // tenant's other prompts' work (shortest-first alone starves it while shorter
+    // turns keep arriving). Its own progress shortens it already and is not
+    // waiting: counted as aging, a cold prompt a third of its way in would go
+    // before every next turn that arrives while it runs.
     std::vector<Request*> order;
     if (pass == 0) {
       for (auto& rp : active_) order.push_back(rp.get());
@@ -625,11 +629,12 @@ bool Engine::Step() {
         const Request& r = *rp;
         auto served = prefill_served_.find(r.req.tenant);
         auto computed = tenant_prefilled_.find(r.req.tenant);
-        keyed.push_back(
-            {{served == prefill_served_.end() ? 0 : served->second,
-              kPromptAgingTokens * static_cast<int64_t>(r.pending.size()) -
-                  ((computed == tenant_prefilled_.end() ? 0 : computed->second) - r.admitted_at_prefill)},
-             rp.get()});
+        // The tenant's prompt tokens computed for others since it was admitted.
+        const int64_t waited = (computed == tenant_prefilled_.end() ? 0 : computed->second) -
+                               r.admitted_at_prefill - r.prefilled;
+        keyed.push_back({{served == prefill_served_.end() ? 0 : served->second,
+                          kPromptAgingTokens * static_cast<int64_t>(r.pending.size()) - waited},
+                         rp.get()});
       }
       std::stable_sort(keyed.begin(), keyed.end(),
                        [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -686,6 +691,7 @@ bool Engine::Step() {
         planned_prefills.push_back(&r);
         prefill_served_[r.req.tenant] += n;
         tenant_prefilled_[r.req.tenant] += n;
+        r.prefilled += n;
         if (prefill_seconds != HUGE_VAL) {
           prefill_seconds -= n * step_cost_.PrefillTokenSeconds(res->first_pos + n / 2);
         }

@@ -665,6 +665,32 @@ TEST_F(EngineTest, PromptsAgeByTheirOwnTenantsWork) {
   held.Wait();
 }
 
+// A prompt being computed ages by the others' work only, not by its own
+// progress: a short next turn arriving midway goes before the rest of a long
+// prompt when that rest is longer (shortest remaining first). Counting its own
+// 160 computed tokens as waiting, the long prompt would go first.
+TEST_F(EngineTest, APromptsOwnProgressIsNotWaiting) {
+  BuildWithTwoPagesOfPromptPerStep();
+  Collector held;
+  const int s0 = runner_->steps();
+  auto held_id = SubmitHeldInItsThirdStep("held", &held);  // inside step s0 + 3
+  ASSERT_TRUE(held_id.ok()) << held_id.status();
+  FirstTokenOrder order;
+  ASSERT_TRUE(
+      order.Submit(*engine_, "long", Req("", RequestMode::kFullContext, Prompt(256, 1), 2, "a")).ok());
+  // Steps s0 + 4 ... 8 compute 32 tokens of it each; "short" arrives during
+  // s0 + 8, when 96 are left.
+  runner_->LimitSteps(s0 + 7);
+  runner_->WaitForEntered(s0 + 8);
+  ASSERT_TRUE(
+      order.Submit(*engine_, "short", Req("", RequestMode::kFullContext, Prompt(48, 2), 2, "a")).ok());
+  runner_->LimitSteps(-1);
+  order.WaitAllOk();
+  EXPECT_THAT(order.labels(), ::testing::ElementsAre("short", "long"));
+  engine_->Cancel(*held_id);
+  held.Wait();
+}
+
 // A full queue does not lock other tenants out: a request of a tenant holding
 // at least two fewer queued requests than the fullest one pushes out that
 // tenant's newest (RESOURCE_EXHAUSTED, before any token, its quota given back);
