@@ -15,6 +15,10 @@
 //               the ratio a 16-token step allows if its multiply-accumulates ran at
 //               the measured peak of the level's integer-dot instruction
 //               (batch16_vs_single_int8_peak_ceiling, int8_dot_peak_gmac_per_s)
+//   sampled:    1 and 16 sessions decoding as in batched, greedy against
+//               temperature 1 (OpenAI's default; every token sampled from the
+//               whole vocabulary) and top_p 0.9, at the best level
+//               (sampled_vs_greedy_*)
 //   cache vs recompute: time to generate 256 tokens after a 256 (1024)-token
 //               prompt through the engine (KV cache) vs recomputing: a full
 //               prefill of the whole context for every new token on the same
@@ -84,7 +88,7 @@ ABSL_FLAG(std::string, llama_bench_avx2, "",
 ABSL_FLAG(int, sgemm_min_tokens, 0,
           "tokens from which matmuls take dequant+sgemm (cpu::SetSgemmMinTokens; 0: the measured default of "
           "each level)");
-ABSL_FLAG(std::string, sections, "decode,prefill,batched,recompute,attention",
+ABSL_FLAG(std::string, sections, "decode,prefill,batched,sampled,recompute,attention",
           "comma-separated parts to run (for profiling; ratios of parts not run are left out)");
 
 namespace kvcache {
@@ -185,6 +189,36 @@ sched::GenerateRequest Greedy(std::vector<int32_t> input, int max_tokens) {
   r.max_tokens = max_tokens;
   r.ignore_eos = true;
   return r;
+}
+
+// Aggregate decode tokens/s of n sessions (16-token prompts, 64 tokens each)
+// decoding together with `sampling`, best of `reps`: the window runs from the
+// step where the last one got its first token to the first one's last token.
+absl::StatusOr<double> BatchedDecodeTokensPerSecond(sched::Engine& engine, const tok::Tokenizer& tk, int n,
+                                                    int reps, const model::SamplingConfig& sampling) {
+  constexpr int kGen = 64;
+  double best = 0;
+  std::vector<std::unique_ptr<Timeline>> tl;
+  for (int r = 0; r < reps; ++r) {
+    std::vector<sched::GenerateRequest> reqs;
+    for (int i = 0; i < n; ++i) {
+      reqs.push_back(Greedy(Prompt(tk, 16, 100 + i), kGen));
+      reqs.back().sampling = sampling;
+      reqs.back().sampling.seed = static_cast<uint64_t>(i + 1);
+    }
+    KVCACHE_RETURN_IF_ERROR(RunAll(engine, std::move(reqs), &tl));
+    Clock::time_point from = tl[0]->times.front(), to = tl[0]->times.back();
+    for (const auto& t : tl) {
+      from = std::max(from, t->times.front());
+      to = std::min(to, t->times.back());
+    }
+    int64_t tokens = 0;
+    for (const auto& t : tl) {
+      for (const auto& x : t->times) tokens += x > from && x <= to;
+    }
+    best = std::max(best, tokens / Seconds(from, to));
+  }
+  return best;
 }
 
 // The linear layers of one forward step of n tokens on the model's own weights
@@ -432,27 +466,14 @@ int Main() {
     }
     if (want("prefill")) put(report.metrics, "prefill_tokens_per_s", level, prefill[level]);
 
-    // ---- batched decode: N sessions decoding together; the window runs from the
-    // step where the last one got its first token to the first one's last token.
+    // ---- batched decode: N sessions decoding together.
     std::map<int, double> batched;
     for (int n : {1, 4, 16}) {
       if (!want("batched")) break;
-      const int gen = 64;
-      for (int r = 0; r < reps; ++r) {
-        std::vector<sched::GenerateRequest> reqs;
-        for (int i = 0; i < n; ++i) reqs.push_back(Greedy(Prompt(tk, 16, 100 + i), gen));
-        if (auto st = RunAll(*s.engine, std::move(reqs), &tl); !st.ok()) return fail(st);
-        Clock::time_point from = tl[0]->times.front(), to = tl[0]->times.back();
-        for (const auto& t : tl) {
-          from = std::max(from, t->times.front());
-          to = std::min(to, t->times.back());
-        }
-        int64_t tokens = 0;
-        for (const auto& t : tl) {
-          for (const auto& x : t->times) tokens += x > from && x <= to;
-        }
-        batched[n] = std::max(batched[n], tokens / Seconds(from, to));
-      }
+      absl::StatusOr<double> rate =
+          BatchedDecodeTokensPerSecond(*s.engine, tk, n, reps, model::SamplingConfig{});
+      if (!rate.ok()) return fail(rate.status());
+      batched[n] = *rate;
       put(report.metrics, absl::StrCat("batched_decode_tokens_per_s_", n, "_sessions"), level, batched[n]);
     }
     if (want("batched")) {
@@ -487,6 +508,28 @@ int Main() {
     }
   }
   set_level(best);  // the rest runs at the best level
+
+  // ---- sampled decode: what OpenAI clients send by default (temperature 1, no
+  // top-k, top_p 1) and a nucleus (top_p 0.9), against greedy at the same level.
+  if (want("sampled")) {
+    const struct {
+      const char* name;
+      model::SamplingConfig config;
+    } kSampling[] = {{"greedy", {}}, {"t1", {1.0f, 0, 1.0f, 0}}, {"t1_top_p_0_9", {1.0f, 0, 0.9f, 0}}};
+    for (int n : {1, 16}) {
+      double greedy = 0;
+      for (const auto& sampling : kSampling) {
+        absl::StatusOr<double> rate = BatchedDecodeTokensPerSecond(*s.engine, tk, n, reps, sampling.config);
+        if (!rate.ok()) return fail(rate.status());
+        report.metrics[absl::StrCat("sampled_decode_tokens_per_s_", n, "_sessions_", sampling.name)] = *rate;
+        if (greedy == 0) {
+          greedy = *rate;
+        } else {
+          report.ratio[absl::StrCat("sampled_vs_greedy_", n, "_sessions_", sampling.name)] = *rate / greedy;
+        }
+      }
+    }
+  }
 
   // ---- cache vs recompute, part 1: the engine generates 256 tokens (cached).
   struct RecomputeCase {

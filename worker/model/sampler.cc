@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #if defined(__SSE2__)
@@ -67,57 +68,163 @@ Sampler::Sampler(const SamplingConfig& config) : config_(config), rng_(config.se
 
 double Sampler::Uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
+namespace {
+
+// exp(x) for x <= 0 in IEEE single operations only (no library call, no fused
+// multiply-add: this file builds with -ffp-contract=off), so that a seed gives the
+// same tokens on every machine and build. 0 below -87 and for NaN. exp(x) =
+// 2^k * e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to
+// r^7: relative error 1.0e-7 at most over every 13th float in [-87, 0] (against
+// exp in double), plenty for sampling weights.
+constexpr float kLog2e = 1.44269504f;
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (y + it) - it rounds y to an integer
+constexpr float kLn2Hi = 0.693359375f;      // ln 2 = kLn2Hi + kLn2Lo; k * kLn2Hi is exact
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpMin = -87.0f;  // 2^k stays a normal float
+constexpr float kTaylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
+float ExpNonPositive(float x) {
+  if (!(x >= kExpMin)) return 0.0f;
+  const float k = (x * kLog2e + kRoundMagic) - kRoundMagic;
+  const float r = (x - k * kLn2Hi) - k * kLn2Lo;
+  float p = kTaylor[0];
+  for (int i = 1; i < 8; ++i) p = p * r + kTaylor[i];
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#if defined(__SSE2__)
+// ExpNonPositive of four lanes, bit for bit.
+__m128 ExpNonPositive4(__m128 x) {
+  const __m128 valid = _mm_cmpge_ps(x, _mm_set1_ps(kExpMin));  // false for NaN
+  x = _mm_max_ps(x, _mm_set1_ps(kExpMin));                     // NaN -> kExpMin (masked out below)
+  const __m128 magic = _mm_set1_ps(kRoundMagic);
+  const __m128 k = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(kLog2e)), magic), magic);
+  const __m128 r =
+      _mm_sub_ps(_mm_sub_ps(x, _mm_mul_ps(k, _mm_set1_ps(kLn2Hi))), _mm_mul_ps(k, _mm_set1_ps(kLn2Lo)));
+  __m128 p = _mm_set1_ps(kTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(kTaylor[i]));
+  const __m128i bits = _mm_slli_epi32(_mm_add_epi32(_mm_cvttps_epi32(k), _mm_set1_epi32(127)), 23);
+  return _mm_and_ps(_mm_mul_ps(p, _mm_castsi128_ps(bits)), valid);
+}
+#endif
+
+}  // namespace
+
+double SoftmaxWeights(absl::Span<const float> logits, float max, float inv_t, float* w) {
+  const size_t n = logits.size();
+  double sum[4] = {0, 0, 0, 0};
+  size_t i = 0;
+#if defined(__SSE2__)
+  __m128d s01 = _mm_setzero_pd(), s23 = _mm_setzero_pd();
+  const __m128 m = _mm_set1_ps(max), t = _mm_set1_ps(inv_t);
+  for (; i + 4 <= n; i += 4) {
+    const __m128 e = ExpNonPositive4(_mm_mul_ps(_mm_sub_ps(_mm_loadu_ps(logits.data() + i), m), t));
+    _mm_storeu_ps(w + i, e);
+    s01 = _mm_add_pd(s01, _mm_cvtps_pd(e));
+    s23 = _mm_add_pd(s23, _mm_cvtps_pd(_mm_movehl_ps(e, e)));
+  }
+  _mm_storeu_pd(sum, s01);
+  _mm_storeu_pd(sum + 2, s23);
+#endif
+  for (; i < n; ++i) {
+    w[i] = ExpNonPositive((logits[i] - max) * inv_t);
+    sum[i % 4] += w[i];
+  }
+  return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
+
 int32_t Sampler::Sample(absl::Span<const float> logits) {
   if (config_.temperature == 0.0f || config_.top_k == 1) return Argmax(logits);
-
-  // Candidates sorted by logit (descending, ties by id), cut to top_k.
-  candidates_.clear();
-  candidates_.reserve(logits.size());
-  for (size_t i = 0; i < logits.size(); ++i) {
-    candidates_.emplace_back(logits[i], static_cast<int32_t>(i));
-  }
-  auto better = [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  const int32_t top = Argmax(logits);
+  const float max_logit = logits[top];
+  // Every logit NaN or -inf, or one +inf: the largest is the only choice.
+  if (!std::isfinite(max_logit)) return top;
+  const float inv_t = 1.0f / config_.temperature;
+  const size_t n = logits.size();
+  const bool top_k = config_.top_k > 0 && static_cast<size_t>(config_.top_k) < n;
+  const bool nucleus = config_.top_p > 0.0f && config_.top_p < 1.0f;
+  auto better = [logits](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
-  size_t keep = candidates_.size();
-  if (config_.top_k > 0 && static_cast<size_t>(config_.top_k) < keep) {
-    keep = static_cast<size_t>(config_.top_k);
-    std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(), better);
-    candidates_.resize(keep);
+
+  // Kept candidates by logit (descending, ties by id) and their weights: ids_,
+  // kept_. Only as many are sorted as the cut needs.
+  ids_.clear();
+  kept_.clear();
+  double total = 0;  // of the candidates top_k keeps (all of them without it)
+  size_t sorted = 0;
+  if (top_k) {
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isnan(logits[i])) ids_.push_back(static_cast<int32_t>(i));
+    }
+    const size_t keep = std::min(ids_.size(), static_cast<size_t>(config_.top_k));
+    std::nth_element(ids_.begin(), ids_.begin() + keep - 1, ids_.end(), better);
+    std::sort(ids_.begin(), ids_.begin() + keep, better);
+    ids_.resize(keep);
+    for (int32_t id : ids_) {
+      kept_.push_back(ExpNonPositive((logits[id] - max_logit) * inv_t));
+      total += kept_.back();
+    }
+    sorted = keep;
   } else {
-    std::sort(candidates_.begin(), candidates_.end(), better);
+    weights_.resize(n);
+    total = SoftmaxWeights(logits, max_logit, inv_t, weights_.data());
+    if (!nucleus) {
+      // No cut: the whole vocabulary in id order, nothing to sort (a full sort of
+      // a 49k vocabulary took longer than a decode step of the 135M model).
+      double r = Uniform() * total;
+      int32_t last = top;
+      for (size_t i = 0; i < n; ++i) {
+        if (weights_[i] == 0) continue;
+        last = static_cast<int32_t>(i);
+        r -= weights_[i];
+        if (r < 0) return last;
+      }
+      return last;  // rounding left r >= 0
+    }
+    // A token weighing less than (1 - top_p) * total / n cannot be in the nucleus:
+    // it and every token after it weigh less than 1 - top_p of the mass together,
+    // so the tokens before it reach top_p. Half that, for rounding.
+    const double least = (1.0 - config_.top_p) * total / (2.0 * static_cast<double>(n));
+    for (size_t i = 0; i < n; ++i) {
+      if (weights_[i] >= least) ids_.push_back(static_cast<int32_t>(i));
+    }
   }
 
-  // Softmax at temperature, in double for stable sums.
-  const double inv_t = 1.0 / config_.temperature;
-  const double max_logit = candidates_.front().first;
-  std::vector<double> probs(candidates_.size());
-  double total = 0;
-  for (size_t i = 0; i < candidates_.size(); ++i) {
-    probs[i] = std::exp((candidates_[i].first - max_logit) * inv_t);
-    total += probs[i];
-  }
-  // Nucleus: the smallest prefix whose mass reaches top_p.
-  if (config_.top_p > 0.0f && config_.top_p < 1.0f) {
+  size_t cut = ids_.size();  // rounding may leave the mass short of top_p: then all of them
+  if (nucleus) {             // the smallest prefix whose mass reaches top_p
     double mass = 0;
-    size_t cut = probs.size();
-    for (size_t i = 0; i < probs.size(); ++i) {
-      mass += probs[i] / total;
-      if (mass >= config_.top_p) {
-        cut = i + 1;
-        break;
+    bool reached = false;
+    for (size_t j = 0, want = 64; !reached && j < ids_.size(); want *= 4) {
+      if (want > sorted) {  // sort the next candidates (top_k sorted them all)
+        want = std::min(want, ids_.size());
+        if (want < ids_.size())
+          std::nth_element(ids_.begin() + sorted, ids_.begin() + want, ids_.end(), better);
+        std::sort(ids_.begin() + sorted, ids_.begin() + want, better);
+        for (size_t i = sorted; i < want; ++i) kept_.push_back(weights_[ids_[i]]);
+        sorted = want;
+      }
+      for (; j < sorted; ++j) {
+        mass += kept_[j] / total;
+        if (mass >= config_.top_p) {
+          cut = j + 1;
+          reached = true;
+          break;
+        }
       }
     }
-    probs.resize(cut);
-    total = 0;
-    for (double p : probs) total += p;
   }
-  double r = Uniform() * total;
-  for (size_t i = 0; i < probs.size(); ++i) {
-    r -= probs[i];
-    if (r < 0) return candidates_[i].second;
+  double sum = 0;
+  for (size_t j = 0; j < cut; ++j) sum += kept_[j];
+  double r = Uniform() * sum;
+  for (size_t j = 0; j < cut; ++j) {
+    r -= kept_[j];
+    if (r < 0) return ids_[j];
   }
-  return candidates_[probs.size() - 1].second;  // rounding left r >= 0
+  return ids_[cut - 1];  // rounding left r >= 0
 }
 
 StopCriteria::StopCriteria(std::vector<int32_t> eos_ids, std::vector<int32_t> stop_token_ids,

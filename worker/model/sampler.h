@@ -31,7 +31,11 @@ class Sampler {
   explicit Sampler(const SamplingConfig& config);
 
   // Picks the next token from `logits` [vocab]. Greedy picks the largest logit
-  // (lowest id on ties) and never touches the generator.
+  // (lowest id on ties) and never touches the generator. Otherwise one uniform
+  // draw walks the candidates' softmax weights at the temperature: the whole
+  // vocabulary in id order when neither top_k nor top_p cuts it, else the kept
+  // candidates by logit (descending, lowest id on ties). NaN logits are never
+  // chosen.
   int32_t Sample(absl::Span<const float> logits);
 
  private:
@@ -41,8 +45,20 @@ class Sampler {
 
   SamplingConfig config_;
   std::mt19937_64 rng_;
-  std::vector<std::pair<float, int32_t>> candidates_;  // scratch, reused
+  // Scratch, reused: candidate token ids, their unnormalised probabilities in
+  // that order, and every token's by id.
+  std::vector<int32_t> ids_;
+  std::vector<double> kept_;
+  std::vector<float> weights_;
 };
+
+// w[i] = exp((logits[i] - max) * inv_t), the softmax weights at temperature
+// 1 / inv_t, for logits[i] <= max; 0 below exp(-87) and for NaN. Returns their
+// sum, added in double as four running sums (of i % 4 == 0, 1, 2, 3), then
+// (s0 + s1) + (s2 + s3). IEEE single operations only (relative error about 1e-7):
+// the same bits on every machine and build, whichever of its routes an element
+// takes. REQUIRES: w holds logits.size() floats.
+double SoftmaxWeights(absl::Span<const float> logits, float max, float inv_t, float* w);
 
 // The index of the largest value (lowest index on ties). NaN is never chosen
 // unless every value is NaN (then 0). REQUIRES: !v.empty().

@@ -1,5 +1,6 @@
 #include "worker/model/sampler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -39,6 +40,40 @@ TEST(SamplerTest, ArgmaxIsTheFirstLargestAndSkipsNan) {
         if (!std::isnan(v[i]) && (want < 0 || v[i] > v[want])) want = i;
       }
       ASSERT_EQ(Argmax(v), std::max(want, 0)) << "n=" << n << " trial=" << trial;
+    }
+  }
+}
+
+// The weights are exp to within 2e-7, 0 for NaN and far below the maximum, and
+// an element's bits do not depend on its route (four lanes at a time, or the
+// scalar tail): each one alone equals it within a longer span at any offset.
+TEST(SamplerTest, SoftmaxWeightsAreExpAndTheSameOnEveryRoute) {
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-30.0f, 0.0f);
+  for (int n = 1; n <= 37; ++n) {
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = u(rng);
+    logits[rng() % n] = 0.0f;
+    if (n > 3) logits[rng() % n] = NAN;
+    if (n > 5) logits[rng() % n] = -INFINITY;
+    if (n > 7) logits[rng() % n] = -200.0f;
+    for (float inv_t : {0.5f, 1.0f, 1.7f}) {
+      std::vector<float> w(logits.size());
+      const double total = SoftmaxWeights(logits, 0.0f, inv_t, w.data());
+      double lanes[4] = {0, 0, 0, 0};
+      for (int i = 0; i < n; ++i) {
+        const double x = static_cast<double>(logits[i] * inv_t);
+        if (std::isnan(logits[i]) || x < -87) {
+          EXPECT_EQ(w[i], 0.0f) << i;
+        } else {
+          EXPECT_NEAR(w[i] / std::exp(x), 1.0, 2e-7) << "x=" << x;
+        }
+        float alone;
+        SoftmaxWeights(absl::MakeConstSpan(&logits[i], 1), 0.0f, inv_t, &alone);
+        EXPECT_EQ(alone, w[i]) << "n=" << n << " i=" << i;
+        lanes[i % 4] += w[i];
+      }
+      EXPECT_EQ(total, (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]));
     }
   }
 }
@@ -92,6 +127,61 @@ TEST(SamplerTest, TopPDropsTheTail) {
   for (int i = 0; i < 20000; ++i) ++counts[s.Sample(logits)];
   EXPECT_EQ(counts[2], 0);
   EXPECT_NEAR(counts[0] / 20000.0, 0.5 / 0.8, 0.015);
+}
+
+// A large vocabulary whose nucleus spans hundreds of tokens (past the first
+// candidates sorted): 300 equal top logits at scattered ids, the rest far below. top_p 0.5 keeps the 150 of
+// them with the lowest ids, each equally likely; no cut draws from all 300; top_k 200 keeps the 200 lowest
+// ids of them.
+TEST(SamplerTest, CutsOnALargeVocabularyKeepTheRightCandidates) {
+  constexpr int kVocab = 8192, kTop = 300;
+  std::vector<float> logits(kVocab, -40.0f);
+  std::vector<int32_t> top_ids;
+  for (int j = 0; j < kTop; ++j) top_ids.push_back((j * 7919 + 11) % kVocab);
+  for (int32_t id : top_ids) logits[id] = 0.0f;
+  std::sort(top_ids.begin(), top_ids.end());
+  logits[5] = NAN;  // never chosen
+  auto draw = [&](SamplingConfig config, int n) {
+    Sampler s(config);
+    std::map<int32_t, int> counts;
+    for (int i = 0; i < n; ++i) ++counts[s.Sample(logits)];
+    return counts;
+  };
+  auto only = [](const std::map<int32_t, int>& counts, const std::vector<int32_t>& allowed) {
+    for (const auto& [id, count] : counts) {
+      if (std::find(allowed.begin(), allowed.end(), id) == allowed.end()) return false;
+    }
+    return true;
+  };
+  const int n = 6000;
+  const std::vector<int32_t> half(top_ids.begin(), top_ids.begin() + kTop / 2);
+  auto nucleus = draw(SamplingConfig{1.0f, 0, 0.5f, 3}, n);
+  EXPECT_TRUE(only(nucleus, half));
+  EXPECT_EQ(nucleus.size(), half.size());
+  for (const auto& [id, count] : nucleus) EXPECT_NEAR(count, n / (kTop / 2.0), 30) << id;
+  auto all = draw(SamplingConfig{1.0f, 0, 1.0f, 4}, n);
+  EXPECT_TRUE(only(all, top_ids));  // the rest together: about 1e-15 of the mass
+  EXPECT_EQ(all.size(), top_ids.size());
+  auto top_k = draw(SamplingConfig{1.0f, 200, 1.0f, 5}, 4000);
+  EXPECT_TRUE(only(top_k, std::vector<int32_t>(top_ids.begin(), top_ids.begin() + 200)));
+  EXPECT_EQ(top_k.size(), 200u);
+}
+
+TEST(SamplerTest, NanLogitsAreNeverChosen) {
+  std::vector<float> logits = {NAN, 0.0f, NAN, 0.1f, NAN};
+  for (SamplingConfig config : {SamplingConfig{2.0f, 0, 1.0f, 1}, SamplingConfig{2.0f, 0, 0.99f, 2},
+                                SamplingConfig{2.0f, 4, 1.0f, 3}}) {
+    Sampler s(config);
+    std::map<int32_t, int> counts;
+    for (int i = 0; i < 2000; ++i) ++counts[s.Sample(logits)];
+    EXPECT_EQ(counts.size(), 2u);
+    EXPECT_GT(counts[1], 0);
+    EXPECT_GT(counts[3], 0);
+  }
+  // Nothing finite: the largest (an infinity) or the first.
+  Sampler s(SamplingConfig{1.0f, 0, 1.0f, 1});
+  EXPECT_EQ(s.Sample(std::vector<float>{NAN, -INFINITY, INFINITY}), 2);
+  EXPECT_EQ(s.Sample(std::vector<float>{NAN, NAN}), 0);
 }
 
 TEST(SamplerTest, ValidationNamesTheField) {
