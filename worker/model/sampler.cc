@@ -220,11 +220,14 @@ int32_t Sampler::Sample(absl::Span<const float> logits) {
   double sum = 0;
   for (size_t j = 0; j < cut; ++j) sum += kept_[j];
   double r = Uniform() * sum;
+  int32_t last = top;  // the first candidate, weighing 1
   for (size_t j = 0; j < cut; ++j) {
+    if (kept_[j] == 0) continue;
+    last = ids_[j];
     r -= kept_[j];
-    if (r < 0) return ids_[j];
+    if (r < 0) return last;
   }
-  return ids_[cut - 1];  // rounding left r >= 0
+  return last;  // rounding left r >= 0
 }
 
 StopCriteria::StopCriteria(std::vector<int32_t> eos_ids, std::vector<int32_t> stop_token_ids,
