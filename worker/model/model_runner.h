@@ -14,6 +14,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -59,6 +60,14 @@ class ModelRunner {
     absl::Status st = Forward(batch, &view_logits_);
     if (!st.ok()) return st;
     return absl::MakeConstSpan(view_logits_);
+  }
+
+  // Calls fn(i) once for each i in [0, n) and returns when all have returned, on
+  // the host threads the runner's kernels use (they idle between steps): the
+  // engine samples a step's tokens this way. The default runs them in order on
+  // the calling thread. fn's result must not depend on which thread runs it.
+  virtual void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
   }
 
  private:

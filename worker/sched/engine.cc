@@ -737,20 +737,29 @@ bool Engine::Step() {
   }
   const absl::Time forward_end = absl::Now();
   const int64_t vocab = runner_->hparams().n_vocab;
-  size_t row = 0;
+  // Every row's token first, on the runner's threads (each request owns its
+  // sampler; a request that ends below without its token just drops it). Sampling
+  // at temperature 1 walks the whole vocabulary's weights: on the engine thread
+  // alone, 16 streams' took about a tenth of the step.
+  std::vector<std::pair<size_t, int64_t>> rows;  // (plan index, logits row)
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (batch[i].want_logits) rows.emplace_back(i, static_cast<int64_t>(rows.size()));
+  }
+  std::vector<int32_t> sampled(plan.size(), -1);
+  runner_->ParallelFor(static_cast<int64_t>(rows.size()), [&](int64_t j) {
+    const auto [i, row] = rows[j];
+    sampled[i] = plan[i].r->sampler.Sample(logits->subspan(row * vocab, static_cast<size_t>(vocab)));
+  });
   for (size_t i = 0; i < plan.size(); ++i) {
     Request& r = *plan[i].r;
     const int n = plan[i].n;
     st = kv_->CommitStep(r.sid, absl::MakeConstSpan(r.pending.data(), n));
     if (!st.ok()) {
       Finish(r, st, std::nullopt);
-      if (batch[i].want_logits) ++row;
       continue;
     }
     r.pending.erase(r.pending.begin(), r.pending.begin() + n);
     if (!batch[i].want_logits) continue;
-    absl::Span<const float> lg = logits->subspan(row * vocab, static_cast<size_t>(vocab));
-    ++row;
     if (auto it = gone.find(r.id); it != gone.end()) {
       Finish(r, it->second, std::nullopt);
       continue;
@@ -759,7 +768,7 @@ bool Engine::Step() {
       Finish(r, absl::DeadlineExceededError("deadline passed before generation ended"), std::nullopt);
       continue;
     }
-    const int32_t token = r.sampler.Sample(lg);
+    const int32_t token = sampled[i];
     if (r.result.output.empty()) r.result.time_to_first_token = absl::Now() - r.submitted;
     r.result.output.push_back(token);
     r.context.push_back(token);

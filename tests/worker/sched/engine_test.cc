@@ -152,6 +152,40 @@ TEST_F(EngineTest, FullContextTurnKeepsTheCommonPrefix) {
   EXPECT_EQ(t3.tokens, Expected(edited, 4));
 }
 
+// A seeded request samples the same tokens alone and in a batch whose tokens are
+// sampled on several threads in any order (Runner::ParallelFor): each request
+// owns its sampler.
+TEST_F(EngineTest, SampledTokensDoNotDependOnTheBatchOrItsThreads) {
+  constexpr int kRequests = 4, kTokens = 12;
+  auto req = [this](int i) {
+    GenerateRequest r = Req("", RequestMode::kFullContext, Prompt(5, i), kTokens);
+    r.sampling = model::SamplingConfig{1.0f, 0, 1.0f, static_cast<uint64_t>(100 + i)};
+    r.ignore_eos = true;
+    return r;
+  };
+  std::vector<std::vector<int32_t>> alone;
+  for (int i = 0; i < kRequests; ++i) {
+    Collector c;
+    ASSERT_TRUE(engine_->Submit(req(i), &c).ok());
+    c.Wait();
+    ASSERT_TRUE(c.status.ok()) << c.status;
+    ASSERT_EQ(c.tokens.size(), static_cast<size_t>(kTokens));
+    alone.push_back(c.tokens);
+  }
+  EXPECT_NE(alone[0], Expected(Prompt(5, 0), kTokens)) << "temperature 1 should not follow the argmax";
+  runner_->threaded_parallel_for_ = true;
+  runner_->LimitSteps(runner_->steps());
+  std::vector<Collector> together(kRequests);
+  for (int i = 0; i < kRequests; ++i) ASSERT_TRUE(engine_->Submit(req(i), &together[i]).ok());
+  runner_->LimitSteps(-1);
+  for (int i = 0; i < kRequests; ++i) {
+    together[i].Wait();
+    ASSERT_TRUE(together[i].status.ok()) << together[i].status;
+    EXPECT_EQ(together[i].tokens, alone[i]) << "request " << i;
+  }
+  EXPECT_EQ(runner_->max_sequences_, kRequests);
+}
+
 TEST_F(EngineTest, PrefixSharedWithinTenantOnly) {
   Collector a, b, c;
   auto system = Prompt(48);

@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -78,6 +79,16 @@ class FakeRunner : public model::ModelRunner {
     (void)s;
     return absl::OkStatus();
   }
+
+  // With threaded_parallel_for_, each call of a ParallelFor runs on its own
+  // thread, last index first (as a pool may), instead of in order on the caller.
+  void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) override {
+    if (!threaded_parallel_for_) return model::ModelRunner::ParallelFor(n, fn);
+    std::vector<std::thread> threads;
+    for (int64_t i = n - 1; i >= 0; --i) threads.emplace_back([&fn, i] { fn(i); });
+    for (std::thread& t : threads) t.join();
+  }
+  bool threaded_parallel_for_ = false;
 
   // Steps run one at a time under the test's control: Forward blocks once
   // `limit` steps have run until AllowSteps raises it (-1: no limit).

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/backend/cpu/attention.h"
+#include "worker/backend/cpu/compute_pool.h"
 #include "worker/backend/cpu/cpu_features.h"
 
 namespace kvcache::cpu {
@@ -64,6 +65,10 @@ CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManage
   v_.resize(t * hp.n_head_kv * hp.head_dim);
   gate_.resize(t * hp.n_ff);
   up_.resize(t * hp.n_ff);
+}
+
+void CpuLlamaRunner::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+  ComputePool::Get().ParallelFor(n, NumThreads(), fn);
 }
 
 absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch,

@@ -70,6 +70,8 @@ class CpuLlamaRunner : public model::ModelRunner {
   const gguf::LlamaHparams& hparams() const override { return model_->hparams(); }
   int max_batch_tokens() const override { return options_.max_batch_tokens; }
   absl::Status Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) override;
+  // Over ComputePool, on cpu::NumThreads() threads.
+  void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) override;
 
   // The matrices every Forward multiplies by.
   const CpuModelWeights& weights() const { return weights_; }
