@@ -149,6 +149,19 @@ int32_t Sampler::Sample(absl::Span<const float> logits) {
   auto better = [logits](int32_t a, int32_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
+  // One uniform draw over the weights w(0..count) of tokens id(0..count) that
+  // add up to `sum`; those weighing 0 are never chosen.
+  auto draw = [this, top](size_t count, double sum, auto w, auto id) {
+    double r = Uniform() * sum;
+    int32_t last = top;  // the first candidate, weighing 1
+    for (size_t j = 0; j < count; ++j) {
+      if (w(j) == 0) continue;
+      last = id(j);
+      r -= w(j);
+      if (r < 0) break;
+    }
+    return last;  // also when rounding left r >= 0
+  };
 
   // Kept candidates by logit (descending, ties by id) and their weights: ids_,
   // kept_. Only as many are sorted as the cut needs.
@@ -175,15 +188,9 @@ int32_t Sampler::Sample(absl::Span<const float> logits) {
     if (!nucleus) {
       // No cut: the whole vocabulary in id order, nothing to sort (a full sort of
       // a 49k vocabulary took longer than a decode step of the 135M model).
-      double r = Uniform() * total;
-      int32_t last = top;
-      for (size_t i = 0; i < n; ++i) {
-        if (weights_[i] == 0) continue;
-        last = static_cast<int32_t>(i);
-        r -= weights_[i];
-        if (r < 0) return last;
-      }
-      return last;  // rounding left r >= 0
+      return draw(
+          n, total, [this](size_t i) { return static_cast<double>(weights_[i]); },
+          [](size_t i) { return static_cast<int32_t>(i); });
     }
     // A token weighing less than (1 - top_p) * total / n cannot be in the nucleus:
     // it and every token after it weigh less than 1 - top_p of the mass together,
@@ -219,15 +226,8 @@ int32_t Sampler::Sample(absl::Span<const float> logits) {
   }
   double sum = 0;
   for (size_t j = 0; j < cut; ++j) sum += kept_[j];
-  double r = Uniform() * sum;
-  int32_t last = top;  // the first candidate, weighing 1
-  for (size_t j = 0; j < cut; ++j) {
-    if (kept_[j] == 0) continue;
-    last = ids_[j];
-    r -= kept_[j];
-    if (r < 0) return last;
-  }
-  return last;  // rounding left r >= 0
+  return draw(
+      cut, sum, [this](size_t j) { return kept_[j]; }, [this](size_t j) { return ids_[j]; });
 }
 
 StopCriteria::StopCriteria(std::vector<int32_t> eos_ids, std::vector<int32_t> stop_token_ids,
