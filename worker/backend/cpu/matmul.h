@@ -6,9 +6,10 @@
 // Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights take llama.cpp's route:
 // each activation row is quantised once per call to Q8 blocks of 32 (int8 + f32
 // scale + scaled block sum, the latter for the offsets and mins of Q4_0/Q4_1/Q5_0/
-// Q4_K/Q5_K, + the integer sum of each 16, for the offsets at which the AVX-512
-// kernels read the signed Q8_0/Q6_K weights) and dotted with integer SIMD (AVX2 maddubs/madd or AVX-512 VNNI
-// vpdpbusd). K-quant super-blocks of 256 are read as 8 blocks of 32, each with its
+// Q4_K/Q5_K, + the integer sum of each 16, for the offsets at which the kernels
+// read the signed Q6_K and, at AVX-512, Q8_0 weights) and dotted with integer
+// SIMD (AVX2 maddubs/madd or AVX-512 VNNI vpdpbusd). K-quant super-blocks of 256
+// are read as 8 blocks of 32, each with its
 // sub-block scale(s) and min, against the same Q8 activations. Each weight row is
 // dotted against all tokens while it is in L1, so a decode step of 16 sessions
 // reads the weights once. The kernels want a matrix re-laid once by
