@@ -344,6 +344,83 @@ TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
   }
 }
 
+// Every quant of every block set to `fill` (scales and mins as they are): the
+// largest codes, against activations all at the quantisation's +-127, are where
+// the vector kernels' int16 partial sums come closest to overflowing (kI16Steps,
+// the offsets of the signed types, |q| of Q8_0's -128).
+void FillQuants(GgmlType type, std::vector<uint8_t>* bytes, uint8_t fill) {
+  struct Field {
+    size_t offset, size;
+  };
+  std::vector<Field> fields;
+  switch (type) {
+    case GgmlType::kQ4_0:
+      fields = {{offsetof(gguf::BlockQ4_0, qs), sizeof(gguf::BlockQ4_0::qs)}};
+      break;
+    case GgmlType::kQ4_1:
+      fields = {{offsetof(gguf::BlockQ4_1, qs), sizeof(gguf::BlockQ4_1::qs)}};
+      break;
+    case GgmlType::kQ5_0:
+      fields = {{offsetof(gguf::BlockQ5_0, qh), sizeof(gguf::BlockQ5_0::qh)},
+                {offsetof(gguf::BlockQ5_0, qs), sizeof(gguf::BlockQ5_0::qs)}};
+      break;
+    case GgmlType::kQ8_0:
+      fields = {{offsetof(gguf::BlockQ8_0, qs), sizeof(gguf::BlockQ8_0::qs)}};
+      break;
+    case GgmlType::kQ4_K:
+      fields = {{offsetof(gguf::BlockQ4_K, qs), sizeof(gguf::BlockQ4_K::qs)}};
+      break;
+    case GgmlType::kQ5_K:
+      fields = {{offsetof(gguf::BlockQ5_K, qh), sizeof(gguf::BlockQ5_K::qh)},
+                {offsetof(gguf::BlockQ5_K, qs), sizeof(gguf::BlockQ5_K::qs)}};
+      break;
+    case GgmlType::kQ6_K:
+      fields = {{offsetof(gguf::BlockQ6_K, ql), sizeof(gguf::BlockQ6_K::ql)},
+                {offsetof(gguf::BlockQ6_K, qh), sizeof(gguf::BlockQ6_K::qh)}};
+      break;
+    default:
+      FAIL() << "no quant fields for " << gguf::TypeName(type);
+  }
+  const size_t block_bytes = gguf::TypeTraits(type).type_size;
+  for (size_t off = 0; off < bytes->size(); off += block_bytes) {
+    for (const Field& f : fields) std::memset(bytes->data() + off + f.offset, fill, f.size);
+  }
+}
+
+TEST_P(CpuKernelsTest, ExtremeQuantsEqualScalarBitForBit) {
+  std::mt19937 rng(77);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
+                        GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    // 0xFF: every code at its top (Q8_0: -1); 0x80: Q8_0's -128, and a top
+    // nibble or bit pattern for the others; 0x7F: Q8_0's 127.
+    for (uint8_t fill : {uint8_t{0xFF}, uint8_t{0x80}, uint8_t{0x7F}}) {
+      // 32 rows: two interleaved groups; 45: two groups, a group of 8 and 5 single rows.
+      for (int64_t rows : {32, 45}) {
+        const int64_t cols = 512;
+        TestWeights w = MakeRandomBlockWeights(rng, type, rows, cols);
+        ASSERT_NO_FATAL_FAILURE(FillQuants(type, &w.bytes, fill));
+        const std::vector<uint8_t> inter = InterleaveRows16(w.view);
+        const KernelWeight kw(w.view, inter.data());
+        for (float sign : {1.0f, -1.0f}) {
+          for (int n_tokens : {1, 3, 4, 8, 16, 17}) {
+            SCOPED_TRACE(::testing::Message() << gguf::TypeName(type) << " fill=" << int{fill} << " rows="
+                                              << rows << " sign=" << sign << " n_tokens=" << n_tokens);
+            const std::vector<float> x(static_cast<size_t>(n_tokens * cols), sign * 2.0f);
+            std::vector<float> y(static_cast<size_t>(n_tokens * rows)), y_ref(y.size());
+            ASSERT_TRUE(MatMul(kw, x.data(), cols, n_tokens, y.data(), rows, MatMulPath::kDot).ok());
+            ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
+            ASSERT_TRUE(MatMul(w.view, x.data(), cols, n_tokens, y_ref.data(), rows, MatMulPath::kDot).ok());
+            ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok());
+            for (size_t i = 0; i < y.size(); ++i) {
+              ASSERT_EQ(y[i], y_ref[i]) << "t=" << i / rows << " r=" << i % rows;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(InterleaveRows16Test, EveryIntegerDotTypeInWholeGroups) {
   std::mt19937 rng(3);
   EXPECT_TRUE(InterleaveRows16(MakeRandomBlockWeights(rng, GgmlType::kQ4_1, 15, 64).view).empty());
