@@ -349,41 +349,36 @@ TEST_P(CpuKernelsTest, InterleavedWeightsEqualScalarBitForBit) {
 // the vector kernels' int16 partial sums come closest to overflowing (kI16Steps,
 // the offsets of the signed types, |q| of Q8_0's -128).
 void FillQuants(GgmlType type, std::vector<uint8_t>* bytes, uint8_t fill) {
-  struct Field {
-    size_t offset, size;
-  };
-  std::vector<Field> fields;
+  // Each type's quants are one run of its block: [first, last).
+  size_t first = 0, last = 0;
   switch (type) {
     case GgmlType::kQ4_0:
-      fields = {{offsetof(gguf::BlockQ4_0, qs), sizeof(gguf::BlockQ4_0::qs)}};
+      first = offsetof(gguf::BlockQ4_0, qs), last = sizeof(gguf::BlockQ4_0);
       break;
     case GgmlType::kQ4_1:
-      fields = {{offsetof(gguf::BlockQ4_1, qs), sizeof(gguf::BlockQ4_1::qs)}};
+      first = offsetof(gguf::BlockQ4_1, qs), last = sizeof(gguf::BlockQ4_1);
       break;
-    case GgmlType::kQ5_0:
-      fields = {{offsetof(gguf::BlockQ5_0, qh), sizeof(gguf::BlockQ5_0::qh)},
-                {offsetof(gguf::BlockQ5_0, qs), sizeof(gguf::BlockQ5_0::qs)}};
+    case GgmlType::kQ5_0:  // qh, then qs
+      first = offsetof(gguf::BlockQ5_0, qh), last = sizeof(gguf::BlockQ5_0);
       break;
     case GgmlType::kQ8_0:
-      fields = {{offsetof(gguf::BlockQ8_0, qs), sizeof(gguf::BlockQ8_0::qs)}};
+      first = offsetof(gguf::BlockQ8_0, qs), last = sizeof(gguf::BlockQ8_0);
       break;
     case GgmlType::kQ4_K:
-      fields = {{offsetof(gguf::BlockQ4_K, qs), sizeof(gguf::BlockQ4_K::qs)}};
+      first = offsetof(gguf::BlockQ4_K, qs), last = sizeof(gguf::BlockQ4_K);
       break;
-    case GgmlType::kQ5_K:
-      fields = {{offsetof(gguf::BlockQ5_K, qh), sizeof(gguf::BlockQ5_K::qh)},
-                {offsetof(gguf::BlockQ5_K, qs), sizeof(gguf::BlockQ5_K::qs)}};
+    case GgmlType::kQ5_K:  // qh, then qs
+      first = offsetof(gguf::BlockQ5_K, qh), last = sizeof(gguf::BlockQ5_K);
       break;
-    case GgmlType::kQ6_K:
-      fields = {{offsetof(gguf::BlockQ6_K, ql), sizeof(gguf::BlockQ6_K::ql)},
-                {offsetof(gguf::BlockQ6_K, qh), sizeof(gguf::BlockQ6_K::qh)}};
+    case GgmlType::kQ6_K:  // ql, then qh, then the scales
+      first = offsetof(gguf::BlockQ6_K, ql), last = offsetof(gguf::BlockQ6_K, scales);
       break;
     default:
       FAIL() << "no quant fields for " << gguf::TypeName(type);
   }
   const size_t block_bytes = gguf::TypeTraits(type).type_size;
   for (size_t off = 0; off < bytes->size(); off += block_bytes) {
-    for (const Field& f : fields) std::memset(bytes->data() + off + f.offset, fill, f.size);
+    std::memset(bytes->data() + off + first, fill, last - first);
   }
 }
 
