@@ -63,6 +63,7 @@ void ComputePool::EnsureHelpers(int count) {
 }
 
 void ComputePool::RunChunks(uint32_t gen) {
+  int64_t ran = 0;
   for (;;) {
     uint64_t ticket = ticket_.load();
     if (GenOf(ticket) != gen) break;
@@ -74,8 +75,9 @@ void ComputePool::RunChunks(uint32_t gen) {
     if (i >= n) break;
     if (!ticket_.compare_exchange_weak(ticket, ticket + 1)) continue;
     (*fn)(i);
-    done_.fetch_add(1);
+    ++ran;
   }
+  if (ran > 0) done_.fetch_add(ran);
 }
 
 void ComputePool::HelperLoop(int index, uint32_t seen) {

@@ -59,21 +59,29 @@ class ComputePool {
   // Takes and runs chunks of loop `gen` until none is left.
   void RunChunks(uint32_t gen);
 
+  // The members that threads write while a loop runs (ticket_, done_) and those
+  // only read then (fn_, n_, max_threads_) sit on cache lines of their own: on
+  // one line, each claim and each finished index moved it between the cores
+  // twice (a loop of 16 empty indices on 2 threads took 0.9-2.8 us on a 2-core
+  // Intel Xeon VM, and 0.25-0.75 us apart, in a throwaway timing loop).
+  //
   // gen (high 32 bits) | next unclaimed index of that loop (low 32 bits; all ones
   // once the loop has finished). A helper claims index i of loop g by
   // compare-and-swap from (g, i) to (g, i + 1), so it can never claim an index of
   // a loop other than the one it read.
-  std::atomic<uint64_t> ticket_{0};
+  alignas(64) std::atomic<uint64_t> ticket_{0};
   // The current loop, written before ticket_ announces it and not again until
   // every claimed index has finished (read only between a helper's load of
   // ticket_ and its compare-and-swap, which fails if they are stale).
-  std::atomic<const absl::FunctionRef<void(int64_t)>*> fn_{nullptr};
+  alignas(64) std::atomic<const absl::FunctionRef<void(int64_t)>*> fn_{nullptr};
   std::atomic<int64_t> n_{0};
   std::atomic<int> max_threads_{0};
-  std::atomic<int64_t> done_{0};       // indices of the current loop that have returned
-  std::atomic<bool> busy_{false};      // a thread's loop owns the helpers
-  std::atomic<int> sleepers_{0};       // helpers asleep (or going to sleep) on mu_
-  std::atomic<bool> stopping_{false};  // set once, by the destructor
+  // Indices of the current loop that have returned: each thread adds its count
+  // once, when it finds no index left to claim.
+  alignas(64) std::atomic<int64_t> done_{0};
+  alignas(64) std::atomic<bool> busy_{false};  // a thread's loop owns the helpers
+  std::atomic<int> sleepers_{0};               // helpers asleep (or going to sleep) on mu_
+  std::atomic<bool> stopping_{false};          // set once, by the destructor
 
   mutable absl::Mutex mu_;
   std::vector<std::thread> helpers_ ABSL_GUARDED_BY(mu_);
