@@ -40,7 +40,8 @@ struct QuantJob {
   // The same values per token tile (TileTokens), as the interleaved tiles read
   // them: tile [t0, t0 + T) at aqt + t0 * cols, token t0 + t's block b at
   // (b * T + t) * 32 bytes from there; its ad/as at adt/ast + t0 * nb + b * T + t,
-  // its ai at ait + (t0 * nb + b * T + t) * 2. All of a block's tokens then lie
+  // its ai at ait + (t0 * nb + b * T + t) * 2 (null when no product of the call
+  // has interleaved weights, the only readers). All of a block's tokens then lie
   // at fixed offsets from one pointer. With a row pointer per token, the 8-token
   // AVX-512 tile kept 8 of them, spilled them, and spent ~45 scalar ops per block
   // on addresses (now 8). engine_bench step matmuls of 16 tokens, SmolLM2 Q4_1,
@@ -377,24 +378,36 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32, ai: [n_tokens][nb][2]
   // int32 — shared by all threads.
   // The tiled copy (QuantJob::aqt..ait) follows the row layout in the same
-  // buffers. Tiles of one token are rows: then the two share them.
+  // buffers, made only when an interleaved tile will read it. Tiles of one token
+  // (one token, or the scalar level's width of 1) are rows: then the two share
+  // the row buffers.
   const int64_t nb = cols / 32;
-  const int tiled = n_tokens > 1 && k.tile_tokens > 1 ? 2 : 1;
+  const bool rows_are_tiles = n_tokens == 1 || k.tile_tokens == 1;
+  const bool copy = !rows_are_tiles &&
+                    std::any_of(outs.begin(), outs.end(), [](const QuantOut& o) { return o.wi != nullptr; });
+  const int64_t layouts = copy ? 2 : 1;
   thread_local std::vector<int8_t> aq;
   thread_local std::vector<int32_t> ai;
   std::vector<float>& ads = ThreadScratch(1);
-  aq.resize(static_cast<size_t>(tiled * n_tokens * cols));
-  ai.resize(static_cast<size_t>(tiled * n_tokens * 2 * nb));
-  ads.resize(static_cast<size_t>(tiled * 2 * n_tokens * nb));
+  aq.resize(static_cast<size_t>(layouts * n_tokens * cols));
+  ai.resize(static_cast<size_t>(layouts * n_tokens * 2 * nb));
+  ads.resize(static_cast<size_t>(layouts * 2 * n_tokens * nb));
   // Plain pointers: inside the loops `aq` would name each thread's own copy.
   int8_t* const q_ptr = aq.data();
   int32_t* const i_ptr = ai.data();
   float* const d_ptr = ads.data();
   float* const s_ptr = ads.data() + n_tokens * nb;
-  int8_t* const qt_ptr = q_ptr + (tiled - 1) * n_tokens * cols;
-  int32_t* const it_ptr = i_ptr + (tiled - 1) * n_tokens * 2 * nb;
-  float* const dt_ptr = d_ptr + (tiled - 1) * 2 * n_tokens * nb;
-  float* const st_ptr = s_ptr + (tiled - 1) * 2 * n_tokens * nb;
+  int8_t* qt_ptr = nullptr;
+  int32_t* it_ptr = nullptr;
+  float *dt_ptr = nullptr, *st_ptr = nullptr;
+  if (copy) {
+    qt_ptr = q_ptr + n_tokens * cols;
+    it_ptr = i_ptr + n_tokens * 2 * nb;
+    dt_ptr = d_ptr + 2 * n_tokens * nb;
+    st_ptr = s_ptr + 2 * n_tokens * nb;
+  } else if (rows_are_tiles) {
+    qt_ptr = q_ptr, it_ptr = i_ptr, dt_ptr = d_ptr, st_ptr = s_ptr;
+  }
   // One loop index per token tile: a token's row alone is a fraction of a
   // microsecond of work, less than the pool's claim of an index.
   absl::InlinedVector<int, 64> tile_t0;
@@ -404,7 +417,7 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
     for (int t = t0; t < t0 + n; ++t) {
       k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb,
                      i_ptr + t * 2 * nb);
-      if (tiled == 1) continue;
+      if (!copy) continue;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t at = t0 * nb + b * n + (t - t0);
         std::memcpy(qt_ptr + at * 32, q_ptr + t * cols + b * 32, 32);
