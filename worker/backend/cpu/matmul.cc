@@ -33,6 +33,7 @@ struct QuantJob {
   int64_t w_stride;  // RowBytes(type, cols)
   int64_t nb;        // 32-blocks per row = cols / 32 (a multiple of 8 for k-quants)
   int n_tokens;
+  // Null when no kernel of the call reads rows (RunQuantProducts).
   const int8_t* aq;   // [n_tokens][cols]
   const float* ad;    // [n_tokens][nb]
   const float* as;    // [n_tokens][nb]
@@ -82,7 +83,8 @@ constexpr int64_t kIQ6Qh = kIQ6Ql + 4 * 8 * 64;
 
 // ---- Scalar reference kernels (level kScalar) ----
 
-void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, float* s, int32_t* sums16) {
+void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, float* s, int32_t* sums16,
+                         int64_t stride) {
   for (int64_t b = 0; b < cols / 32; ++b) {
     float amax = 0.0f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
@@ -91,14 +93,14 @@ void QuantizeRowQ8Scalar(const float* x, int64_t cols, int8_t* q, float* d, floa
     int sum[2] = {0, 0};
     for (int i = 0; i < 32; ++i) {
       const int v = static_cast<int>(std::nearbyint(x[b * 32 + i] * id));
-      q[b * 32 + i] = static_cast<int8_t>(v);
+      q[b * stride * 32 + i] = static_cast<int8_t>(v);
       sum[i / 16] += v;
     }
-    d[b] = dd;
-    s[b] = dd * static_cast<float>(sum[0] + sum[1]);
+    d[b * stride] = dd;
+    s[b * stride] = dd * static_cast<float>(sum[0] + sum[1]);
     if (sums16 != nullptr) {
-      sums16[2 * b] = sum[0];
-      sums16[2 * b + 1] = sum[1];
+      sums16[2 * b * stride] = sum[0];
+      sums16[2 * b * stride + 1] = sum[1];
     }
   }
 }
@@ -285,8 +287,10 @@ namespace {
 
 struct Kernels {
   // One activation row (QuantizeActivationsQ8), and into sums16 [cols / 16]
-  // (when not null) the sum of each 16 q.
-  void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s, int32_t* sums16);
+  // (when not null) the sum of each 16 q; block b's values at q + b * stride *
+  // 32, d/s[b * stride] and sums16[2 * b * stride] (1: a row).
+  void (*quantize_row)(const float* x, int64_t cols, int8_t* q, float* d, float* s, int32_t* sums16,
+                       int64_t stride);
   int tile_tokens;  // the widest token tile of quant_rows (TileTokens)
   // Rows [r_begin, r_end) of the job.
   void (*quant_rows)(const QuantJob& job, int64_t r_begin, int64_t r_end);
@@ -375,17 +379,22 @@ struct QuantOut {
 void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const float* x, int64_t x_stride,
                       int64_t cols, int n_tokens, int n_threads) {
   ComputePool& pool = ComputePool::Get();
-  // aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32, ai: [n_tokens][nb][2]
-  // int32 — shared by all threads.
-  // The tiled copy (QuantJob::aqt..ait) follows the row layout in the same
-  // buffers, made only when an interleaved tile will read it. Tiles of one token
-  // (one token, or the scalar level's width of 1) are rows: then the two share
-  // the row buffers.
+  // Two layouts of the quantised activations, each made only when a kernel of the
+  // call reads it: rows (aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32,
+  // ai: [n_tokens][nb][2] int32) for stored-layout rows (no interleaved copy, or
+  // the rows % 16 after its groups), and tiles (QuantJob::aqt..ait) for the
+  // interleaved groups. Tiles of one token (one token, or the scalar level's width
+  // of 1) are rows: then the two share the row buffers. Shared by all threads.
   const int64_t nb = cols / 32;
   const bool rows_are_tiles = n_tokens == 1 || k.tile_tokens == 1;
-  const bool copy = !rows_are_tiles &&
-                    std::any_of(outs.begin(), outs.end(), [](const QuantOut& o) { return o.wi != nullptr; });
-  const int64_t layouts = copy ? 2 : 1;
+  const bool any_tiles =
+      std::any_of(outs.begin(), outs.end(), [](const QuantOut& o) { return o.wi != nullptr; });
+  const bool any_rows = std::any_of(outs.begin(), outs.end(), [](const QuantOut& o) {
+    return o.wi == nullptr || o.rows % kInterleaveRows != 0;
+  });
+  const bool make_rows = rows_are_tiles || any_rows;
+  const bool make_tiles = !rows_are_tiles && any_tiles;
+  const int64_t layouts = (make_rows ? 1 : 0) + (make_tiles ? 1 : 0);
   thread_local std::vector<int8_t> aq;
   thread_local std::vector<int32_t> ai;
   std::vector<float>& ads = ThreadScratch(1);
@@ -393,38 +402,35 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   ai.resize(static_cast<size_t>(layouts * n_tokens * 2 * nb));
   ads.resize(static_cast<size_t>(layouts * 2 * n_tokens * nb));
   // Plain pointers: inside the loops `aq` would name each thread's own copy.
-  int8_t* const q_ptr = aq.data();
-  int32_t* const i_ptr = ai.data();
-  float* const d_ptr = ads.data();
-  float* const s_ptr = ads.data() + n_tokens * nb;
-  int8_t* qt_ptr = nullptr;
-  int32_t* it_ptr = nullptr;
-  float *dt_ptr = nullptr, *st_ptr = nullptr;
-  if (copy) {
-    qt_ptr = q_ptr + n_tokens * cols;
-    it_ptr = i_ptr + n_tokens * 2 * nb;
-    dt_ptr = d_ptr + 2 * n_tokens * nb;
-    st_ptr = s_ptr + 2 * n_tokens * nb;
+  int8_t *q_ptr = nullptr, *qt_ptr = nullptr;
+  int32_t *i_ptr = nullptr, *it_ptr = nullptr;
+  float *d_ptr = nullptr, *s_ptr = nullptr, *dt_ptr = nullptr, *st_ptr = nullptr;
+  int64_t layout = 0;
+  const int64_t per_layout = int64_t{n_tokens} * nb;
+  if (make_rows) {
+    q_ptr = aq.data(), i_ptr = ai.data(), d_ptr = ads.data(), s_ptr = ads.data() + per_layout;
+    ++layout;
+  }
+  if (make_tiles) {
+    qt_ptr = aq.data() + layout * per_layout * 32, it_ptr = ai.data() + layout * per_layout * 2;
+    dt_ptr = ads.data() + layout * 2 * per_layout, st_ptr = dt_ptr + per_layout;
   } else if (rows_are_tiles) {
     qt_ptr = q_ptr, it_ptr = i_ptr, dt_ptr = d_ptr, st_ptr = s_ptr;
   }
   // One loop index per token tile: a token's row alone is a fraction of a
-  // microsecond of work, less than the pool's claim of an index.
+  // microsecond of work, less than the pool's claim of an index. Each layout is
+  // quantised from x directly (the same values: one function, one stride each).
   absl::InlinedVector<int, 64> tile_t0;
   for (int t0 = 0; t0 < n_tokens; t0 += TileTokens(n_tokens, t0, k.tile_tokens)) tile_t0.push_back(t0);
   pool.ParallelFor(static_cast<int64_t>(tile_t0.size()), n_threads, [&](int64_t i) {
     const int t0 = tile_t0[i], n = TileTokens(n_tokens, t0, k.tile_tokens);
     for (int t = t0; t < t0 + n; ++t) {
-      k.quantize_row(x + t * x_stride, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb,
-                     i_ptr + t * 2 * nb);
-      if (!copy) continue;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t at = t0 * nb + b * n + (t - t0);
-        std::memcpy(qt_ptr + at * 32, q_ptr + t * cols + b * 32, 32);
-        dt_ptr[at] = d_ptr[t * nb + b];
-        st_ptr[at] = s_ptr[t * nb + b];
-        it_ptr[2 * at] = i_ptr[(t * nb + b) * 2];
-        it_ptr[2 * at + 1] = i_ptr[(t * nb + b) * 2 + 1];
+      const float* xt = x + t * x_stride;
+      if (make_rows)
+        k.quantize_row(xt, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb, i_ptr + t * 2 * nb, 1);
+      if (make_tiles) {
+        const int64_t at = t0 * nb + (t - t0);  // block 0 of token t in tile t0 (QuantJob::aqt)
+        k.quantize_row(xt, cols, qt_ptr + at * 32, dt_ptr + at, st_ptr + at, it_ptr + at * 2, n);
       }
     }
   });
@@ -508,7 +514,7 @@ void QuantizeActivationsQ8(const float* x, int64_t x_stride, int n_tokens, int64
   const Kernels& k = KernelsFor(GetCpuKernelLevel());
   const int64_t nb = cols / 32;
   for (int t = 0; t < n_tokens; ++t) {
-    k.quantize_row(x + t * x_stride, cols, q + t * cols, d + t * nb, s + t * nb, nullptr);
+    k.quantize_row(x + t * x_stride, cols, q + t * cols, d + t * nb, s + t * nb, nullptr, 1);
   }
 }
 

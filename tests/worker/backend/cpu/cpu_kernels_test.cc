@@ -543,6 +543,51 @@ TEST_P(CpuKernelsTest, QuantizeActivationsQ8Bounds) {
   EXPECT_EQ(d[1], 0.0f);
 }
 
+// The vector quantisers (8 blocks at a time, then the rest) give the scalar
+// kernel's q, d and s bit for bit, for every block count up to two groups and a
+// tail, with all-zero blocks, tiny and huge magnitudes, and exact .5 products.
+TEST_P(CpuKernelsTest, QuantizeActivationsQ8EqualsScalarBitForBit) {
+  std::mt19937 rng(17);
+  for (int64_t nb = 1; nb <= 19; ++nb) {
+    const int64_t cols = nb * 32;
+    const int n_tokens = 3;
+    std::vector<float> x = RandomVec(rng, n_tokens * cols, -3.0f, 3.0f);
+    for (int64_t b = 0; b < n_tokens * nb; ++b) {
+      float* blk = x.data() + b * 32;
+      switch (rng() % 6) {
+        case 0:
+          std::fill(blk, blk + 32, 0.0f);
+          break;
+        case 1:
+          for (int i = 0; i < 32; ++i) blk[i] *= 1e-30f;
+          break;
+        case 2:
+          for (int i = 0; i < 32; ++i) blk[i] *= 1e30f;
+          break;
+        case 3:  // max 127: every other value lands on a .5 (ties to even)
+          for (int i = 0; i < 32; ++i) blk[i] = static_cast<float>(static_cast<int>(rng() % 255) - 127) / 2;
+          blk[rng() % 32] = -127.0f;
+          break;
+        default:
+          break;
+      }
+    }
+    SCOPED_TRACE(::testing::Message() << "blocks=" << nb);
+    const int64_t n = n_tokens * cols, nbs = n_tokens * nb;
+    std::vector<int8_t> q(n), q_ref(n);
+    std::vector<float> d(nbs), s(nbs), d_ref(nbs), s_ref(nbs);
+    QuantizeActivationsQ8(x.data(), cols, n_tokens, cols, q.data(), d.data(), s.data());
+    ASSERT_TRUE(SetCpuKernelLevel(CpuKernelLevel::kScalar).ok());
+    QuantizeActivationsQ8(x.data(), cols, n_tokens, cols, q_ref.data(), d_ref.data(), s_ref.data());
+    ASSERT_TRUE(SetCpuKernelLevel(GetParam()).ok());
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(q[i], q_ref[i]) << "i=" << i;
+    for (int64_t b = 0; b < nbs; ++b) {
+      ASSERT_EQ(d[b], d_ref[b]) << "b=" << b;
+      ASSERT_EQ(s[b], s_ref[b]) << "b=" << b;
+    }
+  }
+}
+
 TEST_P(CpuKernelsTest, MatMulRejectsBadInput) {
   std::vector<uint8_t> bytes(1024);
   std::vector<float> x(64), y(64);
