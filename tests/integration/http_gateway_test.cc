@@ -305,10 +305,15 @@ TEST_F(HttpGatewayTest, ThousandsOfIdleConnectionsAndHundredsOfStreamsOnFewThrea
   const int threads_idle = testing::ThreadCount(pid);
 
   int streams_ok = 0, streams_done = 0, streaming_at_once = 0, max_streaming = 0, threads_max = threads_idle;
+  // Long enough that the first streams are still running when the last start,
+  // also with other processes on the cores: with 48 tokens, 46 of the 200
+  // overlapped in a CI run (two tests at once) and 84 beside a busy loop; with
+  // 256, all 200 beside two busy loops, four runs of four.
+  constexpr int kStreamTokens = 256;
   for (int i = 0; i < kStreams; ++i) {
     streams.push_back(std::make_unique<testing::HttpConnection>(base, port_));
     streams.back()->Send(
-        "POST", "/v1/completions", StreamBody(i + 1, 48), {},
+        "POST", "/v1/completions", StreamBody(i + 1, kStreamTokens), {},
         [&](const HttpResult& r) {
           --streaming_at_once;
           // Every token (ignore_eos: all kTokens of them, so the finish
