@@ -308,7 +308,7 @@ TEST_F(HttpGatewayTest, ThousandsOfIdleConnectionsAndHundredsOfStreamsOnFewThrea
   // Long enough that the first streams are still running when the last start,
   // also with other processes on the cores: with 48 tokens, 46 of the 200
   // overlapped in a CI run (two tests at once) and 84 beside a busy loop; with
-  // 256, all 200 beside two busy loops, four runs of four.
+  // 256, all 200 beside two busy loops, in each of four runs.
   constexpr int kStreamTokens = 256;
   for (int i = 0; i < kStreams; ++i) {
     streams.push_back(std::make_unique<testing::HttpConnection>(base, port_));
