@@ -19,6 +19,11 @@
 //               temperature 1 (OpenAI's default; every token sampled from the
 //               whole vocabulary) and top_p 0.9, at the best level
 //               (sampled_vs_greedy_*)
+//   arrivals:   beside one decoding stream (best level), 15 requests of 16-token
+//               prompts from 15 other tenants arrive at once, then (apart) one of
+//               a 1,024-token prompt: their times to first token, and the
+//               stream's gaps between tokens meanwhile against its gap alone
+//               (what the step-time target trades: engine.h)
 //   cache vs recompute: time to generate 256 tokens after a 256 (1024)-token
 //               prompt through the engine (KV cache) vs recomputing: a full
 //               prefill of the whole context for every new token on the same
@@ -92,7 +97,7 @@ ABSL_FLAG(std::string, llama_bench_avx2, "",
 ABSL_FLAG(int, sgemm_min_tokens, 0,
           "tokens from which matmuls take dequant+sgemm (cpu::SetSgemmMinTokens; 0: the measured default of "
           "each level)");
-ABSL_FLAG(std::string, sections, "decode,prefill,batched,sampled,recompute,attention",
+ABSL_FLAG(std::string, sections, "decode,prefill,batched,sampled,arrivals,recompute,attention",
           "comma-separated parts to run (for profiling; ratios of parts not run are left out)");
 
 namespace kvcache {
@@ -111,7 +116,10 @@ constexpr int kGenTokens = 256;  // cache vs recompute
 // Records when each token arrives and the final result.
 class Timeline : public sched::GenerateObserver {
  public:
-  void OnToken(int32_t, absl::string_view) override { times.push_back(Clock::now()); }
+  void OnToken(int32_t, absl::string_view) override {
+    times.push_back(Clock::now());
+    if (static_cast<int>(times.size()) == notify_at) reached.Notify();
+  }
   void OnDone(const absl::Status& s, const sched::GenerateResult& r) override {
     end = Clock::now();
     status = s;
@@ -123,6 +131,8 @@ class Timeline : public sched::GenerateObserver {
   absl::Status status;
   sched::GenerateResult result;
   absl::Notification done;
+  int notify_at = -1;  // `reached` is notified when this many tokens have arrived
+  absl::Notification reached;
 };
 
 struct Setup {
@@ -274,6 +284,53 @@ absl::StatusOr<Samples> BatchedDecodeTokensPerSecond(sched::Engine& engine, cons
         absl::StrCat("the ", n, " sessions never decoded together in ", 3 * reps, " runs"));
   }
   return rates;
+}
+
+// What requests arriving beside one decoding stream wait, and what the stream
+// pays: once the stream has 16 tokens out, `n` requests of `prompt_tokens` from n
+// other tenants arrive at once (one token each). Milliseconds: their times to
+// first token (median and largest), the stream's gap between tokens alone (the
+// median of its first 16), and its median and largest gap from their arrival
+// to the last first token.
+struct Arrivals {
+  double ttft_p50 = 0, ttft_max = 0, gap_alone = 0, gap_p50 = 0, gap_max = 0;
+};
+absl::StatusOr<Arrivals> ArrivalsBesideAStream(sched::Engine& engine, const tok::Tokenizer& tk, int n,
+                                               int prompt_tokens, int salt) {
+  constexpr int kBefore = 16;
+  Timeline stream;
+  stream.notify_at = kBefore + 1;
+  stream.submitted = Clock::now();
+  KVCACHE_ASSIGN_OR_RETURN(const uint64_t stream_id,
+                           engine.Submit(Greedy(Prompt(tk, 16, salt), 4096), &stream));
+  stream.reached.WaitForNotification();
+  std::vector<std::unique_ptr<Timeline>> tl;
+  std::vector<sched::GenerateRequest> reqs;
+  for (int i = 0; i < n; ++i) reqs.push_back(Greedy(Prompt(tk, prompt_tokens, salt + 1 + i), 1));
+  const Clock::time_point arrived = Clock::now();
+  const absl::Status st = RunAll(engine, std::move(reqs), &tl);
+  engine.Cancel(stream_id);
+  stream.done.WaitForNotification();
+  KVCACHE_RETURN_IF_ERROR(st);
+  auto ms = [](Clock::time_point a, Clock::time_point b) { return Seconds(a, b) * 1e3; };
+  Samples ttft, alone, beside;
+  Clock::time_point last_first = arrived;
+  for (const auto& t : tl) {
+    ttft.Add(ms(t->submitted, t->times.front()));
+    last_first = std::max(last_first, t->times.front());
+  }
+  double gap_max = 0;
+  for (size_t i = 1; i < stream.times.size(); ++i) {
+    const double gap = ms(stream.times[i - 1], stream.times[i]);
+    if (i <= kBefore) alone.Add(gap);
+    if (stream.times[i] > arrived && stream.times[i - 1] <= last_first) {
+      beside.Add(gap);
+      gap_max = std::max(gap_max, gap);
+    }
+  }
+  double ttft_max = 0;
+  for (const auto& t : tl) ttft_max = std::max(ttft_max, ms(t->submitted, t->times.front()));
+  return Arrivals{ttft.Median(), ttft_max, alone.Median(), beside.Median(), gap_max};
 }
 
 // The linear layers of one forward step of n tokens on the model's own weights
@@ -594,6 +651,33 @@ int Main() {
     }
   }
 
+  // ---- arrivals beside a stream (ArrivalsBesideAStream), the median of reps.
+  if (want("arrivals")) {
+    const struct {
+      const char* name;
+      int n, prompt_tokens;
+    } kCases[] = {{"15_short_prompts", 15, 16}, {"long_prompt", 1, 1024}};
+    for (const auto& c : kCases) {
+      Samples ttft_p50, ttft_max, gap_alone, gap_p50, gap_max;
+      for (int r = 0; r < reps; ++r) {
+        absl::StatusOr<Arrivals> a =
+            ArrivalsBesideAStream(*s.engine, tk, c.n, c.prompt_tokens, 1000 + 100 * r);
+        if (!a.ok()) return fail(a.status());
+        ttft_p50.Add(a->ttft_p50);
+        ttft_max.Add(a->ttft_max);
+        gap_alone.Add(a->gap_alone);
+        gap_p50.Add(a->gap_p50);
+        gap_max.Add(a->gap_max);
+      }
+      const std::string k = absl::StrCat("arrivals_", c.name, "_");
+      report.metrics[k + "ttft_p50_ms"] = ttft_p50.Median();
+      report.metrics[k + "ttft_max_ms"] = ttft_max.Median();
+      report.metrics[k + "stream_gap_alone_ms"] = gap_alone.Median();
+      report.metrics[k + "stream_gap_p50_ms"] = gap_p50.Median();
+      report.metrics[k + "stream_gap_max_ms"] = gap_max.Median();
+    }
+  }
+
   // ---- cache vs recompute, part 1: the engine generates 256 tokens (cached).
   struct RecomputeCase {
     int prompt_len;
@@ -778,7 +862,10 @@ int Main() {
       kPrefillTokens,
       "-token prompt / time to first token; batched: N sessions x 64 "
       "tokens submitted together, tokens emitted while all N decode / that window (a run whose window "
-      "holds less than half their tokens runs again: batched_runs_rerun); cache_vs_recompute: "
+      "holds less than half their tokens runs again: batched_runs_rerun); arrivals: one stream decodes, and "
+      "after its 16th token 15 requests of 16-token prompts (or one of 1,024) from other tenants arrive at "
+      "once; their times to first token and the stream's gaps meanwhile, medians over reps; "
+      "cache_vs_recompute: "
       "engine "
       "total time for prompt + 256 tokens vs the sum over the 256 tokens of a full prefill of the context so "
       "far "
