@@ -314,9 +314,11 @@ absl::StatusOr<Arrivals> ArrivalsBesideAStream(sched::Engine& engine, const tok:
   KVCACHE_RETURN_IF_ERROR(st);
   auto ms = [](Clock::time_point a, Clock::time_point b) { return Seconds(a, b) * 1e3; };
   Samples ttft, alone, beside;
+  double ttft_max = 0;
   Clock::time_point last_first = arrived;
   for (const auto& t : tl) {
     ttft.Add(ms(t->submitted, t->times.front()));
+    ttft_max = std::max(ttft_max, ms(t->submitted, t->times.front()));
     last_first = std::max(last_first, t->times.front());
   }
   double gap_max = 0;
@@ -328,8 +330,6 @@ absl::StatusOr<Arrivals> ArrivalsBesideAStream(sched::Engine& engine, const tok:
       gap_max = std::max(gap_max, gap);
     }
   }
-  double ttft_max = 0;
-  for (const auto& t : tl) ttft_max = std::max(ttft_max, ms(t->submitted, t->times.front()));
   return Arrivals{ttft.Median(), ttft_max, alone.Median(), beside.Median(), gap_max};
 }
 
