@@ -10,12 +10,12 @@
 // started waiting (fair across tenants): at most --max_batch_tokens tokens in all, and, while anything
 // decodes, only as many prefill tokens as fit in the step-time target (max_step_time, predicted by a
 // StepCostModel fitted to the engine's own step timings), so that a long prompt never stalls running streams
-// for more than about one target. Requests queued beyond max_running are admitted fairly across tenants (the
-// tenant with the fewest running first, then the one admitted least recently; a tenant's own in arrival
-// order), so that one tenant's backlog does not hold back another tenant's requests. Prefill chunks end on
-// page boundaries; at each boundary a prefilling request picks up pages that are cached by then
-// (AttachPrefix), and a request whose next page another request is computing in
-// the same step waits for it instead of computing it again, so a burst of
+// for more than about one target; a prompt whose chunk ended inside a page goes on first to that page's end.
+// Requests queued beyond max_running are admitted fairly across tenants (the tenant with the fewest running
+// first, then the one admitted least recently; a tenant's own in arrival order), so that one tenant's backlog
+// does not hold back another tenant's requests. Prefill chunks end on page boundaries; at each boundary a
+// prefilling request picks up pages that are cached by then (AttachPrefix), and a request whose next page
+// another request is computing in the same step waits for it instead of computing it again, so a burst of
 // requests sharing a long system prompt computes it once. Before a
 // step the KV cache's pressure policy runs inside BeginStep (offload idle
 // sessions, restore this step's sessions, preempt others), so memory never

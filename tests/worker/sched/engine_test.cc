@@ -994,6 +994,68 @@ TEST_F(EngineTest, LongPromptIsNotStarvedByShorterOnes) {
   EXPECT_LE(shorts_before_long.load(), 2 * kLong / kShort + 4);
 }
 
+TEST_F(EngineTest, APromptGoesOnToItsPageEndWhenTheStepTargetLeavesLessThanAPage) {
+  // A step-time target that no prefill fits: beside a decoding stream each step
+  // moves one prompt on by a token. That prompt keeps the token until its chunk
+  // reaches a page end (here its own end), so the prompts of four tenants finish
+  // one after another. Round robin a token at a time, all four finished within
+  // the last four of those 40 steps.
+  EngineOptions options;
+  options.max_step_time = absl::Nanoseconds(1);
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/0, options);
+  // The step cost model needs four steps with prompts and four with decodes.
+  for (int i = 0; i < 4; ++i) {
+    Collector warm;
+    ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(20, 50 + i), 4), &warm).ok());
+    warm.Wait();
+    ASSERT_TRUE(warm.status.ok()) << warm.status;
+  }
+
+  class FirstTokenStep : public Collector {
+   public:
+    explicit FirstTokenStep(FakeRunner* runner) : runner_(runner) {}
+    void OnToken(int32_t id, absl::string_view text) override {
+      if (tokens.empty()) first_step = runner_->steps();
+      Collector::OnToken(id, text);
+    }
+    int first_step = -1;
+
+   private:
+    FakeRunner* runner_;
+  };
+  Collector stream;
+  ASSERT_TRUE(SubmitHeldInItsThirdStep("stream", &stream).ok());  // 50 tokens, held in a step
+  const int held = runner_->steps() + 1;                          // the step it is held in
+  int max_prefill_beside_decode = 0;                              // engine thread; read after Wait
+  engine_->SetStepCallback([&](const StepStats& s) {
+    if (s.decode_tokens > 0)
+      max_prefill_beside_decode = std::max(max_prefill_beside_decode, s.prefill_tokens);
+  });
+  constexpr int kPrompts = 4, kPromptTokens = 10;  // 40 steps of one token, while the stream decodes
+  std::vector<std::unique_ptr<FirstTokenStep>> outs;
+  for (int i = 0; i < kPrompts; ++i) {
+    outs.push_back(std::make_unique<FirstTokenStep>(runner_.get()));
+    ASSERT_TRUE(engine_
+                    ->Submit(Req("", RequestMode::kFullContext, Prompt(kPromptTokens, 10 + i), 1,
+                                 absl::StrCat("tenant", i)),
+                             outs.back().get())
+                    .ok());
+  }
+  runner_->LimitSteps(-1);
+  for (int i = 0; i < kPrompts; ++i) {
+    outs[i]->Wait();
+    ASSERT_TRUE(outs[i]->status.ok()) << outs[i]->status;
+    EXPECT_EQ(outs[i]->tokens, Expected(Prompt(kPromptTokens, 10 + i), 1));
+    // Prompt i's last token goes in the (i + 1) * kPromptTokens-th step after the held one.
+    EXPECT_EQ(outs[i]->first_step, held + (i + 1) * kPromptTokens) << "prompt " << i;
+  }
+  stream.Wait();
+  engine_->SetStepCallback(nullptr);
+  ASSERT_TRUE(stream.status.ok()) << stream.status;
+  EXPECT_EQ(stream.tokens, Expected(Prompt(20), 50));
+  EXPECT_EQ(max_prefill_beside_decode, 1);  // the target held: the floor of one token only
+}
+
 TEST_F(EngineTest, RequestFailingBeforeItsFirstTokenLeavesTheSessionAsItWas) {
   // A FULL_CONTEXT turn with another history, and an APPEND, each cancelled
   // after a prompt chunk has gone into the session's cache but before a token:
