@@ -247,9 +247,10 @@ class Samples {
 // whose window holds less than half of the n sessions' tokens did not measure n
 // sessions decoding together, and runs again (up to 2 * reps more runs; each
 // counted in *rerun). That happens: submitted one by one, the first request can
-// start alone, and then the step-time target leaves the others' prompts a token
-// per step, round robin across their tenants, until it ends (16 sessions: 15
-// first tokens at 377 ms against 115 in the other runs, Intel Xeon, avx512).
+// start alone, and then the step-time target leaves the others' prompts a few
+// tokens a step (engine.h) until it ends (16 sessions, when they took turns
+// round robin: 15 first tokens at 377 ms against 115 in the other runs, Intel
+// Xeon, avx512).
 absl::StatusOr<Samples> BatchedDecodeTokensPerSecond(sched::Engine& engine, const tok::Tokenizer& tk, int n,
                                                      int reps, const model::SamplingConfig& sampling,
                                                      int* rerun) {
