@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <fstream>
 #include <thread>
@@ -125,6 +127,20 @@ absl::Status Finish(const BenchReport& r) {
   if (!out.good()) return absl::DataLossError(absl::StrCat("short write to ", path));
   std::printf("  wrote %s\n", path.c_str());
   return absl::OkStatus();
+}
+
+double Median(std::vector<double> samples) {
+  if (samples.empty()) return 0;
+  const auto mid = samples.begin() + static_cast<std::ptrdiff_t>(samples.size() / 2);
+  std::nth_element(samples.begin(), mid, samples.end());
+  return *mid;
+}
+
+double Spread(const std::vector<double>& samples) {
+  const double median = Median(samples);
+  if (median == 0) return 0;
+  const auto [lo, hi] = std::minmax_element(samples.begin(), samples.end());
+  return (*hi - *lo) / median;
 }
 
 }  // namespace kvcache::bench

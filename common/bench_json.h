@@ -12,6 +12,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -37,6 +38,13 @@ absl::Status Finish(const BenchReport& report);
 
 // The value of --json ("" when not given).
 std::string JsonPath();
+
+// The median of repeated measurements: the middle sample, the upper of the two
+// middle ones for an even count; 0 for none.
+double Median(std::vector<double> samples);
+
+// How far repeated measurements spread: (max - min) / median; 0 for none.
+double Spread(const std::vector<double>& samples);
 
 }  // namespace kvcache::bench
 

@@ -215,32 +215,6 @@ sched::GenerateRequest Greedy(std::vector<int32_t> input, int max_tokens) {
   return r;
 }
 
-// The repetitions of one rate: it is reported as their median, with their
-// spread, (max - min) / median.
-class Samples {
- public:
-  void Add(double x) { v_.push_back(x); }
-  bool empty() const { return v_.empty(); }
-  size_t size() const { return v_.size(); }
-  // The middle sample (of an even count, the mean of the middle two); 0 if none.
-  double Median() const {
-    if (v_.empty()) return 0;
-    std::vector<double> s = v_;
-    std::sort(s.begin(), s.end());
-    const size_t m = s.size() / 2;
-    return s.size() % 2 == 1 ? s[m] : (s[m - 1] + s[m]) / 2;
-  }
-  double Spread() const {
-    const double med = Median();
-    if (med == 0) return 0;
-    const auto [lo, hi] = std::minmax_element(v_.begin(), v_.end());
-    return (*hi - *lo) / med;
-  }
-
- private:
-  std::vector<double> v_;
-};
-
 // Aggregate decode tokens/s of n sessions (16-token prompts, 64 tokens each)
 // decoding together with `sampling`, `reps` times: the window runs from the step
 // where the last one got its first token to the first one's last token. A run
@@ -251,11 +225,12 @@ class Samples {
 // tokens a step (engine.h) until it ends (16 sessions, when they took turns
 // round robin: 15 first tokens at 377 ms against 115 in the other runs, Intel
 // Xeon, avx512).
-absl::StatusOr<Samples> BatchedDecodeTokensPerSecond(sched::Engine& engine, const tok::Tokenizer& tk, int n,
-                                                     int reps, const model::SamplingConfig& sampling,
-                                                     int* rerun) {
+absl::StatusOr<std::vector<double>> BatchedDecodeTokensPerSecond(sched::Engine& engine,
+                                                                 const tok::Tokenizer& tk, int n, int reps,
+                                                                 const model::SamplingConfig& sampling,
+                                                                 int* rerun) {
   constexpr int kGen = 64;
-  Samples rates;
+  std::vector<double> rates;
   std::vector<std::unique_ptr<Timeline>> tl;
   for (int run = 0; run < 3 * reps && static_cast<int>(rates.size()) < reps; ++run) {
     std::vector<sched::GenerateRequest> reqs;
@@ -278,7 +253,7 @@ absl::StatusOr<Samples> BatchedDecodeTokensPerSecond(sched::Engine& engine, cons
       ++*rerun;
       continue;
     }
-    rates.Add(tokens / Seconds(from, to));
+    rates.push_back(tokens / Seconds(from, to));
   }
   if (rates.empty()) {
     return absl::InternalError(
@@ -314,24 +289,24 @@ absl::StatusOr<Arrivals> ArrivalsBesideAStream(sched::Engine& engine, const tok:
   stream.done.WaitForNotification();
   KVCACHE_RETURN_IF_ERROR(st);
   auto ms = [](Clock::time_point a, Clock::time_point b) { return Seconds(a, b) * 1e3; };
-  Samples ttft, alone, beside;
+  std::vector<double> ttft, alone, beside;
   double ttft_max = 0;
   Clock::time_point last_first = arrived;
   for (const auto& t : tl) {
-    ttft.Add(ms(t->submitted, t->times.front()));
+    ttft.push_back(ms(t->submitted, t->times.front()));
     ttft_max = std::max(ttft_max, ms(t->submitted, t->times.front()));
     last_first = std::max(last_first, t->times.front());
   }
   double gap_max = 0;
   for (size_t i = 1; i < stream.times.size(); ++i) {
     const double gap = ms(stream.times[i - 1], stream.times[i]);
-    if (i <= kBefore) alone.Add(gap);
+    if (i <= kBefore) alone.push_back(gap);
     if (stream.times[i] > arrived && stream.times[i - 1] <= last_first) {
-      beside.Add(gap);
+      beside.push_back(gap);
       gap_max = std::max(gap_max, gap);
     }
   }
-  return Arrivals{ttft.Median(), ttft_max, alone.Median(), beside.Median(), gap_max};
+  return Arrivals{bench::Median(ttft), ttft_max, bench::Median(alone), bench::Median(beside), gap_max};
 }
 
 // The linear layers of one forward step of n tokens on the model's own weights
@@ -402,9 +377,9 @@ absl::StatusOr<double> TimePrefill(kv::KvCacheManager& kv, cpu::CpuLlamaRunner& 
 
 // llama.cpp's own figures on the same GGUF, from its llama-bench.
 struct LlamaCppRun {
-  Samples decode;     // tg128: tokens/s of each repetition
-  Samples prefill;    // pp512: tokens/s of each repetition
-  std::string about;  // version, build flags, CPU, whether weights were repacked
+  std::vector<double> decode;   // tg128: tokens/s of each repetition
+  std::vector<double> prefill;  // pp512: tokens/s of each repetition
+  std::string about;            // version, build flags, CPU, whether weights were repacked
 };
 
 // Runs `cmd`, returns its stdout and exit status.
@@ -456,11 +431,11 @@ absl::StatusOr<LlamaCppRun> RunLlamaBench(const std::string& llama_bench, const 
   std::string cpu;
   for (const auto& t : tests.values()) {
     const auto& f = t.struct_value().fields();
-    Samples* to = f.at("n_gen").number_value() > 0 ? &run.decode : &run.prefill;
-    for (const auto& x : f.at("samples_ts").list_value().values()) to->Add(x.number_value());
+    std::vector<double>& to = f.at("n_gen").number_value() > 0 ? run.decode : run.prefill;
+    for (const auto& x : f.at("samples_ts").list_value().values()) to.push_back(x.number_value());
     cpu = f.at("cpu_info").string_value();
   }
-  if (run.decode.Median() <= 0 || run.prefill.Median() <= 0)
+  if (bench::Median(run.decode) <= 0 || bench::Median(run.prefill) <= 0)
     return absl::UnavailableError("llama-bench reported no pp/tg figures");
   const std::string bin_dir = llama_bench.substr(0, llama_bench.rfind('/'));
   std::string version = RunCommand(absl::StrCat("'", bin_dir, "/llama-server' --version 2>&1")).first;
@@ -530,9 +505,9 @@ int Main() {
   };
   // A rate: its median under `key`, and how its repetitions spread under key_spread.
   auto put_samples = [&](std::map<std::string, double>& to, const std::string& key, cpu::CpuKernelLevel level,
-                         const Samples& samples) {
-    put(to, key, level, samples.Median());
-    put(to, key + "_spread", level, samples.Spread());
+                         const std::vector<double>& samples) {
+    put(to, key, level, bench::Median(samples));
+    put(to, key + "_spread", level, bench::Spread(samples));
   };
   auto set_level = [&](cpu::CpuKernelLevel level) {
     if (absl::Status st = cpu::SetCpuKernelLevel(level); !st.ok()) {
@@ -557,7 +532,7 @@ int Main() {
 
   const std::vector<int32_t> decode_prompt = Prompt(tk, 16, 1);
   const std::vector<int32_t> prefill_prompt = Prompt(tk, kPrefillTokens, 2);
-  std::map<cpu::CpuKernelLevel, Samples> decode_single, prefill;
+  std::map<cpu::CpuKernelLevel, std::vector<double>> decode_single, prefill;  // rates of each rep
   for (cpu::CpuKernelLevel level : levels) {
     set_level(level);
     // Warm-up: page in the weights, grow scratch buffers.
@@ -567,18 +542,18 @@ int Main() {
     for (int r = 0; r < reps && want("decode"); ++r) {
       if (auto st = RunAll(*s.engine, {Greedy(decode_prompt, kDecodeTokens)}, &tl); !st.ok()) return fail(st);
       const auto& times = tl[0]->times;
-      decode_single[level].Add((times.size() - 1) / Seconds(times.front(), times.back()));
+      decode_single[level].push_back((times.size() - 1) / Seconds(times.front(), times.back()));
     }
     if (want("decode")) {
       put_samples(report.metrics, "decode_tokens_per_s_single", level, decode_single[level]);
-      put(report.ratio, "decode_vs_bw_bound", level, decode_single[level].Median() * weight_bytes / bw);
+      put(report.ratio, "decode_vs_bw_bound", level, bench::Median(decode_single[level]) * weight_bytes / bw);
     }
 
     // ---- prefill (time to first token of a 512-token prompt).
     for (int r = 0; r < reps && want("prefill"); ++r) {
       if (auto st = RunAll(*s.engine, {Greedy(prefill_prompt, 1)}, &tl); !st.ok()) return fail(st);
       if (tl[0]->result.cached_tokens != 0) return fail(absl::InternalError("prefill hit the prefix cache"));
-      prefill[level].Add(kPrefillTokens / absl::ToDoubleSeconds(tl[0]->result.time_to_first_token));
+      prefill[level].push_back(kPrefillTokens / absl::ToDoubleSeconds(tl[0]->result.time_to_first_token));
     }
     if (want("prefill")) put_samples(report.metrics, "prefill_tokens_per_s", level, prefill[level]);
 
@@ -586,10 +561,10 @@ int Main() {
     std::map<int, double> batched;  // medians
     for (int n : {1, 4, 16}) {
       if (!want("batched")) break;
-      absl::StatusOr<Samples> rates =
+      absl::StatusOr<std::vector<double>> rates =
           BatchedDecodeTokensPerSecond(*s.engine, tk, n, reps, model::SamplingConfig{}, &rerun);
       if (!rates.ok()) return fail(rates.status());
-      batched[n] = rates->Median();
+      batched[n] = bench::Median(*rates);
       put_samples(report.metrics, absl::StrCat("batched_decode_tokens_per_s_", n, "_sessions"), level,
                   *rates);
     }
@@ -636,13 +611,13 @@ int Main() {
     for (int n : {1, 16}) {
       double greedy = 0;
       for (const auto& sampling : kSampling) {
-        absl::StatusOr<Samples> rates =
+        absl::StatusOr<std::vector<double>> rates =
             BatchedDecodeTokensPerSecond(*s.engine, tk, n, reps, sampling.config, &rerun);
         if (!rates.ok()) return fail(rates.status());
-        const double rate = rates->Median();
+        const double rate = bench::Median(*rates);
         const std::string key = absl::StrCat("sampled_decode_tokens_per_s_", n, "_sessions_", sampling.name);
         report.metrics[key] = rate;
-        report.metrics[key + "_spread"] = rates->Spread();
+        report.metrics[key + "_spread"] = bench::Spread(*rates);
         if (greedy == 0) {
           greedy = rate;
         } else {
@@ -659,23 +634,23 @@ int Main() {
       int n, prompt_tokens;
     } kCases[] = {{"15_short_prompts", 15, 16}, {"long_prompt", 1, 1024}};
     for (const auto& c : kCases) {
-      Samples ttft_p50, ttft_max, gap_alone, gap_p50, gap_max;
+      std::vector<double> ttft_p50, ttft_max, gap_alone, gap_p50, gap_max;
       for (int r = 0; r < reps; ++r) {
         absl::StatusOr<Arrivals> a =
             ArrivalsBesideAStream(*s.engine, tk, c.n, c.prompt_tokens, 1000 + 100 * r);
         if (!a.ok()) return fail(a.status());
-        ttft_p50.Add(a->ttft_p50);
-        ttft_max.Add(a->ttft_max);
-        gap_alone.Add(a->gap_alone);
-        gap_p50.Add(a->gap_p50);
-        gap_max.Add(a->gap_max);
+        ttft_p50.push_back(a->ttft_p50);
+        ttft_max.push_back(a->ttft_max);
+        gap_alone.push_back(a->gap_alone);
+        gap_p50.push_back(a->gap_p50);
+        gap_max.push_back(a->gap_max);
       }
       const std::string k = absl::StrCat("arrivals_", c.name, "_");
-      report.metrics[k + "ttft_p50_ms"] = ttft_p50.Median();
-      report.metrics[k + "ttft_max_ms"] = ttft_max.Median();
-      report.metrics[k + "stream_gap_alone_ms"] = gap_alone.Median();
-      report.metrics[k + "stream_gap_p50_ms"] = gap_p50.Median();
-      report.metrics[k + "stream_gap_max_ms"] = gap_max.Median();
+      report.metrics[k + "ttft_p50_ms"] = bench::Median(ttft_p50);
+      report.metrics[k + "ttft_max_ms"] = bench::Median(ttft_max);
+      report.metrics[k + "stream_gap_alone_ms"] = bench::Median(gap_alone);
+      report.metrics[k + "stream_gap_p50_ms"] = bench::Median(gap_p50);
+      report.metrics[k + "stream_gap_max_ms"] = bench::Median(gap_max);
     }
   }
 
@@ -839,13 +814,13 @@ int Main() {
     }
     put_samples(report.baseline, "llamacpp_decode_tokens_per_s", b.level, lc->decode);
     put_samples(report.baseline, "llamacpp_prefill_tokens_per_s", b.level, lc->prefill);
-    const double their_decode = lc->decode.Median(), their_prefill = lc->prefill.Median();
-    put(report.ratio, "decode_vs_llamacpp", b.level, decode_single[b.level].Median() / their_decode);
-    put(report.ratio, "prefill_vs_llamacpp", b.level, prefill[b.level].Median() / their_prefill);
+    const double their_decode = bench::Median(lc->decode), their_prefill = bench::Median(lc->prefill);
+    put(report.ratio, "decode_vs_llamacpp", b.level, bench::Median(decode_single[b.level]) / their_decode);
+    put(report.ratio, "prefill_vs_llamacpp", b.level, bench::Median(prefill[b.level]) / their_prefill);
     put(report.baseline, "llamacpp_decode_vs_bw_bound", b.level, their_decode * weight_bytes / bw);
     // What bounds the decode ratio: both engines near the bandwidth roofline
     // leave little room for one to lead the other.
-    const double ours = decode_single[b.level].Median() * weight_bytes / bw,
+    const double ours = bench::Median(decode_single[b.level]) * weight_bytes / bw,
                  theirs = their_decode * weight_bytes / bw;
     report.notes["decode_bound_" + level] = absl::StrFormat(
         "memory bandwidth: %.1f MB of weights a token at %.1f GB/s bound decode to %.0f tokens/s; ours "

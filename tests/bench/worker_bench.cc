@@ -74,10 +74,7 @@ ABSL_FLAG(std::string, sections, "ttft,streaming,migration,churn,burst,router_bu
 namespace kvcache {
 namespace {
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench::Median;
 
 // A synthetic history of exactly n token ids (ordinary vocabulary, no control
 // tokens), so that lengths are exact.
