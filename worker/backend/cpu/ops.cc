@@ -47,6 +47,35 @@ KVCACHE_TARGET_AVX2 void SwiGluAvx2(const float* gate, const float* up, int64_t 
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+// (GCC 12 warns inside its own AVX-512 intrinsics' headers, about their
+// internal undefined operands.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+// SwiGluAvx2 on 16 lanes: the same operations lane by lane (simd::Exp's two widths
+// share their polynomial and clamps), so both levels give the same bits; the tail
+// of n % 16 goes through SwiGluAvx2. SwiGLU of a 16-session SmolLM2 step 0.33 ->
+// 0.27 ms (a temporary per-op timer in engine_bench --sections=batched, three
+// runs alternating, Intel Xeon); the zmm division is most of what is left.
+KVCACHE_TARGET_AVX512 void SwiGluAvx512(const float* gate, const float* up, int64_t n, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = simd::Exp(  // e^-g (the sign bit flipped, as SwiGluAvx2)
+        _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign)));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+  }
+  SwiGluAvx2(gate + i, up + i, n - i, out + i);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 KVCACHE_TARGET_AVX2 void AddAvx2(const float* a, const float* b, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -138,9 +167,10 @@ void SwiGlu(const float* gate, const float* up, int64_t n, float* out) {
   // vector width, so every element takes the same path as in one call): one
   // token's n_ff stays on the caller, a step of 16 sessions uses the pool.
   constexpr int64_t kChunk = 4096;
-  const bool avx2 = UseAvx2();
+  const CpuKernelLevel level = GetCpuKernelLevel();
   auto run = [&](int64_t i0, int64_t i1) {
-    if (avx2) return SwiGluAvx2(gate + i0, up + i0, i1 - i0, out + i0);
+    if (level >= CpuKernelLevel::kAvx512) return SwiGluAvx512(gate + i0, up + i0, i1 - i0, out + i0);
+    if (level >= CpuKernelLevel::kAvx2) return SwiGluAvx2(gate + i0, up + i0, i1 - i0, out + i0);
     for (int64_t i = i0; i < i1; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   };
   const int64_t chunks = (n + kChunk - 1) / kChunk;
