@@ -297,15 +297,17 @@ struct Kernels {
   void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
                    int64_t x_stride, int n_tokens, float* y, int64_t y_stride, int64_t r0);
   bool (*dequant_row_fast)(GgmlType type, const void* src, float* dst, int64_t n);
+  // Requests [p, p + bytes) for writing ahead of the stores (ClaimForWrite), or null.
+  void (*claim_for_write)(const void* p, int64_t bytes);
 };
 
 const Kernels& KernelsFor(CpuKernelLevel level) {
-  static const Kernels kScalar = {QuantizeRowQ8Scalar, 1, RunQuantRowsScalar, RunF32RowsScalar,
-                                  DequantRowFastScalar};
-  static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::kTileTokens, avx2::RunQuantRows, avx2::RunF32Rows,
-                                avx2::DequantRowFast};
-  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::kTileTokens, avx512::RunQuantRows,
-                                  avx512::RunF32Rows, avx512::DequantRowFast};
+  static const Kernels kScalar = {QuantizeRowQ8Scalar,  1,      RunQuantRowsScalar, RunF32RowsScalar,
+                                  DequantRowFastScalar, nullptr};
+  static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::kTileTokens,    avx2::RunQuantRows,
+                                avx2::RunF32Rows,    avx2::DequantRowFast, nullptr};
+  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::kTileTokens,    avx512::RunQuantRows,
+                                  avx512::RunF32Rows,    avx512::DequantRowFast, avx512::ClaimForWrite};
   switch (level) {
     case CpuKernelLevel::kAvx2:
       return kAvx2;
@@ -435,6 +437,21 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   const int quant_threads = int64_t{n_tokens} * cols * layouts >= kMinQuantValuesPerLoop ? n_threads : 1;
   pool.ParallelFor(static_cast<int64_t>(tile_t0.size()), quant_threads, [&](int64_t i) {
     const int t0 = tile_t0[i], n = TileTokens(n_tokens, t0, k.tile_tokens);
+    if (k.claim_for_write != nullptr) {  // this tile's outputs: tokens [t0, t0 + n) of each layout
+      const int64_t blocks = int64_t{n} * nb;
+      if (make_rows) {
+        k.claim_for_write(q_ptr + t0 * cols, blocks * 32);
+        k.claim_for_write(d_ptr + t0 * nb, blocks * 4);
+        k.claim_for_write(s_ptr + t0 * nb, blocks * 4);
+        k.claim_for_write(i_ptr + t0 * 2 * nb, blocks * 8);
+      }
+      if (make_tiles) {
+        k.claim_for_write(qt_ptr + t0 * cols, blocks * 32);
+        k.claim_for_write(dt_ptr + t0 * nb, blocks * 4);
+        k.claim_for_write(st_ptr + t0 * nb, blocks * 4);
+        k.claim_for_write(it_ptr + t0 * 2 * nb, blocks * 8);
+      }
+    }
     for (int t = t0; t < t0 + n; ++t) {
       const float* xt = x + t * x_stride;
       if (make_rows)
