@@ -437,20 +437,18 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   const int quant_threads = int64_t{n_tokens} * cols * layouts >= kMinQuantValuesPerLoop ? n_threads : 1;
   pool.ParallelFor(static_cast<int64_t>(tile_t0.size()), quant_threads, [&](int64_t i) {
     const int t0 = tile_t0[i], n = TileTokens(n_tokens, t0, k.tile_tokens);
-    if (k.claim_for_write != nullptr) {  // this tile's outputs: tokens [t0, t0 + n) of each layout
+    // This tile's outputs, tokens [t0, t0 + n) of each layout made (both keep a
+    // token range at the same offsets), when other threads' products read them.
+    if (k.claim_for_write != nullptr && n_threads > 1) {
       const int64_t blocks = int64_t{n} * nb;
-      if (make_rows) {
-        k.claim_for_write(q_ptr + t0 * cols, blocks * 32);
-        k.claim_for_write(d_ptr + t0 * nb, blocks * 4);
-        k.claim_for_write(s_ptr + t0 * nb, blocks * 4);
-        k.claim_for_write(i_ptr + t0 * 2 * nb, blocks * 8);
-      }
-      if (make_tiles) {
-        k.claim_for_write(qt_ptr + t0 * cols, blocks * 32);
-        k.claim_for_write(dt_ptr + t0 * nb, blocks * 4);
-        k.claim_for_write(st_ptr + t0 * nb, blocks * 4);
-        k.claim_for_write(it_ptr + t0 * 2 * nb, blocks * 8);
-      }
+      auto claim = [&](const int8_t* q, const float* d, const float* s, const int32_t* sums) {
+        k.claim_for_write(q + t0 * cols, blocks * 32);
+        k.claim_for_write(d + t0 * nb, blocks * 4);
+        k.claim_for_write(s + t0 * nb, blocks * 4);
+        k.claim_for_write(sums + t0 * 2 * nb, blocks * 8);
+      };
+      if (make_rows) claim(q_ptr, d_ptr, s_ptr, i_ptr);
+      if (make_tiles) claim(qt_ptr, dt_ptr, st_ptr, it_ptr);
     }
     for (int t = t0; t < t0 + n; ++t) {
       const float* xt = x + t * x_stride;
