@@ -352,6 +352,19 @@ constexpr int64_t kMinWorkPerThread = int64_t{1} << 14;
 // 16 of 1,536 took 9.3 us against 7.9.
 constexpr int64_t kMinQuantValuesPerLoop = int64_t{1} << 14;
 
+// Activation values up to which each thread of a RunQuantProducts loop quantises
+// every token into buffers of its own, on its first part, instead of one shared
+// quantisation that the loop waits for. The copy costs a thread a few
+// microseconds that it would otherwise spend waiting, and its buffers stay in
+// its own cache: writing shared buffers that the other core had read waited on
+// each line's return (16 x 576 values: 2.4 us alone, 4.6 in a step). SmolLM2
+// Q4_1 16-token step matmuls (cpu_kernels_bench --sections=decode, Intel Xeon,
+// 2 threads, six runs of each alternating): 7.96-8.61 -> 7.69-8.48 ms at avx512
+// (medians 8.39 -> 7.93), 19.07-24.13 -> 18.78-19.70 ms at avx2 (19.39 ->
+// 19.03); one token's 2.45-2.77 -> 2.46-2.65 ms at avx512. Larger sets (a
+// prefill chunk) are quantised once, on the pool.
+constexpr int64_t kMaxPerThreadQuantValues = int64_t{1} << 15;
+
 // 0 = the measured default of the current level (see SgemmMinTokens()).
 std::atomic<int> g_sgemm_min_tokens{0};
 
@@ -384,19 +397,28 @@ struct QuantOut {
   int64_t y_stride;
 };
 
+// Where RunQuantProducts' quantised activations lie: the rows layout (aq:
+// [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32, ai: [n_tokens][nb][2]
+// int32) and the tiles layout (QuantJob::aqt..ait), each null when not made.
+struct QuantActs {
+  int8_t *q = nullptr, *qt = nullptr;
+  float *d = nullptr, *s = nullptr, *dt = nullptr, *st = nullptr;
+  int32_t *i = nullptr, *it = nullptr;
+};
+
 // Products of the same activations x [n_tokens][x_stride] (cols used) with
-// integer-dot weights: x is quantised once, and one parallel loop covers every
-// product's rows (in parts of RowsOfNextPart), so that the q/k/v or gate/up
-// projections of a layer cost one loop, not three or two.
+// integer-dot weights: x is quantised once per thread or once for all, and one
+// parallel loop covers every product's rows (in parts of RowsOfNextPart), so
+// that the q/k/v or gate/up projections of a layer cost one loop, not three or
+// two.
 void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const float* x, int64_t x_stride,
                       int64_t cols, int n_tokens, int n_threads) {
   ComputePool& pool = ComputePool::Get();
   // Two layouts of the quantised activations, each made only when a kernel of the
-  // call reads it: rows (aq: [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32,
-  // ai: [n_tokens][nb][2] int32) for stored-layout rows (no interleaved copy, or
-  // the rows % 16 after its groups), and tiles (QuantJob::aqt..ait) for the
-  // interleaved groups. Tiles of one token (one token, or the scalar level's width
-  // of 1) are rows: then the two share the row buffers. Shared by all threads.
+  // call reads it: rows for stored-layout rows (no interleaved copy, or the rows
+  // % 16 after its groups), and tiles for the interleaved groups. Tiles of one
+  // token (one token, or the scalar level's width of 1) are rows: then the two
+  // share the row buffers.
   const int64_t nb = cols / 32;
   const bool rows_are_tiles = n_tokens == 1 || k.tile_tokens == 1;
   const bool any_tiles =
@@ -407,39 +429,41 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   const bool make_rows = rows_are_tiles || any_rows;
   const bool make_tiles = !rows_are_tiles && any_tiles;
   const int64_t layouts = (make_rows ? 1 : 0) + (make_tiles ? 1 : 0);
-  thread_local std::vector<int8_t> aq;
-  thread_local std::vector<int32_t> ai;
-  std::vector<float>& ads = ThreadScratch(1);
-  aq.resize(static_cast<size_t>(layouts * n_tokens * cols));
-  ai.resize(static_cast<size_t>(layouts * n_tokens * 2 * nb));
-  ads.resize(static_cast<size_t>(layouts * 2 * n_tokens * nb));
-  // Plain pointers: inside the loops `aq` would name each thread's own copy.
-  int8_t *q_ptr = nullptr, *qt_ptr = nullptr;
-  int32_t *i_ptr = nullptr, *it_ptr = nullptr;
-  float *d_ptr = nullptr, *s_ptr = nullptr, *dt_ptr = nullptr, *st_ptr = nullptr;
-  int64_t layout = 0;
-  const int64_t per_layout = int64_t{n_tokens} * nb;
-  if (make_rows) {
-    q_ptr = aq.data(), i_ptr = ai.data(), d_ptr = ads.data(), s_ptr = ads.data() + per_layout;
-    ++layout;
-  }
-  if (make_tiles) {
-    qt_ptr = aq.data() + layout * per_layout * 32, it_ptr = ai.data() + layout * per_layout * 2;
-    dt_ptr = ads.data() + layout * 2 * per_layout, st_ptr = dt_ptr + per_layout;
-  } else if (rows_are_tiles) {
-    qt_ptr = q_ptr, it_ptr = i_ptr, dt_ptr = d_ptr, st_ptr = s_ptr;
-  }
-  // One loop index per token tile: a token's row alone is a fraction of a
+  const int64_t values = int64_t{n_tokens} * cols * layouts;
+  // The calling thread's buffers, grown to this call's layouts (inside a loop
+  // this names the running thread's own).
+  auto this_threads_buffers = [&] {
+    thread_local std::vector<int8_t> aq;
+    thread_local std::vector<int32_t> ai;
+    std::vector<float>& ads = ThreadScratch(1);
+    aq.resize(static_cast<size_t>(values));
+    ai.resize(static_cast<size_t>(layouts * n_tokens * 2 * nb));
+    ads.resize(static_cast<size_t>(layouts * 2 * n_tokens * nb));
+    QuantActs a;
+    int64_t layout = 0;
+    const int64_t per_layout = int64_t{n_tokens} * nb;
+    if (make_rows) {
+      a.q = aq.data(), a.i = ai.data(), a.d = ads.data(), a.s = ads.data() + per_layout;
+      ++layout;
+    }
+    if (make_tiles) {
+      a.qt = aq.data() + layout * per_layout * 32, a.it = ai.data() + layout * per_layout * 2;
+      a.dt = ads.data() + layout * 2 * per_layout, a.st = a.dt + per_layout;
+    } else if (rows_are_tiles) {
+      a.qt = a.q, a.it = a.i, a.dt = a.d, a.st = a.s;
+    }
+    return a;
+  };
+  // Token tile i of each layout made: a token's row alone is a fraction of a
   // microsecond of work, less than the pool's claim of an index. Each layout is
   // quantised from x directly (the same values: one function, one stride each).
   absl::InlinedVector<int, 64> tile_t0;
   for (int t0 = 0; t0 < n_tokens; t0 += TileTokens(n_tokens, t0, k.tile_tokens)) tile_t0.push_back(t0);
-  const int quant_threads = int64_t{n_tokens} * cols * layouts >= kMinQuantValuesPerLoop ? n_threads : 1;
-  pool.ParallelFor(static_cast<int64_t>(tile_t0.size()), quant_threads, [&](int64_t i) {
+  auto quantize_tile = [&](const QuantActs& a, int64_t i, bool shared) {
     const int t0 = tile_t0[i], n = TileTokens(n_tokens, t0, k.tile_tokens);
     // This tile's outputs, tokens [t0, t0 + n) of each layout made (both keep a
     // token range at the same offsets), when other threads' products read them.
-    if (k.claim_for_write != nullptr && n_threads > 1) {
+    if (shared && k.claim_for_write != nullptr) {
       const int64_t blocks = int64_t{n} * nb;
       auto claim = [&](const int8_t* q, const float* d, const float* s, const int32_t* sums) {
         k.claim_for_write(q + t0 * cols, blocks * 32);
@@ -447,19 +471,19 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
         k.claim_for_write(s + t0 * nb, blocks * 4);
         k.claim_for_write(sums + t0 * 2 * nb, blocks * 8);
       };
-      if (make_rows) claim(q_ptr, d_ptr, s_ptr, i_ptr);
-      if (make_tiles) claim(qt_ptr, dt_ptr, st_ptr, it_ptr);
+      if (make_rows) claim(a.q, a.d, a.s, a.i);
+      if (make_tiles) claim(a.qt, a.dt, a.st, a.it);
     }
     for (int t = t0; t < t0 + n; ++t) {
       const float* xt = x + t * x_stride;
       if (make_rows)
-        k.quantize_row(xt, cols, q_ptr + t * cols, d_ptr + t * nb, s_ptr + t * nb, i_ptr + t * 2 * nb, 1);
+        k.quantize_row(xt, cols, a.q + t * cols, a.d + t * nb, a.s + t * nb, a.i + t * 2 * nb, 1);
       if (make_tiles) {
         const int64_t at = t0 * nb + (t - t0);  // block 0 of token t in tile t0 (QuantJob::aqt)
-        k.quantize_row(xt, cols, qt_ptr + at * 32, dt_ptr + at, st_ptr + at, it_ptr + at * 2, n);
+        k.quantize_row(xt, cols, a.qt + at * 32, a.dt + at, a.st + at, a.it + at * 2, n);
       }
     }
-  });
+  };
   struct Part {
     int job;
     int64_t r0, r1;
@@ -469,8 +493,8 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   int64_t rows_left = 0;
   for (const QuantOut& o : outs) rows_left += o.rows;
   for (const QuantOut& o : outs) {
-    jobs.push_back(QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, q_ptr, d_ptr, s_ptr, i_ptr,
-                            qt_ptr, dt_ptr, st_ptr, it_ptr, o.y, o.y_stride});
+    jobs.push_back(QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, nullptr, nullptr, nullptr,
+                            nullptr, nullptr, nullptr, nullptr, nullptr, o.y, o.y_stride});
     for (int64_t r0 = 0; r0 < o.rows;) {
       const int64_t r1 = std::min(o.rows, r0 + RowsOfNextPart(rows_left, n_threads));
       parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, r1});
@@ -478,8 +502,34 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
       r0 = r1;
     }
   }
-  pool.ParallelFor(static_cast<int64_t>(parts.size()), n_threads,
-                   [&](int64_t i) { k.quant_rows(jobs[parts[i].job], parts[i].r0, parts[i].r1); });
+  auto run_part = [&](const QuantActs& a, int64_t i) {
+    QuantJob job = jobs[parts[i].job];
+    job.aq = a.q, job.ad = a.d, job.as = a.s, job.ai = a.i;
+    job.aqt = a.qt, job.adt = a.dt, job.ast = a.st, job.ait = a.it;
+    k.quant_rows(job, parts[i].r0, parts[i].r1);
+  };
+  if (n_threads > 1 && values <= kMaxPerThreadQuantValues) {
+    // Each thread quantises every token into its own buffers on its first part,
+    // with no wait on another thread's quantisation.
+    static std::atomic<uint64_t> next_call{1};
+    const uint64_t call = next_call.fetch_add(1, std::memory_order_relaxed);
+    pool.ParallelFor(static_cast<int64_t>(parts.size()), n_threads, [&](int64_t i) {
+      thread_local uint64_t quantised_for = 0;
+      thread_local QuantActs mine;
+      if (quantised_for != call) {
+        mine = this_threads_buffers();
+        for (int64_t j = 0; j < static_cast<int64_t>(tile_t0.size()); ++j) quantize_tile(mine, j, false);
+        quantised_for = call;
+      }
+      run_part(mine, i);
+    });
+    return;
+  }
+  const QuantActs shared = this_threads_buffers();
+  const int quant_threads = values >= kMinQuantValuesPerLoop ? n_threads : 1;
+  pool.ParallelFor(static_cast<int64_t>(tile_t0.size()), quant_threads,
+                   [&](int64_t i) { quantize_tile(shared, i, n_threads > 1); });
+  pool.ParallelFor(static_cast<int64_t>(parts.size()), n_threads, [&](int64_t i) { run_part(shared, i); });
 }
 
 void SetOpenBlasSingleThreaded() {
