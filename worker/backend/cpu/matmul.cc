@@ -297,17 +297,15 @@ struct Kernels {
   void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
                    int64_t x_stride, int n_tokens, float* y, int64_t y_stride, int64_t r0);
   bool (*dequant_row_fast)(GgmlType type, const void* src, float* dst, int64_t n);
-  // Requests [p, p + bytes) for writing ahead of the stores (ClaimForWrite), or null.
-  void (*claim_for_write)(const void* p, int64_t bytes);
 };
 
 const Kernels& KernelsFor(CpuKernelLevel level) {
-  static const Kernels kScalar = {QuantizeRowQ8Scalar,  1,      RunQuantRowsScalar, RunF32RowsScalar,
-                                  DequantRowFastScalar, nullptr};
-  static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::kTileTokens,    avx2::RunQuantRows,
-                                avx2::RunF32Rows,    avx2::DequantRowFast, nullptr};
-  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::kTileTokens,    avx512::RunQuantRows,
-                                  avx512::RunF32Rows,    avx512::DequantRowFast, avx512::ClaimForWrite};
+  static const Kernels kScalar = {QuantizeRowQ8Scalar, 1, RunQuantRowsScalar, RunF32RowsScalar,
+                                  DequantRowFastScalar};
+  static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::kTileTokens, avx2::RunQuantRows, avx2::RunF32Rows,
+                                avx2::DequantRowFast};
+  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::kTileTokens, avx512::RunQuantRows,
+                                  avx512::RunF32Rows, avx512::DequantRowFast};
   switch (level) {
     case CpuKernelLevel::kAvx2:
       return kAvx2;
@@ -344,20 +342,13 @@ int64_t RowsOfNextPart(int64_t rows_left, int n_threads) {
 // on one thread) 111; on ComputePool at 16 KiB, 164-185 over four runs.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 14;
 
-// Activation values (tokens x cols x layouts) from which RunQuantProducts
-// quantises on the pool: below, the caller alone is faster, as the helper's
-// share costs about what it saves. In the 16-session decode steps of engine_bench
-// (SmolLM2 Q4_1, Intel Xeon, 2 threads, avx512, a temporary timer) 16 tokens of
-// 576 values took 3.9-4.6 us on the caller alone against 4.7-5.2 on two threads,
-// 16 of 1,536 took 9.3 us against 7.9.
-constexpr int64_t kMinQuantValuesPerLoop = int64_t{1} << 14;
-
 // Activation values up to which each thread of a RunQuantProducts loop quantises
 // every token into buffers of its own, on its first part, instead of one shared
 // quantisation that the loop waits for. The copy costs a thread a few
 // microseconds that it would otherwise spend waiting, and its buffers stay in
 // its own cache: writing shared buffers that the other core had read waited on
-// each line's return (16 x 576 values: 2.4 us alone, 4.6 in a step). SmolLM2
+// each line's return (16 x 576 values: 2.4 us alone, 4.6 in a step, on one
+// thread, where two threads' halves had cost more than they saved). SmolLM2
 // Q4_1 16-token step matmuls (cpu_kernels_bench --sections=decode, Intel Xeon,
 // 2 threads, six runs of each alternating): 7.96-8.61 -> 7.69-8.48 ms at avx512
 // (medians 8.39 -> 7.93), 19.07-24.13 -> 18.78-19.70 ms at avx2 (19.39 ->
@@ -459,21 +450,8 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   // quantised from x directly (the same values: one function, one stride each).
   absl::InlinedVector<int, 64> tile_t0;
   for (int t0 = 0; t0 < n_tokens; t0 += TileTokens(n_tokens, t0, k.tile_tokens)) tile_t0.push_back(t0);
-  auto quantize_tile = [&](const QuantActs& a, int64_t i, bool shared) {
+  auto quantize_tile = [&](const QuantActs& a, int64_t i) {
     const int t0 = tile_t0[i], n = TileTokens(n_tokens, t0, k.tile_tokens);
-    // This tile's outputs, tokens [t0, t0 + n) of each layout made (both keep a
-    // token range at the same offsets), when other threads' products read them.
-    if (shared && k.claim_for_write != nullptr) {
-      const int64_t blocks = int64_t{n} * nb;
-      auto claim = [&](const int8_t* q, const float* d, const float* s, const int32_t* sums) {
-        k.claim_for_write(q + t0 * cols, blocks * 32);
-        k.claim_for_write(d + t0 * nb, blocks * 4);
-        k.claim_for_write(s + t0 * nb, blocks * 4);
-        k.claim_for_write(sums + t0 * 2 * nb, blocks * 8);
-      };
-      if (make_rows) claim(a.q, a.d, a.s, a.i);
-      if (make_tiles) claim(a.qt, a.dt, a.st, a.it);
-    }
     for (int t = t0; t < t0 + n; ++t) {
       const float* xt = x + t * x_stride;
       if (make_rows)
@@ -518,7 +496,7 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
       thread_local QuantActs mine;
       if (quantised_for != call) {
         mine = this_threads_buffers();
-        for (int64_t j = 0; j < static_cast<int64_t>(tile_t0.size()); ++j) quantize_tile(mine, j, false);
+        for (int64_t j = 0; j < static_cast<int64_t>(tile_t0.size()); ++j) quantize_tile(mine, j);
         quantised_for = call;
       }
       run_part(mine, i);
@@ -526,9 +504,8 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
     return;
   }
   const QuantActs shared = this_threads_buffers();
-  const int quant_threads = values >= kMinQuantValuesPerLoop ? n_threads : 1;
-  pool.ParallelFor(static_cast<int64_t>(tile_t0.size()), quant_threads,
-                   [&](int64_t i) { quantize_tile(shared, i, n_threads > 1); });
+  pool.ParallelFor(static_cast<int64_t>(tile_t0.size()), n_threads,
+                   [&](int64_t i) { quantize_tile(shared, i); });
   pool.ParallelFor(static_cast<int64_t>(parts.size()), n_threads, [&](int64_t i) { run_part(shared, i); });
 }
 
