@@ -348,11 +348,12 @@ constexpr int64_t kMinWorkPerThread = int64_t{1} << 14;
 // microseconds that it would otherwise spend waiting, and its buffers stay in
 // its own cache: writing shared buffers that the other core had read waited on
 // each line's return (16 x 576 values: 2.4 us alone, 4.6 in a step, on one
-// thread, where two threads' halves had cost more than they saved). SmolLM2
-// Q4_1 16-token step matmuls (cpu_kernels_bench --sections=decode, Intel Xeon,
-// 2 threads, six runs of each alternating): 7.96-8.61 -> 7.69-8.48 ms at avx512
-// (medians 8.39 -> 7.93), 19.07-24.13 -> 18.78-19.70 ms at avx2 (19.39 ->
-// 19.03); one token's 2.45-2.77 -> 2.46-2.65 ms at avx512. Larger sets (a
+// thread, where two threads' halves had cost more than they saved). The layers
+// of engine_bench's 16-session steps (SmolLM2 Q4_1, Intel Xeon, 2 threads), the
+// two routes alternating step by step in one process, ~160 steps each, two
+// runs: median 8.04-8.10 -> 7.80-7.86 ms at avx512, 15.18-15.68 -> 15.14-15.39
+// ms at avx2; one token's matmuls unchanged (cpu_kernels_bench --sections=decode,
+// six runs alternating: 2.45-2.77 -> 2.46-2.65 ms at avx512). Larger sets (a
 // prefill chunk) are quantised once, on the pool.
 constexpr int64_t kMaxPerThreadQuantValues = int64_t{1} << 15;
 
