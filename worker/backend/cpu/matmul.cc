@@ -37,7 +37,7 @@ struct QuantJob {
   const int8_t* aq;   // [n_tokens][cols]
   const float* ad;    // [n_tokens][nb]
   const float* as;    // [n_tokens][nb]
-  const int32_t* ai;  // [n_tokens][nb][2]: sum of each 16 qa (the VNNI kernels' offsets)
+  const int32_t* ai;  // [n_tokens][nb][2]: sum of each 16 qa (for aot, below)
   // The same values per token tile (TileTokens), as the interleaved tiles read
   // them: tile [t0, t0 + T) at aqt + t0 * cols, token t0 + t's block b at
   // (b * T + t) * 32 bytes from there; its ad/as at adt/ast + t0 * nb + b * T + t,
@@ -52,6 +52,11 @@ struct QuantJob {
   const float* adt;
   const float* ast;
   const int32_t* ait;
+  // For a type whose tiles read offset weights (its TileOffset o at this level is
+  // not 0): per token and block, in ait's order, 3 int32 that the tiles' integer
+  // sums start from: -o times each of its two sums, and -o times their total
+  // (RunQuantProducts; null for other types).
+  const int32_t* aot;
   float* y;  // [n_tokens][y_stride]
   int64_t y_stride;
 };
@@ -297,15 +302,18 @@ struct Kernels {
   void (*f32_rows)(const float* w, int64_t w_stride, int64_t n_rows, int64_t cols, const float* x,
                    int64_t x_stride, int n_tokens, float* y, int64_t y_stride, int64_t r0);
   bool (*dequant_row_fast)(GgmlType type, const void* src, float* dst, int64_t n);
+  // The offset o of a type's interleaved tiles (kOffset, matmul_x86.inc), 0 if none.
+  int32_t (*tile_offset)(GgmlType type);
 };
 
 const Kernels& KernelsFor(CpuKernelLevel level) {
-  static const Kernels kScalar = {QuantizeRowQ8Scalar, 1, RunQuantRowsScalar, RunF32RowsScalar,
-                                  DequantRowFastScalar};
-  static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::kTileTokens, avx2::RunQuantRows, avx2::RunF32Rows,
-                                avx2::DequantRowFast};
-  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::kTileTokens, avx512::RunQuantRows,
-                                  avx512::RunF32Rows, avx512::DequantRowFast};
+  static const Kernels kScalar = {QuantizeRowQ8Scalar,  1,
+                                  RunQuantRowsScalar,   RunF32RowsScalar,
+                                  DequantRowFastScalar, [](GgmlType) { return int32_t{0}; }};
+  static const Kernels kAvx2 = {avx2::QuantizeRowQ8, avx2::kTileTokens,    avx2::RunQuantRows,
+                                avx2::RunF32Rows,    avx2::DequantRowFast, avx2::TileOffset};
+  static const Kernels kAvx512 = {avx512::QuantizeRowQ8, avx512::kTileTokens,    avx512::RunQuantRows,
+                                  avx512::RunF32Rows,    avx512::DequantRowFast, avx512::TileOffset};
   switch (level) {
     case CpuKernelLevel::kAvx2:
       return kAvx2;
@@ -391,11 +399,12 @@ struct QuantOut {
 
 // Where RunQuantProducts' quantised activations lie: the rows layout (aq:
 // [n_tokens][cols] int8, ad/as: [n_tokens][nb] f32, ai: [n_tokens][nb][2]
-// int32) and the tiles layout (QuantJob::aqt..ait), each null when not made.
+// int32) and the tiles layout (QuantJob::aqt..ait), each null when not made;
+// ot: QuantJob::aot of each tile offset of the call, one after another.
 struct QuantActs {
   int8_t *q = nullptr, *qt = nullptr;
   float *d = nullptr, *s = nullptr, *dt = nullptr, *st = nullptr;
-  int32_t *i = nullptr, *it = nullptr;
+  int32_t *i = nullptr, *it = nullptr, *ot = nullptr;
 };
 
 // Products of the same activations x [n_tokens][x_stride] (cols used) with
@@ -422,6 +431,13 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   const bool make_tiles = !rows_are_tiles && any_tiles;
   const int64_t layouts = (make_rows ? 1 : 0) + (make_tiles ? 1 : 0);
   const int64_t values = int64_t{n_tokens} * cols * layouts;
+  // The distinct tile offsets of the call's products (QuantJob::aot).
+  absl::InlinedVector<int32_t, 2> offsets;
+  for (const QuantOut& o : outs) {
+    const int32_t off = o.wi != nullptr ? k.tile_offset(o.type) : 0;
+    if (off != 0 && std::find(offsets.begin(), offsets.end(), off) == offsets.end()) offsets.push_back(off);
+  }
+  const int64_t per_layout = int64_t{n_tokens} * nb;
   // The calling thread's buffers, grown to this call's layouts (inside a loop
   // this names the running thread's own).
   auto this_threads_buffers = [&] {
@@ -429,11 +445,10 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
     thread_local std::vector<int32_t> ai;
     std::vector<float>& ads = ThreadScratch(1);
     aq.resize(static_cast<size_t>(values));
-    ai.resize(static_cast<size_t>(layouts * n_tokens * 2 * nb));
-    ads.resize(static_cast<size_t>(layouts * 2 * n_tokens * nb));
+    ai.resize(static_cast<size_t>((layouts * 2 + static_cast<int64_t>(offsets.size()) * 3) * per_layout));
+    ads.resize(static_cast<size_t>(layouts * 2 * per_layout));
     QuantActs a;
     int64_t layout = 0;
-    const int64_t per_layout = int64_t{n_tokens} * nb;
     if (make_rows) {
       a.q = aq.data(), a.i = ai.data(), a.d = ads.data(), a.s = ads.data() + per_layout;
       ++layout;
@@ -444,6 +459,7 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
     } else if (rows_are_tiles) {
       a.qt = a.q, a.it = a.i, a.dt = a.d, a.st = a.s;
     }
+    if (!offsets.empty()) a.ot = ai.data() + layouts * 2 * per_layout;
     return a;
   };
   // Token tile i of each layout made: a token's row alone is a fraction of a
@@ -462,6 +478,15 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
         k.quantize_row(xt, cols, a.qt + at * 32, a.dt + at, a.st + at, a.it + at * 2, n);
       }
     }
+    // The tile's entries of each offset's start values, in the tiles' order.
+    for (int64_t j = 0; j < static_cast<int64_t>(offsets.size()); ++j) {
+      const int32_t o = offsets[j];
+      for (int64_t e = t0 * nb; e < (t0 + n) * nb; ++e) {
+        const int32_t lo = a.it[2 * e], hi = a.it[2 * e + 1];
+        int32_t* start = a.ot + (j * per_layout + e) * 3;
+        start[0] = -o * lo, start[1] = -o * hi, start[2] = -o * (lo + hi);
+      }
+    }
   };
   struct Part {
     int job;
@@ -473,7 +498,7 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   for (const QuantOut& o : outs) rows_left += o.rows;
   for (const QuantOut& o : outs) {
     jobs.push_back(QuantJob{o.type, o.w, o.wi, o.rows, o.row_bytes, nb, n_tokens, nullptr, nullptr, nullptr,
-                            nullptr, nullptr, nullptr, nullptr, nullptr, o.y, o.y_stride});
+                            nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, o.y, o.y_stride});
     for (int64_t r0 = 0; r0 < o.rows;) {
       const int64_t r1 = std::min(o.rows, r0 + RowsOfNextPart(rows_left, n_threads));
       parts.push_back(Part{static_cast<int>(jobs.size()) - 1, r0, r1});
@@ -485,6 +510,11 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
     QuantJob job = jobs[parts[i].job];
     job.aq = a.q, job.ad = a.d, job.as = a.s, job.ai = a.i;
     job.aqt = a.qt, job.adt = a.dt, job.ast = a.st, job.ait = a.it;
+    const int32_t off = job.wi != nullptr ? k.tile_offset(job.type) : 0;
+    if (off != 0) {
+      const int64_t j = std::find(offsets.begin(), offsets.end(), off) - offsets.begin();
+      job.aot = a.ot + j * per_layout * 3;
+    }
     k.quant_rows(job, parts[i].r0, parts[i].r1);
   };
   if (n_threads > 1 && values <= kMaxPerThreadQuantValues) {

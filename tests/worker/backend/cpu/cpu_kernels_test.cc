@@ -498,22 +498,30 @@ TEST_P(CpuKernelsTest, MatMulSameInputEqualsMatMul) {
   const TestWeights b = MakeRandomBlockWeights(rng, GgmlType::kQ6_K, 17, cols);
   const TestWeights c = MakeWeights(rng, GgmlType::kQ4_1, 9, cols);
   const TestWeights f = MakeWeights(rng, GgmlType::kF32, 6, cols);
-  for (int n_tokens : {1, 5, 16}) {
+  const TestWeights q8 = MakeRandomBlockWeights(rng, GgmlType::kQ8_0, 33, cols);
+  // Interleaved copies (what the runner multiplies by): Q6_K and Q8_0 tiles read
+  // offset weights, each with its own start values in one call (QuantJob::aot).
+  const std::vector<uint8_t> ia = InterleaveRows16(a.view), ib = InterleaveRows16(b.view),
+                             iq8 = InterleaveRows16(q8.view);
+  const KernelWeight ka(a.view, ia.data()), kb(b.view, ib.data()), kq8(q8.view, iq8.data());
+  for (int n_tokens : {1, 5, 8, 16, 19}) {
     SCOPED_TRACE(::testing::Message() << "n_tokens=" << n_tokens);
     const std::vector<float> x = RandomVec(rng, n_tokens * cols, -2.0f, 2.0f);
-    for (bool with_f32 : {false, true}) {
-      std::vector<const TestWeights*> ws = {&a, &b, &c};
-      if (with_f32) ws.push_back(&f);
+    for (int set = 0; set < 3; ++set) {
+      std::vector<KernelWeight> ws = {a.view, b.view, c.view};
+      if (set == 1) ws.push_back(f.view);
+      if (set == 2) ws = {ka, kq8, kb, c.view};
       std::vector<std::vector<float>> fused(ws.size()), alone(ws.size());
       std::vector<MatMulOutput> outs;
       for (size_t i = 0; i < ws.size(); ++i) {
-        fused[i].assign(static_cast<size_t>(n_tokens * ws[i]->view.rows), -1.0f);
+        fused[i].assign(static_cast<size_t>(n_tokens * ws[i].view.rows), -1.0f);
         alone[i].resize(fused[i].size());
-        outs.push_back({ws[i]->view, fused[i].data()});
-        ASSERT_TRUE(MatMul(ws[i]->view, x.data(), n_tokens, alone[i].data()).ok());
+        outs.push_back({ws[i], fused[i].data()});
+        ASSERT_TRUE(MatMul(ws[i], x.data(), n_tokens, alone[i].data()).ok());
       }
       ASSERT_TRUE(MatMulSameInput(outs, x.data(), n_tokens).ok());
-      for (size_t i = 0; i < ws.size(); ++i) EXPECT_EQ(fused[i], alone[i]) << "product " << i;
+      for (size_t i = 0; i < ws.size(); ++i)
+        EXPECT_EQ(fused[i], alone[i]) << "set " << set << " product " << i;
     }
   }
   // Products of different widths cannot share an input.
