@@ -42,10 +42,10 @@ struct QuantJob {
   // them: tile [t0, t0 + T) at aqt + t0 * cols, token t0 + t's block b at
   // (b * T + t) * 32 bytes from there; its ad/as at adt/ast + t0 * nb + b * T + t,
   // its ai at ait + (t0 * nb + b * T + t) * 2 (null when no product of the call
-  // has interleaved weights, the only readers). All of a block's tokens then lie
-  // at fixed offsets from one pointer. With a row pointer per token, the 8-token
-  // AVX-512 tile kept 8 of them, spilled them, and spent ~45 scalar ops per block
-  // on addresses (now 8). engine_bench step matmuls of 16 tokens, SmolLM2 Q4_1,
+  // has interleaved weights, which read them, ait through aot). All of a block's
+  // tokens then lie at fixed offsets from one pointer. With a row pointer per
+  // token, the 8-token AVX-512 tile kept 8 of them, spilled them, and spent ~45
+  // scalar ops per block on addresses (now 8). engine_bench step matmuls of 16 tokens, SmolLM2 Q4_1,
   // Intel Xeon, three runs alternating: 8.9-9.2 -> 7.9-8.5 ms at avx512,
   // 19.0-19.5 -> 17.9-18.1 ms at avx2.
   const int8_t* aqt;
