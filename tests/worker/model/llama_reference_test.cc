@@ -19,7 +19,10 @@
 //    wrong: those steps are counted and printed, not asserted. First-step top-20
 //    logit gaps agree with llama.cpp's within kLogitTolerance.
 #include <cmath>
+#include <string>
+#include <vector>
 
+#include "absl/base/casts.h"
 #include "common/gguf/model_path.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
@@ -196,6 +199,130 @@ TEST_F(LlamaReferenceTest, ChunkingChangesLogitsOnlyByRounding) {
                 cpu::CpuKernelLevelName(cpu::GetCpuKernelLevel()), name.c_str(), worst);
     EXPECT_LE(worst, kServingTolerance) << name;
   }
+}
+
+// Decode steps whose layers run as one group of sequences per thread
+// (CpuRunnerOptions::Groups) give every sequence the logits that one loop over
+// the whole batch gives, bit for bit, at each vector level (whose integer
+// kernels compute a token from that token alone; the scalar level's sgemm
+// route rounds by the call's shape, and kAuto never groups there): sequences
+// of different lengths (under 512 keys, where attention never cuts a key
+// range), an odd count, and a step that mixes decodes with a prompt chunk.
+TEST_F(LlamaReferenceTest, DecodeGroupsGiveTheSameLogitsAsOneLoop) {
+  const int saved_threads = cpu::NumThreads();
+  const cpu::CpuKernelLevel saved_level = cpu::GetCpuKernelLevel();
+  cpu::SetNumThreads(2);
+  for (cpu::CpuKernelLevel level : cpu::SupportedCpuKernelLevels()) {
+    if (level == cpu::CpuKernelLevel::kScalar) continue;
+    SCOPED_TRACE(cpu::CpuKernelLevelName(level));
+    ASSERT_TRUE(cpu::SetCpuKernelLevel(level).ok());
+    struct Engine {
+      std::unique_ptr<kv::KvCacheManager> kv;
+      std::unique_ptr<cpu::CpuLlamaRunner> runner;
+    };
+    auto make = [&](cpu::CpuRunnerOptions::Groups groups) {
+      Engine e;
+      e.kv = std::move(kv::KvCacheManager::Create(testing::ReferenceKvOptions(*model_, kv::KvDtype::kF16)))
+                 .value();
+      cpu::CpuRunnerOptions o;
+      o.max_batch_tokens = 256;
+      o.groups = groups;
+      e.runner = std::move(cpu::CpuLlamaRunner::Create(model_, e.kv.get(), o)).value();
+      return e;
+    };
+    Engine one = make(cpu::CpuRunnerOptions::Groups::kNever),
+           grouped = make(cpu::CpuRunnerOptions::Groups::kAlways);
+    constexpr int kSessions = 7;
+    // Step s feeds session i tokens[s][i] (empty: not in the step).
+    std::vector<std::vector<std::vector<int32_t>>> steps;
+    std::vector<std::vector<int32_t>> prompts(kSessions);
+    for (int i = 0; i < kSessions; ++i) {
+      for (int j = 0; j < 3 + 11 * i; ++j) prompts[i].push_back(200 + (i * 131 + j * 17) % 9000);
+    }
+    steps.push_back(prompts);
+    for (int s = 0; s < 3; ++s) {
+      std::vector<std::vector<int32_t>> decode(kSessions);
+      for (int i = 0; i < kSessions; ++i) decode[i] = {static_cast<int32_t>(300 + 11 * i + 7 * s)};
+      if (s == 1) decode[3] = {41, 42, 43, 44, 45};  // a prompt chunk among the decodes
+      steps.push_back(decode);
+    }
+    for (Engine* e : {&one, &grouped}) {
+      for (int i = 0; i < kSessions; ++i)
+        ASSERT_TRUE(e->kv->CreateSession("s" + std::to_string(i), "t").ok());
+    }
+    for (size_t s = 0; s < steps.size(); ++s) {
+      SCOPED_TRACE(::testing::Message() << "step " << s);
+      std::vector<float> logits[2];
+      int idx = 0;
+      for (Engine* e : {&one, &grouped}) {
+        std::vector<kv::StepReservation> reservations;  // own the page tables
+        for (int i = 0; i < kSessions; ++i) {
+          auto res = e->kv->BeginStep("s" + std::to_string(i), static_cast<int64_t>(steps[s][i].size()));
+          ASSERT_TRUE(res.ok()) << res.status();
+          reservations.push_back(*std::move(res));
+        }
+        std::vector<model::SequenceStep> batch;
+        for (int i = 0; i < kSessions; ++i) {
+          model::SequenceStep st;
+          st.tokens = steps[s][i];
+          st.first_pos = reservations[i].first_pos;
+          st.page_table = reservations[i].page_table;
+          st.want_logits = true;
+          batch.push_back(st);
+        }
+        if (e == &grouped) {
+          // Groups in this test: contiguous, every sequence in one of them.
+          const std::vector<size_t> bounds = e->runner->PlanGroups(batch);
+          ASSERT_EQ(bounds.size(), 3u);
+          EXPECT_EQ(bounds.front(), 0u);
+          EXPECT_LT(0u, bounds[1]);
+          EXPECT_LT(bounds[1], batch.size());
+          EXPECT_EQ(bounds.back(), batch.size());
+        } else {
+          EXPECT_TRUE(e->runner->PlanGroups(batch).empty());
+        }
+        const absl::Status st = e->runner->Forward(batch, &logits[idx++]);
+        ASSERT_TRUE(st.ok()) << st;
+        for (int i = 0; i < kSessions; ++i) {
+          ASSERT_TRUE(e->kv->CommitStep("s" + std::to_string(i), steps[s][i]).ok());
+        }
+      }
+      ASSERT_EQ(logits[0].size(), logits[1].size());
+      for (size_t j = 0; j < logits[0].size(); ++j) {
+        ASSERT_EQ(absl::bit_cast<uint32_t>(logits[0][j]), absl::bit_cast<uint32_t>(logits[1][j]))
+            << "sequence " << j / model_->hparams().n_vocab;
+      }
+    }
+  }
+  ASSERT_TRUE(cpu::SetCpuKernelLevel(saved_level).ok());
+  cpu::SetNumThreads(saved_threads);
+}
+
+// What the default (kAuto) never groups, on any machine: a step of fewer
+// sequences than threads, one thread, and groups beyond the token count that
+// the kernels read the weights straight for (a prompt chunk).
+TEST_F(LlamaReferenceTest, DecodeGroupsOnlyWhereTheyCanPay) {
+  const int saved_threads = cpu::NumThreads();
+  auto kv =
+      std::move(kv::KvCacheManager::Create(testing::ReferenceKvOptions(*model_, kv::KvDtype::kF16))).value();
+  auto runner = std::move(cpu::CpuLlamaRunner::Create(model_, kv.get(), {256, 0})).value();
+  const std::vector<int32_t> table(8, 0), tokens(64, 7);
+  auto step = [&](int n_tokens) {
+    model::SequenceStep s;
+    s.tokens = absl::MakeConstSpan(tokens).subspan(0, n_tokens);
+    s.first_pos = 10;
+    s.page_table = table;
+    return s;
+  };
+  cpu::SetNumThreads(2);
+  EXPECT_TRUE(runner->PlanGroups({step(1)}).empty());
+  EXPECT_TRUE(runner->PlanGroups({step(64), step(64)}).empty());
+  std::vector<model::SequenceStep> decodes(4, step(1));
+  EXPECT_TRUE(runner->PlanGroups(decodes).empty());  // 2 tokens a group: no whole tile
+  cpu::SetNumThreads(1);
+  decodes.assign(16, step(1));
+  EXPECT_TRUE(runner->PlanGroups(decodes).empty());
+  cpu::SetNumThreads(saved_threads);
 }
 
 }  // namespace

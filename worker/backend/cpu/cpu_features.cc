@@ -2,6 +2,7 @@
 
 #include <cpuid.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <atomic>
 
@@ -103,5 +104,13 @@ int NumThreads() {
 }
 
 void SetNumThreads(int n) { g_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed); }
+
+int64_t L3CacheBytes() {
+  static const int64_t kBytes = [] {
+    const long n = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return n > 0 ? static_cast<int64_t>(n) : int64_t{0};
+  }();
+  return kBytes;
+}
 
 }  // namespace kvcache::cpu

@@ -11,6 +11,7 @@
 #ifndef KVCACHE_WORKER_BACKEND_CPU_CPU_FEATURES_H_
 #define KVCACHE_WORKER_BACKEND_CPU_CPU_FEATURES_H_
 
+#include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -50,6 +51,10 @@ int NumThreads();
 
 // REQUIRES: n >= 1. Values above the core count oversubscribe; don't.
 void SetNumThreads(int n);
+
+// Bytes of one instance of the L3 cache as the CPU reports it (glibc's
+// sysconf(_SC_LEVEL3_CACHE_SIZE)), or 0 when it reports none.
+int64_t L3CacheBytes();
 
 }  // namespace kvcache::cpu
 

@@ -1,5 +1,6 @@
 #include "worker/backend/cpu/cpu_llama_runner.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -10,10 +11,33 @@
 
 namespace kvcache::cpu {
 
+namespace {
+
+// What a quantised product's multiply-accumulate costs against attention's (f32
+// scores and P·V over f16 K/V): 16-session SmolLM2 steps ran their products at
+// 230-330 and attention at 26-39 GMAC/s (Intel Xeon, avx512, a temporary per-op
+// timer and a PagedAttention driver). Only PlanGroups' balance uses it.
+constexpr double kAttentionMacCost = 10.0;
+
+// A grouped step takes as long as its largest group; splitting every product
+// over the threads costs each of them a barrier and a quantisation of the
+// activations per product (about 120 a step). Groups run when the largest is
+// within this factor of an even share.
+constexpr double kMaxGroupImbalance = 1.1;
+
+}  // namespace
+
 CpuModelWeights::CpuModelWeights(const model::LlamaModel& model) {
   for (const model::LlamaLayer& l : model.layers()) {
     layers_.push_back(
         Layer{Bind(l.wq), Bind(l.wk), Bind(l.wv), Bind(l.wo), Bind(l.w_gate), Bind(l.w_up), Bind(l.w_down)});
+    for (const model::WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+      layer_bytes_ += w->rows * gguf::RowBytes(w->type, w->cols).value_or(0);
+    }
+    const Layer& b = layers_.back();
+    for (const KernelWeight* w : {&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down}) {
+      layers_interleaved_ = layers_interleaved_ && w->interleaved != nullptr;
+    }
   }
   output_ = Bind(model.output());
 }
@@ -53,7 +77,26 @@ absl::StatusOr<std::unique_ptr<CpuLlamaRunner>> CpuLlamaRunner::Create(const mod
 
 CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManager* kv,
                                CpuRunnerOptions options, PageLayout layout, RopeTable rope)
-    : model_(model), kv_(kv), options_(options), layout_(layout), rope_(std::move(rope)), weights_(*model) {
+    : model_(model),
+      kv_(kv),
+      options_(options),
+      layout_(layout),
+      rope_(std::move(rope)),
+      weights_(*model),
+      keys_per_token_cost_([&] {
+        // A token's multiply-accumulates in the layers' products, against one
+        // key's in attention (scores and P·V of every query head of every layer).
+        double product_macs = 0;
+        for (const model::LlamaLayer& l : model->layers()) {
+          for (const model::WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+            product_macs += static_cast<double>(w->rows) * static_cast<double>(w->cols);
+          }
+        }
+        const gguf::LlamaHparams& hp = model->hparams();
+        const double key_macs = 2.0 * static_cast<double>(hp.n_layer) * static_cast<double>(hp.n_head) *
+                                static_cast<double>(hp.head_dim);
+        return product_macs / (kAttentionMacCost * key_macs);
+      }()) {
   const gguf::LlamaHparams& hp = model->hparams();
   const size_t t = static_cast<size_t>(options.max_batch_tokens);
   x_.resize(t * hp.n_embd);
@@ -74,7 +117,7 @@ void CpuLlamaRunner::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn)
 absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch,
                                      std::vector<float>* logits) {
   const gguf::LlamaHparams& hp = model_->hparams();
-  const int64_t d = hp.n_embd, q_dim = hp.n_head * hp.head_dim, kv_dim = hp.n_head_kv * hp.head_dim;
+  const int64_t d = hp.n_embd;
   const float eps = static_cast<float>(hp.norm_rms_eps);
 
   // Flatten the batch and check it against the page tables.
@@ -109,55 +152,29 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     return absl::InvalidArgumentError(
         absl::StrCat(t, " tokens in one step; the limit is ", options_.max_batch_tokens));
   }
-  void* base = kv_->Tier0PageData(0);
 
   // x: [t][d]
   KVCACHE_RETURN_IF_ERROR(GetRows(model_->token_embd(), tokens_, x_.data()));
-  AttentionParams ap;
-  ap.layout = layout_;
-  ap.kv_base = base;
-  ap.n_heads = static_cast<int>(hp.n_head);
-  ap.sliding_window = static_cast<int>(hp.sliding_window);
-  for (size_t l = 0; l < model_->layers().size(); ++l) {
-    const model::LlamaLayer& L = model_->layers()[l];
-    const CpuModelWeights::Layer& W = weights_.layers()[l];
-    // Attention block.
-    RmsNorm(x_.data(), L.attn_norm.data(), t, d, eps, xn_.data());
-    // q: [t][n_head][hd], k and v: [t][n_kv][hd]
-    const MatMulOutput qkv[] = {{W.wq, q_.data()}, {W.wk, k_.data()}, {W.wv, v_.data()}};
-    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(qkv, xn_.data(), t));
-    if (hp.qkv_bias) {
-      for (int i = 0; i < t; ++i) {
-        Add(q_.data() + int64_t{i} * q_dim, L.bq.data(), q_dim, q_.data() + int64_t{i} * q_dim);
-        Add(k_.data() + i * kv_dim, L.bk.data(), kv_dim, k_.data() + i * kv_dim);
-        Add(v_.data() + i * kv_dim, L.bv.data(), kv_dim, v_.data() + i * kv_dim);
-      }
+  const std::vector<size_t> groups = PlanGroups(batch);
+  if (groups.empty()) {
+    KVCACHE_RETURN_IF_ERROR(RunLayers(batch, seqs, 0, t));
+  } else {
+    // One group per thread; a group's kernels find the pool busy with this loop
+    // and run on their own thread.
+    const int n_groups = static_cast<int>(groups.size()) - 1;
+    std::vector<int64_t> row0(groups.size(), 0);
+    for (int g = 0; g < n_groups; ++g) {
+      row0[g + 1] = row0[g];
+      for (size_t i = groups[g]; i < groups[g + 1]; ++i)
+        row0[g + 1] += static_cast<int64_t>(batch[i].tokens.size());
     }
-    if (hp.qk_norm) {  // each head's row normalised on its own
-      RmsNorm(q_.data(), L.q_norm.data(), t * static_cast<int>(hp.n_head), hp.head_dim, eps, q_.data());
-      RmsNorm(k_.data(), L.k_norm.data(), t * static_cast<int>(hp.n_head_kv), hp.head_dim, eps, k_.data());
-    }
-    KVCACHE_RETURN_IF_ERROR(rope_.Apply(q_.data(), t, static_cast<int>(hp.n_head), positions_));
-    KVCACHE_RETURN_IF_ERROR(rope_.Apply(k_.data(), t, static_cast<int>(hp.n_head_kv), positions_));
-    int64_t row = 0;
-    for (const model::SequenceStep& s : batch) {
-      const int n = static_cast<int>(s.tokens.size());
-      KVCACHE_RETURN_IF_ERROR(WriteKv(layout_, base, s.page_table, static_cast<int>(l),
-                                      static_cast<int>(s.first_pos), n, k_.data() + row * kv_dim,
-                                      v_.data() + row * kv_dim));
-      row += n;
-    }
-    ap.layer = static_cast<int>(l);
-    KVCACHE_RETURN_IF_ERROR(PagedAttention(ap, seqs, q_.data(), att_.data()));  // att: [t][n_head][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(W.wo, att_.data(), t, tmp_.data()));         // [t][d]
-    Add(x_.data(), tmp_.data(), int64_t{t} * d, x_.data());
-    // Feed-forward block (SwiGLU).
-    RmsNorm(x_.data(), L.ffn_norm.data(), t, d, eps, xn_.data());
-    const MatMulOutput gate_up[] = {{W.w_gate, gate_.data()}, {W.w_up, up_.data()}};  // [t][n_ff] each
-    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(gate_up, xn_.data(), t));
-    SwiGlu(gate_.data(), up_.data(), int64_t{t} * hp.n_ff, gate_.data());
-    KVCACHE_RETURN_IF_ERROR(MatMul(W.w_down, gate_.data(), t, tmp_.data()));  // [t][d]
-    Add(x_.data(), tmp_.data(), int64_t{t} * d, x_.data());
+    std::vector<absl::Status> status(n_groups);
+    ComputePool::Get().ParallelFor(n_groups, n_groups, [&](int64_t g) {
+      status[g] = RunLayers(batch.subspan(groups[g], groups[g + 1] - groups[g]),
+                            absl::MakeConstSpan(seqs).subspan(groups[g], groups[g + 1] - groups[g]), row0[g],
+                            static_cast<int>(row0[g + 1] - row0[g]));
+    });
+    for (const absl::Status& st : status) KVCACHE_RETURN_IF_ERROR(st);
   }
 
   // Logits of the last token of each sequence that wants them: [n_want][n_vocab].
@@ -168,6 +185,141 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   RmsNorm(tmp_.data(), model_->output_norm().data(), n_want, d, eps, xn_.data());
   logits->resize(static_cast<size_t>(n_want) * hp.n_vocab);
   if (n_want > 0) KVCACHE_RETURN_IF_ERROR(MatMul(weights_.output(), xn_.data(), n_want, logits->data()));
+  return absl::OkStatus();
+}
+
+std::vector<size_t> CpuLlamaRunner::PlanGroups(absl::Span<const model::SequenceStep> batch) const {
+  // Groups skip the barrier and the per-thread quantisation of every product,
+  // and run the norms, adds, RoPE and K/V writes on every thread instead of one.
+  // In exchange each thread reads every layer weight once a step, so they run
+  // only where that costs nothing twice (kAuto):
+  //   - every layer matrix has integer kernels (other types are dequantised
+  //     per call, which each group would repeat), and each group's tokens fill
+  //     whole token tiles and stay within the count those kernels read straight
+  //     from the weights, without preparing them per call
+  //     (CurrentMatMulTokenShape: 8 to 16 at avx512; at avx2 every group of 8
+  //     would unpack each weight group again);
+  //   - the L3 holds every thread's copy of the layer weights, so the repeated
+  //     reads come from the cache, not DRAM (a larger model stays split by rows);
+  //   - the largest group, by tokens and their attention over the context,
+  //     is within kMaxGroupImbalance of an even share.
+  // 16-session SmolLM2 Q4_1 decode steps (2 threads, Intel Xeon with a 260 MiB
+  // L3), the two ways alternating step by step in one process behind a
+  // temporary switch, 90 steps each, two engine_bench --sections=batched runs:
+  // layers 7.95 / 7.69 -> 6.72 / 6.49 ms (median) at avx512; at avx2, 8-token
+  // groups (which the rule above excludes) 15.23 / 15.32 -> 15.50 / 15.62 ms.
+  const bool always = options_.groups == CpuRunnerOptions::Groups::kAlways;
+  const int threads = NumThreads();
+  if (options_.groups == CpuRunnerOptions::Groups::kNever || threads < 2) return {};
+  if (!always && batch.size() < static_cast<size_t>(threads)) return {};
+  const int n_groups = static_cast<int>(std::min<size_t>(threads, batch.size()));
+  if (n_groups < 2) return {};
+  const MatMulTokenShape shape = CurrentMatMulTokenShape();
+  if (!always && (shape.tile_tokens == 0 || !weights_.layers_interleaved() ||
+                  n_groups * weights_.layer_bytes() > L3CacheBytes())) {
+    return {};
+  }
+
+  // Contiguous groups of about equal cost: a sequence joins a group while its
+  // middle lies before the group's share of the total.
+  std::vector<double> cost(batch.size());
+  double total = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const double n = static_cast<double>(batch[i].tokens.size());
+    const double keys = static_cast<double>(batch[i].first_pos) + n;
+    cost[i] = n * (1.0 + keys / keys_per_token_cost_);
+    total += cost[i];
+  }
+  std::vector<size_t> bounds = {0};
+  double acc = 0;
+  size_t i = 0;
+  for (int g = 1; g < n_groups; ++g) {
+    const double goal = total * g / n_groups;
+    while (i + (n_groups - g) < batch.size() && (i == bounds.back() || acc + cost[i] / 2 <= goal)) {
+      acc += cost[i++];
+    }
+    bounds.push_back(i);
+  }
+  bounds.push_back(batch.size());
+  if (always) return bounds;
+  for (int g = 0; g < n_groups; ++g) {
+    int64_t tokens = 0;
+    double group_cost = 0;
+    for (size_t j = bounds[g]; j < bounds[g + 1]; ++j) {
+      tokens += static_cast<int64_t>(batch[j].tokens.size());
+      group_cost += cost[j];
+    }
+    if (tokens < shape.tile_tokens || tokens > shape.max_straight_tokens ||
+        group_cost > kMaxGroupImbalance * total / n_groups) {
+      return {};
+    }
+  }
+  return bounds;
+}
+
+absl::Status CpuLlamaRunner::RunLayers(absl::Span<const model::SequenceStep> batch,
+                                       absl::Span<const AttentionSeq> seqs, int64_t row0, int n_tokens) {
+  const gguf::LlamaHparams& hp = model_->hparams();
+  const int64_t d = hp.n_embd, q_dim = hp.n_head * hp.head_dim, kv_dim = hp.n_head_kv * hp.head_dim;
+  const float eps = static_cast<float>(hp.norm_rms_eps);
+  const int t = n_tokens;
+  void* base = kv_->Tier0PageData(0);
+  // This call's rows of the scratch.
+  float* const x = x_.data() + row0 * d;
+  float* const xn = xn_.data() + row0 * d;
+  float* const tmp = tmp_.data() + row0 * d;
+  float* const q = q_.data() + row0 * q_dim;
+  float* const att = att_.data() + row0 * q_dim;
+  float* const k = k_.data() + row0 * kv_dim;
+  float* const v = v_.data() + row0 * kv_dim;
+  float* const gate = gate_.data() + row0 * hp.n_ff;
+  float* const up = up_.data() + row0 * hp.n_ff;
+  const absl::Span<const int32_t> positions = absl::MakeConstSpan(positions_).subspan(row0, t);
+  AttentionParams ap;
+  ap.layout = layout_;
+  ap.kv_base = base;
+  ap.n_heads = static_cast<int>(hp.n_head);
+  ap.sliding_window = static_cast<int>(hp.sliding_window);
+  for (size_t l = 0; l < model_->layers().size(); ++l) {
+    const model::LlamaLayer& L = model_->layers()[l];
+    const CpuModelWeights::Layer& W = weights_.layers()[l];
+    // Attention block.
+    RmsNorm(x, L.attn_norm.data(), t, d, eps, xn);
+    // q: [t][n_head][hd], k and v: [t][n_kv][hd]
+    const MatMulOutput qkv[] = {{W.wq, q}, {W.wk, k}, {W.wv, v}};
+    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(qkv, xn, t));
+    if (hp.qkv_bias) {
+      for (int i = 0; i < t; ++i) {
+        Add(q + int64_t{i} * q_dim, L.bq.data(), q_dim, q + int64_t{i} * q_dim);
+        Add(k + i * kv_dim, L.bk.data(), kv_dim, k + i * kv_dim);
+        Add(v + i * kv_dim, L.bv.data(), kv_dim, v + i * kv_dim);
+      }
+    }
+    if (hp.qk_norm) {  // each head's row normalised on its own
+      RmsNorm(q, L.q_norm.data(), t * static_cast<int>(hp.n_head), hp.head_dim, eps, q);
+      RmsNorm(k, L.k_norm.data(), t * static_cast<int>(hp.n_head_kv), hp.head_dim, eps, k);
+    }
+    KVCACHE_RETURN_IF_ERROR(rope_.Apply(q, t, static_cast<int>(hp.n_head), positions));
+    KVCACHE_RETURN_IF_ERROR(rope_.Apply(k, t, static_cast<int>(hp.n_head_kv), positions));
+    int64_t row = 0;
+    for (const model::SequenceStep& s : batch) {
+      const int n = static_cast<int>(s.tokens.size());
+      KVCACHE_RETURN_IF_ERROR(WriteKv(layout_, base, s.page_table, static_cast<int>(l),
+                                      static_cast<int>(s.first_pos), n, k + row * kv_dim, v + row * kv_dim));
+      row += n;
+    }
+    ap.layer = static_cast<int>(l);
+    KVCACHE_RETURN_IF_ERROR(PagedAttention(ap, seqs, q, att));  // att: [t][n_head][hd]
+    KVCACHE_RETURN_IF_ERROR(MatMul(W.wo, att, t, tmp));         // [t][d]
+    Add(x, tmp, int64_t{t} * d, x);
+    // Feed-forward block (SwiGLU).
+    RmsNorm(x, L.ffn_norm.data(), t, d, eps, xn);
+    const MatMulOutput gate_up[] = {{W.w_gate, gate}, {W.w_up, up}};  // [t][n_ff] each
+    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(gate_up, xn, t));
+    SwiGlu(gate, up, int64_t{t} * hp.n_ff, gate);
+    KVCACHE_RETURN_IF_ERROR(MatMul(W.w_down, gate, t, tmp));  // [t][d]
+    Add(x, tmp, int64_t{t} * d, x);
+  }
   return absl::OkStatus();
 }
 

@@ -9,8 +9,19 @@
 //   x += att·Wo;  x += Wdown·(silu(xn2·Wgate) * xn2·Wup) with xn2 = RmsNorm(x)
 // and finally logits = RmsNorm(x_last)·Woutᵀ for sequences that want them.
 //
-// Thread-safety: one Forward at a time (the engine thread). Kernels use
-// cpu::NumThreads() threads.
+// Threads: by default every product, attention and SwiGLU of a layer is split
+// over cpu::NumThreads() threads (each product by rows, so each weight is read
+// once a step), with the norms, adds, RoPE and K/V writes on the calling thread.
+// A decode step of many short sequences may instead run its layers as groups of
+// whole sequences, one group per thread with no barrier between them (PlanGroups
+// says when: only at the vector levels, for models whose layers all have
+// integer-dot weights); the output head stays split by rows. Every token's
+// logits are then the same bits either way: those kernels compute a token's
+// values from that token alone, and attention a sequence's from its own pages
+// (key ranges are cut only from 512 keys on, where the cut depends on the
+// step's whole batch either way).
+//
+// Thread-safety: one Forward at a time (the engine thread).
 #ifndef KVCACHE_WORKER_BACKEND_CPU_CPU_LLAMA_RUNNER_H_
 #define KVCACHE_WORKER_BACKEND_CPU_CPU_LLAMA_RUNNER_H_
 
@@ -18,6 +29,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "worker/backend/cpu/attention.h"
 #include "worker/backend/cpu/matmul.h"
 #include "worker/backend/cpu/ops.h"
 #include "worker/kv/kv_cache_manager.h"
@@ -42,6 +55,10 @@ class CpuModelWeights {
   };
   const std::vector<Layer>& layers() const { return layers_; }
   const KernelWeight& output() const { return output_; }
+  // Bytes every pass through the layers reads (their matrices, as stored).
+  int64_t layer_bytes() const { return layer_bytes_; }
+  // Whether every layer matrix has an interleaved copy (an integer-dot type).
+  bool layers_interleaved() const { return layers_interleaved_; }
   // Bytes of the interleaved copies.
   int64_t interleaved_bytes() const { return interleaved_bytes_; }
 
@@ -52,11 +69,18 @@ class CpuModelWeights {
   std::vector<Layer> layers_;
   KernelWeight output_;
   int64_t interleaved_bytes_ = 0;
+  int64_t layer_bytes_ = 0;
+  bool layers_interleaved_ = true;
 };
 
 struct CpuRunnerOptions {
   int max_batch_tokens = 512;  // new tokens per Forward (sizes the scratch buffers)
   int threads = 0;             // 0: leave cpu::NumThreads() as it is
+  // Layers as one group of sequences per thread: where PlanGroups' cost model
+  // expects them to pay (kAuto), never, or in every step with at least two
+  // sequences and threads (kAlways: tests; the results are the same bits).
+  enum class Groups { kAuto, kNever, kAlways };
+  Groups groups = Groups::kAuto;
 };
 
 class CpuLlamaRunner : public model::ModelRunner {
@@ -76,9 +100,19 @@ class CpuLlamaRunner : public model::ModelRunner {
   // The matrices every Forward multiplies by.
   const CpuModelWeights& weights() const { return weights_; }
 
+  // Where Forward(batch) would run its layers as groups, one per thread: the
+  // index of each group's first sequence, then batch.size(); empty when every
+  // product is split over the threads instead (see cpu_llama_runner.cc).
+  std::vector<size_t> PlanGroups(absl::Span<const model::SequenceStep> batch) const;
+
  private:
   CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManager* kv, CpuRunnerOptions options,
                  kv::PageLayout layout, RopeTable rope);
+
+  // Every layer for `batch` (one group, or the whole step), whose tokens are rows
+  // [row0, row0 + n_tokens) of the scratch; seqs[i] is batch[i]'s.
+  absl::Status RunLayers(absl::Span<const model::SequenceStep> batch, absl::Span<const AttentionSeq> seqs,
+                         int64_t row0, int n_tokens);
 
   const model::LlamaModel* const model_;
   kv::KvCacheManager* const kv_;
@@ -86,6 +120,9 @@ class CpuLlamaRunner : public model::ModelRunner {
   const kv::PageLayout layout_;
   const RopeTable rope_;
   const CpuModelWeights weights_;
+  // The context length at which a decode token's attention costs about as much
+  // as its pass through the layers' products (PlanGroups' cost model).
+  const double keys_per_token_cost_;
 
   // Scratch, sized for max_batch_tokens rows.
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_;

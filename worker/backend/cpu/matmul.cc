@@ -563,6 +563,17 @@ bool IsIntegerDotType(GgmlType type) {
   }
 }
 
+MatMulTokenShape CurrentMatMulTokenShape() {
+  switch (GetCpuKernelLevel()) {
+    case CpuKernelLevel::kAvx512:
+      return {avx512::kTileTokens, avx512::kUnpackMinTokens - 1};
+    case CpuKernelLevel::kAvx2:
+      return {avx2::kTileTokens, avx2::kUnpackMinTokens - 1};
+    default:
+      return {};
+  }
+}
+
 int SgemmMinTokens() {
   const int set = g_sgemm_min_tokens.load(std::memory_order_relaxed);
   if (set > 0) return set;
