@@ -10,8 +10,9 @@
 //   prefill:    512-token prompt, tokens / time to first token
 //   batched:    aggregate decode tokens/s with 1, 4, 16 concurrent sessions, and
 //               what bounds batch16_vs_single: the linear layers of a 1- and a
-//               16-token step timed alone on the model's weights, and the ratio
-//               that 16-token time allows (batch16_vs_single_matmul_ceiling); and
+//               16-token step timed alone on the model's weights (the 16 tokens
+//               split as the runner splits 16 decodes: step_groups_16_decodes), and
+//               the ratio that 16-token time allows (batch16_vs_single_matmul_ceiling); and
 //               the ratio a 16-token step allows if its multiply-accumulates ran at
 //               the measured peak of the level's integer-dot instruction
 //               (batch16_vs_single_int8_peak_ceiling, int8_dot_peak_gmac_per_s)
@@ -77,6 +78,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "tests/bench/mem_bandwidth.h"
 #include "worker/backend/cpu/attention.h"
+#include "worker/backend/cpu/compute_pool.h"
 #include "worker/backend/cpu/cpu_features.h"
 #include "worker/backend/cpu/cpu_llama_runner.h"
 #include "worker/backend/cpu/matmul.h"
@@ -312,8 +314,12 @@ absl::StatusOr<Arrivals> ArrivalsBesideAStream(sched::Engine& engine, const tok:
 // The linear layers of one forward step of n tokens on the model's own weights
 // (q/k/v and gate/up sharing their input, as CpuLlamaRunner runs them; the output
 // head for every token, as a step of n sessions needs): seconds, fastest of `reps`,
-// and multiply-accumulates per token in *macs.
-absl::StatusOr<double> StepMatMulSeconds(const cpu::CpuModelWeights& m, int n, int reps, double* macs) {
+// and multiply-accumulates per token in *macs. With groups > 1 the layers' products
+// run as the runner runs a grouped step (CpuLlamaRunner::PlanGroups): each of
+// `groups` threads takes its share of the tokens through every layer, and the
+// head is split by rows.
+absl::StatusOr<double> StepMatMulSeconds(const cpu::CpuModelWeights& m, int n, int reps, double* macs,
+                                         int groups = 1) {
   std::vector<model::WeightView> all;
   for (const cpu::CpuModelWeights::Layer& l : m.layers()) {
     for (const cpu::KernelWeight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
@@ -331,19 +337,36 @@ absl::StatusOr<double> StepMatMulSeconds(const cpu::CpuModelWeights& m, int n, i
   std::normal_distribution<float> dist;
   std::vector<float> x(static_cast<size_t>(n * width));
   for (float& v : x) v = dist(rng);
-  std::vector<float> y0(static_cast<size_t>(n * rows)), y1(y0.size()), y2(y0.size());
+  // Outputs per group, so that no two threads write one line.
+  std::vector<std::vector<float>> y(3 * static_cast<size_t>(groups),
+                                    std::vector<float>(static_cast<size_t>(n * rows)));
+  auto layers = [&](int g, int t0, int nt) -> absl::Status {
+    const float* xg = x.data() + t0 * width;
+    float *y0 = y[3 * g].data(), *y1 = y[3 * g + 1].data(), *y2 = y[3 * g + 2].data();
+    for (const cpu::CpuModelWeights::Layer& l : m.layers()) {
+      const cpu::MatMulOutput qkv[] = {{l.wq, y0}, {l.wk, y1}, {l.wv, y2}};
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMulSameInput(qkv, xg, nt));
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMul(l.wo, xg, nt, y0));
+      const cpu::MatMulOutput gate_up[] = {{l.w_gate, y0}, {l.w_up, y1}};
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMulSameInput(gate_up, xg, nt));
+      KVCACHE_RETURN_IF_ERROR(cpu::MatMul(l.w_down, xg, nt, y0));
+    }
+    return absl::OkStatus();
+  };
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     const auto start = Clock::now();
-    for (const cpu::CpuModelWeights::Layer& l : m.layers()) {
-      const cpu::MatMulOutput qkv[] = {{l.wq, y0.data()}, {l.wk, y1.data()}, {l.wv, y2.data()}};
-      KVCACHE_RETURN_IF_ERROR(cpu::MatMulSameInput(qkv, x.data(), n));
-      KVCACHE_RETURN_IF_ERROR(cpu::MatMul(l.wo, x.data(), n, y0.data()));
-      const cpu::MatMulOutput gate_up[] = {{l.w_gate, y0.data()}, {l.w_up, y1.data()}};
-      KVCACHE_RETURN_IF_ERROR(cpu::MatMulSameInput(gate_up, x.data(), n));
-      KVCACHE_RETURN_IF_ERROR(cpu::MatMul(l.w_down, x.data(), n, y0.data()));
+    if (groups <= 1) {
+      KVCACHE_RETURN_IF_ERROR(layers(0, 0, n));
+    } else {
+      std::vector<absl::Status> status(groups);
+      cpu::ComputePool::Get().ParallelFor(groups, groups, [&](int64_t g) {
+        const int t0 = static_cast<int>(g * n / groups), t1 = static_cast<int>((g + 1) * n / groups);
+        status[g] = layers(static_cast<int>(g), t0, t1 - t0);
+      });
+      for (const absl::Status& st : status) KVCACHE_RETURN_IF_ERROR(st);
     }
-    KVCACHE_RETURN_IF_ERROR(cpu::MatMul(m.output(), x.data(), n, y0.data()));
+    KVCACHE_RETURN_IF_ERROR(cpu::MatMul(m.output(), x.data(), n, y[0].data()));
     best = std::min(best, Seconds(start, Clock::now()));
   }
   return best;
@@ -573,7 +596,17 @@ int Main() {
       // What bounds that ratio: a step of 16 sessions is no faster than its matmuls.
       double macs = 0;
       absl::StatusOr<double> mm1 = StepMatMulSeconds(s.runner->weights(), 1, 5 * reps, &macs);  // 6 ms each
-      absl::StatusOr<double> mm16 = StepMatMulSeconds(s.runner->weights(), 16, reps, &macs);
+      // As the runner would run a step of 16 decodes: split by rows, or in groups.
+      std::vector<model::SequenceStep> decodes(16);
+      const int32_t token = 1;
+      for (model::SequenceStep& d : decodes) {
+        d.tokens = absl::MakeConstSpan(&token, 1);
+        d.first_pos = 48;
+      }
+      const std::vector<size_t> plan = s.runner->PlanGroups(decodes);
+      const int groups = plan.empty() ? 1 : static_cast<int>(plan.size()) - 1;
+      put(report.metrics, "step_groups_16_decodes", level, groups);
+      absl::StatusOr<double> mm16 = StepMatMulSeconds(s.runner->weights(), 16, reps, &macs, groups);
       if (!mm1.ok()) return fail(mm1.status());
       if (!mm16.ok()) return fail(mm16.status());
       put(report.metrics, "step_matmuls_ms_1_token", level, *mm1 * 1e3);
@@ -589,11 +622,15 @@ int Main() {
       put(report.ratio, "step_matmuls_16_tokens_vs_int8_dot_peak", level, 16 * macs / *mm16 / peak);
       put(report.ratio, "batch16_vs_single_int8_peak_ceiling", level, peak_ceiling);
       report.notes["batch16_bound_" + std::string(cpu::CpuKernelLevelName(level))] = absl::StrFormat(
-          "compute: the matmuls of a 16-token step take %.1f ms (%.0f GMAC/s, %.2f of this machine's "
+          "compute: the matmuls of a 16-token step (%s) take %.1f ms (%.0f GMAC/s, %.2f of this machine's "
           "measured %s peak of %.0f GMAC/s; one token's take %.1f ms, %.2f of the bandwidth roofline), so "
           "against one session's %.0f tokens/s batch16_vs_single cannot exceed %.2f with these kernels, "
           "nor %.2f with any kernel built on that instruction; the rest of the measured 16-session step "
           "(attention, norms, sampling, scheduling) took %.1f ms",
+          groups > 1 ? absl::StrCat("the layers' in ", groups,
+                                    " groups of sessions, one a thread, as the "
+                                    "runner runs that step; the head split by rows")
+                     : std::string("each split by rows over the threads, as the runner runs that step"),
           *mm16 * 1e3, 16 * macs / *mm16 / 1e9, 16 * macs / *mm16 / peak,
           level >= cpu::CpuKernelLevel::kAvx512 ? "vpdpbusd" : "vpmaddubsw+vpaddw", peak / 1e9, *mm1 * 1e3,
           weight_bytes / bw / *mm1, batched[1], ceiling, peak_ceiling, (16 / batched[16] - *mm16) * 1e3);
