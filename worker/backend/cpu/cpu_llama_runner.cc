@@ -31,11 +31,10 @@ CpuModelWeights::CpuModelWeights(const model::LlamaModel& model) {
   for (const model::LlamaLayer& l : model.layers()) {
     layers_.push_back(
         Layer{Bind(l.wq), Bind(l.wk), Bind(l.wv), Bind(l.wo), Bind(l.w_gate), Bind(l.w_up), Bind(l.w_down)});
-    for (const model::WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
-      layer_bytes_ += w->rows * gguf::RowBytes(w->type, w->cols).value_or(0);
-    }
     const Layer& b = layers_.back();
     for (const KernelWeight* w : {&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down}) {
+      layer_bytes_ += w->view.rows * gguf::RowBytes(w->view.type, w->view.cols).value_or(0);
+      layer_macs_ += static_cast<double>(w->view.rows) * static_cast<double>(w->view.cols);
       layers_interleaved_ = layers_interleaved_ && w->interleaved != nullptr;
     }
   }
@@ -83,20 +82,12 @@ CpuLlamaRunner::CpuLlamaRunner(const model::LlamaModel* model, kv::KvCacheManage
       layout_(layout),
       rope_(std::move(rope)),
       weights_(*model),
-      keys_per_token_cost_([&] {
-        // A token's multiply-accumulates in the layers' products, against one
-        // key's in attention (scores and P·V of every query head of every layer).
-        double product_macs = 0;
-        for (const model::LlamaLayer& l : model->layers()) {
-          for (const model::WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
-            product_macs += static_cast<double>(w->rows) * static_cast<double>(w->cols);
-          }
-        }
-        const gguf::LlamaHparams& hp = model->hparams();
-        const double key_macs = 2.0 * static_cast<double>(hp.n_layer) * static_cast<double>(hp.n_head) *
-                                static_cast<double>(hp.head_dim);
-        return product_macs / (kAttentionMacCost * key_macs);
-      }()) {
+      // A token's multiply-accumulates in the layers' products, against one key's in
+      // attention (scores and P·V of every query head of every layer).
+      keys_per_token_cost_(weights_.layer_macs() /
+                           (kAttentionMacCost * 2.0 * static_cast<double>(model->hparams().n_layer) *
+                            static_cast<double>(model->hparams().n_head) *
+                            static_cast<double>(model->hparams().head_dim))) {
   const gguf::LlamaHparams& hp = model->hparams();
   const size_t t = static_cast<size_t>(options.max_batch_tokens);
   x_.resize(t * hp.n_embd);

@@ -55,8 +55,10 @@ class CpuModelWeights {
   };
   const std::vector<Layer>& layers() const { return layers_; }
   const KernelWeight& output() const { return output_; }
-  // Bytes every pass through the layers reads (their matrices, as stored).
+  // Bytes every pass through the layers reads (their matrices, as stored), and
+  // the multiply-accumulates it takes per token.
   int64_t layer_bytes() const { return layer_bytes_; }
+  double layer_macs() const { return layer_macs_; }
   // Whether every layer matrix has an interleaved copy (an integer-dot type).
   bool layers_interleaved() const { return layers_interleaved_; }
   // Bytes of the interleaved copies.
@@ -70,6 +72,7 @@ class CpuModelWeights {
   KernelWeight output_;
   int64_t interleaved_bytes_ = 0;
   int64_t layer_bytes_ = 0;
+  double layer_macs_ = 0;
   bool layers_interleaved_ = true;
 };
 

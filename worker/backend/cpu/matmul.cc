@@ -431,11 +431,15 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
   const bool make_tiles = !rows_are_tiles && any_tiles;
   const int64_t layouts = (make_rows ? 1 : 0) + (make_tiles ? 1 : 0);
   const int64_t values = int64_t{n_tokens} * cols * layouts;
-  // The distinct tile offsets of the call's products (QuantJob::aot).
+  // The distinct tile offsets of the call's products (QuantJob::aot), and which
+  // of them each product's tiles read (-1: none).
   absl::InlinedVector<int32_t, 2> offsets;
+  absl::InlinedVector<int, 3> offset_of;
   for (const QuantOut& o : outs) {
     const int32_t off = o.wi != nullptr ? k.tile_offset(o.type) : 0;
-    if (off != 0 && std::find(offsets.begin(), offsets.end(), off) == offsets.end()) offsets.push_back(off);
+    auto it = std::find(offsets.begin(), offsets.end(), off);
+    if (off != 0 && it == offsets.end()) it = offsets.insert(offsets.end(), off);
+    offset_of.push_back(off != 0 ? static_cast<int>(it - offsets.begin()) : -1);
   }
   const int64_t per_layout = int64_t{n_tokens} * nb;
   // The calling thread's buffers, grown to this call's layouts (inside a loop
@@ -510,11 +514,7 @@ void RunQuantProducts(const Kernels& k, absl::Span<const QuantOut> outs, const f
     QuantJob job = jobs[parts[i].job];
     job.aq = a.q, job.ad = a.d, job.as = a.s, job.ai = a.i;
     job.aqt = a.qt, job.adt = a.dt, job.ast = a.st, job.ait = a.it;
-    const int32_t off = job.wi != nullptr ? k.tile_offset(job.type) : 0;
-    if (off != 0) {
-      const int64_t j = std::find(offsets.begin(), offsets.end(), off) - offsets.begin();
-      job.aot = a.ot + j * per_layout * 3;
-    }
+    if (const int j = offset_of[parts[i].job]; j >= 0) job.aot = a.ot + j * per_layout * 3;
     k.quant_rows(job, parts[i].r0, parts[i].r1);
   };
   if (n_threads > 1 && values <= kMaxPerThreadQuantValues) {
