@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <fstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
@@ -105,8 +107,34 @@ int NumThreads() {
 
 void SetNumThreads(int n) { g_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed); }
 
+int64_t L3CacheBytesFromSysfs(const std::string& cpu_dir) {
+  for (int i = 0; i < 16; ++i) {
+    const std::string index = absl::StrCat(cpu_dir, "/cache/index", i);
+    std::ifstream level_file(index + "/level");
+    int level = 0;
+    if (!(level_file >> level)) continue;  // no such entry (indices need not be dense)
+    if (level != 3) continue;
+    std::ifstream size_file(index + "/size");
+    int64_t n = 0;
+    std::string unit;
+    if (!(size_file >> n) || n <= 0) return 0;
+    size_file >> unit;  // the kernel writes "<n>K"; accept M and G too
+    const int64_t scale = unit.empty()  ? 1
+                          : unit == "K" ? 1024
+                          : unit == "M" ? 1 << 20
+                          : unit == "G" ? 1 << 30
+                                        : 0;
+    return n * scale;
+  }
+  return 0;
+}
+
 int64_t L3CacheBytes() {
   static const int64_t kBytes = [] {
+    const int cpu = sched_getcpu();
+    const int64_t sysfs =
+        L3CacheBytesFromSysfs(absl::StrCat("/sys/devices/system/cpu/cpu", cpu < 0 ? 0 : cpu));
+    if (sysfs > 0) return sysfs;
     const long n = sysconf(_SC_LEVEL3_CACHE_SIZE);
     return n > 0 ? static_cast<int64_t>(n) : int64_t{0};
   }();

@@ -12,6 +12,7 @@
 #define KVCACHE_WORKER_BACKEND_CPU_CPU_FEATURES_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -52,9 +53,17 @@ int NumThreads();
 // REQUIRES: n >= 1. Values above the core count oversubscribe; don't.
 void SetNumThreads(int n);
 
-// Bytes of one instance of the L3 cache as the CPU reports it (glibc's
-// sysconf(_SC_LEVEL3_CACHE_SIZE)), or 0 when it reports none.
+// Bytes of the L3 cache that the CPU this process first asks from shares with
+// its neighbours, as Linux reports it (sysfs, what lscpu shows: see
+// L3CacheBytesFromSysfs), else glibc's sysconf(_SC_LEVEL3_CACHE_SIZE); 0 when
+// neither reports one. glibc derives its figure from CPUID, which on AMD EPYC VMs
+// gives the whole socket's L3 (seen: 256 MiB on a Zen 3 whose cores share 32 MiB).
 int64_t L3CacheBytes();
+
+// The size of the level-3 cache among cpu_dir's cache/index<i> entries (cpu_dir
+// like /sys/devices/system/cpu/cpu0; each entry's `level` and `size`, "32768K"),
+// or 0 when there is none or it cannot be read.
+int64_t L3CacheBytesFromSysfs(const std::string& cpu_dir);
 
 }  // namespace kvcache::cpu
 

@@ -7,8 +7,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -997,6 +1000,36 @@ TEST(CpuFeaturesTest, LevelsAndThreads) {
   EXPECT_EQ(NumThreads(), 1);
   SetNumThreads(2);
   EXPECT_EQ(NumThreads(), 2);
+}
+
+// Writes cache/index<i>/{level,size} under a fresh cpu directory.
+std::string FakeCpuDir(const std::string& name,
+                       const std::vector<std::pair<std::string, std::string>>& level_size) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / name;
+  std::filesystem::remove_all(dir);
+  for (size_t i = 0; i < level_size.size(); ++i) {
+    const std::filesystem::path index = dir / "cache" / ("index" + std::to_string(i));
+    std::filesystem::create_directories(index);
+    std::ofstream(index / "level") << level_size[i].first << "\n";
+    std::ofstream(index / "size") << level_size[i].second << "\n";
+  }
+  return dir.string();
+}
+
+TEST(CpuFeaturesTest, L3FromSysfs) {
+  EXPECT_EQ(
+      L3CacheBytesFromSysfs(FakeCpuDir("zen3", {{"1", "32K"}, {"1", "32K"}, {"2", "512K"}, {"3", "32768K"}})),
+      int64_t{32} << 20);
+  EXPECT_EQ(L3CacheBytesFromSysfs(FakeCpuDir("mib", {{"2", "2M"}, {"3", "96M"}})), int64_t{96} << 20);
+  EXPECT_EQ(L3CacheBytesFromSysfs(FakeCpuDir("no_l3", {{"1", "48K"}, {"2", "2048K"}})), 0);
+  EXPECT_EQ(L3CacheBytesFromSysfs(FakeCpuDir("bad_size", {{"3", "big"}})), 0);
+  EXPECT_EQ(L3CacheBytesFromSysfs(FakeCpuDir("bad_unit", {{"3", "32X"}})), 0);
+  EXPECT_EQ(L3CacheBytesFromSysfs(::testing::TempDir() + "/no_such_cpu"), 0);
+  // This machine: where Linux reports an L3, that is the figure (not CPUID's via glibc).
+  const int64_t sysfs = L3CacheBytesFromSysfs("/sys/devices/system/cpu/cpu0");
+  if (sysfs > 0) {
+    EXPECT_EQ(L3CacheBytes(), sysfs);
+  }
 }
 
 }  // namespace
