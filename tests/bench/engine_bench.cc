@@ -918,9 +918,8 @@ int Main() {
       " evenly spaced context lengths (best of 2) and linearly "
       "interpolated; attention: one decode token over a 4096-token session, all layers, random f16 K/V, "
       "best of 5 after a read-bandwidth measurement, per rep; the fraction is the median over reps of those "
-      "pairs; attention_cached: the same on one layer's K/V read as many times as there are layers, best of "
-      "5 "
-      "in the same reps, paired the same way");
+      "pairs; attention_cached: the same on one layer's K/V, read as many times as there are layers, "
+      "best of 5 in the same reps, paired the same way");
   return bench::Finish(report).ok() ? 0 : 1;
 }
 
