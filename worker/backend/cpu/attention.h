@@ -12,7 +12,9 @@
 // block is read, since a session's pages lie anywhere in the slab (into L1 the
 // prefetches held the fill buffers that the loads need: 13-15 against 20-27 GB/s
 // of K/V on two Zen 4 cores). With AVX2 (head_dim a multiple of 8, up to 128)
-// the same design runs on blocks of 8 keys; other head_dims take the scalar
+// the same design runs on blocks of 8 keys, except that a decode token of a GQA
+// group of up to 3 heads reads K and V straight from the page, widening each
+// chunk once in registers for the group's rows; other head_dims take the scalar
 // loop, which is also the reference.
 // Work is split over (sequence, kv head, query block, key range) items with
 // ComputePool (NumThreads() threads, longest first); long key ranges are cut
