@@ -358,19 +358,24 @@ KVCACHE_TARGET_AVX2 void PvRows(const float* p, const uint8_t* v, int64_t stride
 // once, in registers, for all the group's rows, and P·V broadcasts each key's
 // weights once for all its columns. On a Zen 3 (avx2, SmolLM2's shape, 4k keys;
 // a standalone loop, 150 steps a run, medians, three runs of each build
-// alternating) one decode token's attention over all layers took 5.42-5.98
-// against 6.74-6.88 ms from DRAM, and over one layer's K/V in cache 3.80-3.93
-// against 4.82-4.89 ms. Scores alone gave 12% in cache and nothing from DRAM.
+// alternating) one decode token's attention over all layers took 6.16-6.71
+// against 8.05-8.75 ms from DRAM, and over one layer's K/V in cache 4.06-4.33
+// against 5.48-5.94 ms (the machine was slower than in earlier runs: 5.4-6.0
+// against 6.7-6.9 ms, 3.8-3.9 against 4.8-4.9, with a reduction in another
+// order). Scores alone gave 12% in cache and nothing from DRAM.
 constexpr int kFewRows = 3;
 
 // s[r] lane j = q[r] · K[j] for R rows (q rows hd floats apart) and the block's
 // keys j < 8 at k (rows `stride` apart); keys from nk on repeat key nk - 1, so
 // that no row past the block is read (the caller masks those lanes). Two passes
-// of 4 keys: 4 x R accumulators, R query chunks and one widened K chunk.
+// of 4 keys: 4 x R accumulators, R query chunks and one widened K chunk. Every
+// sum runs in Scores' order, lane by lane and then across lanes as its tree
+// adds them, so a query row's scores are the same bits whichever path took it
+// (a decode token here, the same token in a chunk there).
 template <int NC, KvDtype DT, int R>
 KVCACHE_TARGET_AVX2 void ScoresFew(const float* q, const uint8_t* k, int64_t stride, int nk, __m256* s) {
   constexpr int hd = NC * 8;
-  __m256 half[2][R];
+  __m128 half[2][R];  // keys 0..3, 4..7
   for (int h = 0; h < 2; ++h) {
     const uint8_t* rows[4];
     for (int i = 0; i < 4; ++i) rows[i] = k + std::min(4 * h + i, nk - 1) * stride;
@@ -386,15 +391,18 @@ KVCACHE_TARGET_AVX2 void ScoresFew(const float* q, const uint8_t* k, int64_t str
         for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(qc[r], kc, acc[r][i]);
       }
     }
-    // Lanes 0..3: keys 0..3 summed over lanes 0..3 of each accumulator; 4..7 over lanes 4..7.
+    // Key i's lanes v: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), as Scores' tree.
     for (int r = 0; r < R; ++r) {
-      half[h][r] = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+      __m128 t[4];
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm_add_ps(_mm256_castps256_ps128(acc[r][i]), _mm256_extractf128_ps(acc[r][i], 1));
+      }
+      const __m128 a = _mm_add_ps(_mm_unpacklo_ps(t[0], t[1]), _mm_unpackhi_ps(t[0], t[1]));
+      const __m128 b = _mm_add_ps(_mm_unpacklo_ps(t[2], t[3]), _mm_unpackhi_ps(t[2], t[3]));
+      half[h][r] = _mm_add_ps(_mm_movelh_ps(a, b), _mm_movehl_ps(b, a));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    s[r] = _mm256_add_ps(_mm256_permute2f128_ps(half[0][r], half[1][r], 0x20),
-                         _mm256_permute2f128_ps(half[0][r], half[1][r], 0x31));
-  }
+  for (int r = 0; r < R; ++r) s[r] = _mm256_set_m128(half[1][r], half[0][r]);
 }
 
 // Columns [col, col + 8 D) of o[r] += sum_{j<n} p[r][j] * V[j] for R rows: per

@@ -968,6 +968,62 @@ TEST_P(CpuKernelsTest, PagedAttentionEveryHeadDim) {
   }
 }
 
+// A query row's output does not depend on how many query tokens came with it:
+// a decode token and the same position as the last token of a chunk give the
+// same bits (a worker that chunks a prompt differently, under memory pressure,
+// still samples what a roomy one samples). Up to 511 keys: from 512 on a long
+// range is split by the whole batch's cost, and merging rounds by the split.
+TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnItsChunk) {
+  std::mt19937 rng(53);
+  struct Shape {
+    int n_heads, kv_heads, head_dim, page_tokens, window;
+    KvDtype dtype;
+  };
+  const Shape shapes[] = {
+      {9, 3, 64, 16, 0, KvDtype::kF16},   // SmolLM2: groups of 3
+      {4, 2, 128, 5, 0, KvDtype::kBF16},  // groups of 2, odd pages
+      {4, 4, 32, 3, 19, KvDtype::kF32},   // MHA, pages shorter than a block, a window
+      {8, 2, 64, 16, 0, KvDtype::kF16},   // groups of 4
+  };
+  for (int threads : {1, 2}) {
+    SetNumThreads(threads);
+    for (const Shape& sh : shapes) {
+      PageLayout L{1, sh.kv_heads, sh.head_dim, sh.page_tokens, sh.dtype};
+      for (int n_cached : {1, 7, 100, 511}) {
+        SCOPED_TRACE(::testing::Message() << "heads " << sh.n_heads << "/" << sh.kv_heads << " head_dim "
+                                          << sh.head_dim << " keys " << n_cached << " threads " << threads);
+        const int n_pages = (n_cached + sh.page_tokens - 1) / sh.page_tokens;
+        std::vector<uint8_t> slab(static_cast<size_t>((n_pages + 1) * L.page_bytes()));
+        std::vector<int32_t> table(n_pages);
+        std::iota(table.begin(), table.end(), 1);
+        std::shuffle(table.begin(), table.end(), rng);
+        const std::vector<float> k = RandomVec(rng, n_cached * L.row_elems(), -2.0f, 2.0f);
+        const std::vector<float> v = RandomVec(rng, n_cached * L.row_elems());
+        ASSERT_TRUE(WriteKv(L, slab.data(), table, 0, 0, n_cached, k.data(), v.data()).ok());
+        AttentionParams p;
+        p.layout = L;
+        p.kv_base = slab.data();
+        p.n_heads = sh.n_heads;
+        p.sliding_window = sh.window;
+        // The decode token's output is the reference for the last row of each chunk.
+        const int row = sh.n_heads * sh.head_dim;
+        const std::vector<float> last_q = RandomVec(rng, row, -1.0f, 1.0f);
+        std::vector<float> want(row, NAN);
+        ASSERT_TRUE(PagedAttention(p, {{table, n_cached, 1}}, last_q.data(), want.data()).ok());
+        for (int n_query : {2, 5, 9}) {
+          if (n_query > n_cached) continue;
+          std::vector<float> q = RandomVec(rng, n_query * row, -1.0f, 1.0f);
+          std::copy(last_q.begin(), last_q.end(), q.end() - row);
+          std::vector<float> out(q.size(), NAN);
+          ASSERT_TRUE(PagedAttention(p, {{table, n_cached, n_query}}, q.data(), out.data()).ok());
+          EXPECT_EQ(std::memcmp(out.data() + (n_query - 1) * row, want.data(), row * sizeof(float)), 0)
+              << n_query << " query tokens";
+        }
+      }
+    }
+  }
+}
+
 TEST_P(CpuKernelsTest, PagedAttentionRejectsBadShapes) {
   PageLayout L{2, 3, 64, 16, KvDtype::kF16};
   std::vector<uint8_t> slab(static_cast<size_t>(L.page_bytes()));
