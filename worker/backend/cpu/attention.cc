@@ -326,9 +326,12 @@ KVCACHE_TARGET_AVX2 __m256 Scores(const float* q, const float* kf) {
 
 // Columns [col, col + 8 D) of o[r] += sum_{j<n} p[r][j] * V[j] for R rows at
 // once, V read (and widened) straight from the page, so each V chunk feeds R
-// independent accumulator chains. Row j < n_prefetch of `prefetch` (same
-// stride, whole rows of 8 NC values) is prefetched alongside.
-// p: rows 8 floats apart; o: R row pointers.
+// independent accumulator chains. Per key it holds whichever is fewer in
+// registers besides the R x D accumulators: the D widened V chunks (one
+// broadcast at a time) or the R broadcast weights (one V chunk at a time); each
+// accumulator sees the same operations in the same order either way. Row
+// j < n_prefetch of `prefetch` (same stride, whole rows of 8 NC values) is
+// prefetched alongside. p: rows 8 floats apart; o: R row pointers.
 template <int NC, KvDtype DT, int D, int R>
 KVCACHE_TARGET_AVX2 void PvRows(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
                                 int col, const uint8_t* prefetch, int n_prefetch) {
@@ -340,11 +343,20 @@ KVCACHE_TARGET_AVX2 void PvRows(const float* p, const uint8_t* v, int64_t stride
   for (int j = 0; j < n; ++j) {
     const uint8_t* row = v + j * stride;
     if (j < n_prefetch) PrefetchL2(prefetch + j * stride, kRowBytes);
-    __m256 vj[D];
-    for (int d = 0; d < D; ++d) vj[d] = LoadChunk<DT>(row, col / 8 + d);
-    for (int r = 0; r < R; ++r) {
-      const __m256 pj = _mm256_broadcast_ss(p + r * kBlockKeys + j);
-      for (int d = 0; d < D; ++d) acc[r][d] = _mm256_fmadd_ps(pj, vj[d], acc[r][d]);
+    if constexpr (R < D) {
+      __m256 pj[R];
+      for (int r = 0; r < R; ++r) pj[r] = _mm256_broadcast_ss(p + r * kBlockKeys + j);
+      for (int d = 0; d < D; ++d) {
+        const __m256 vj = LoadChunk<DT>(row, col / 8 + d);
+        for (int r = 0; r < R; ++r) acc[r][d] = _mm256_fmadd_ps(pj[r], vj, acc[r][d]);
+      }
+    } else {
+      __m256 vj[D];
+      for (int d = 0; d < D; ++d) vj[d] = LoadChunk<DT>(row, col / 8 + d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(p + r * kBlockKeys + j);
+        for (int d = 0; d < D; ++d) acc[r][d] = _mm256_fmadd_ps(pj, vj[d], acc[r][d]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -405,44 +417,18 @@ KVCACHE_TARGET_AVX2 void ScoresFew(const float* q, const uint8_t* k, int64_t str
   for (int r = 0; r < R; ++r) s[r] = _mm256_set_m128(half[1][r], half[0][r]);
 }
 
-// Columns [col, col + 8 D) of o[r] += sum_{j<n} p[r][j] * V[j] for R rows: per
-// key the R weights are broadcast once, then each of D V chunks is widened once
-// for the R accumulators (R x D + R + 1 registers). Row j < n_prefetch of
-// `prefetch` (same stride, whole rows) is prefetched alongside.
-template <int NC, KvDtype DT, int R, int D>
-KVCACHE_TARGET_AVX2 void PvFewCols(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
-                                   int col, const uint8_t* prefetch, int n_prefetch) {
-  constexpr int64_t kRowBytes = NC * 8 * (DT == KvDtype::kF32 ? 4 : 2);
-  __m256 acc[R][D];
-  for (int r = 0; r < R; ++r) {
-    for (int d = 0; d < D; ++d) acc[r][d] = _mm256_loadu_ps(o[r] + col + 8 * d);
-  }
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* row = v + j * stride;
-    if (j < n_prefetch) PrefetchL2(prefetch + j * stride, kRowBytes);
-    __m256 pj[R];
-    for (int r = 0; r < R; ++r) pj[r] = _mm256_broadcast_ss(p + r * kBlockKeys + j);
-    for (int d = 0; d < D; ++d) {
-      const __m256 vj = LoadChunk<DT>(row, col / 8 + d);
-      for (int r = 0; r < R; ++r) acc[r][d] = _mm256_fmadd_ps(pj[r], vj, acc[r][d]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int d = 0; d < D; ++d) _mm256_storeu_ps(o[r] + col + 8 * d, acc[r][d]);
-  }
-}
-
 // P·V of R <= kFewRows rows over the n keys of a block, in column chunks that
-// fill the registers; the first chunk prefetches the next page's V rows.
+// fill the registers (PvRows holding the R weights: R x D + R + 1 of them); the
+// first chunk prefetches the next page's V rows.
 template <int NC, KvDtype DT, int R>
 KVCACHE_TARGET_AVX2 void PvFew(const float* p, const uint8_t* v, int64_t stride, int n, float* const* o,
                                const uint8_t* prefetch, int n_prefetch) {
   constexpr int D = (15 - R) / R;  // 4, 6 or 14 registers of columns
   for (int d0 = 0; d0 + D <= NC; d0 += D, n_prefetch = 0) {
-    PvFewCols<NC, DT, R, D>(p, v, stride, n, o, 8 * d0, prefetch, n_prefetch);
+    PvRows<NC, DT, D, R>(p, v, stride, n, o, 8 * d0, prefetch, n_prefetch);
   }
   if constexpr (NC % D != 0) {
-    PvFewCols<NC, DT, R, NC % D>(p, v, stride, n, o, 8 * (NC - NC % D), prefetch, n_prefetch);
+    PvRows<NC, DT, NC % D, R>(p, v, stride, n, o, 8 * (NC - NC % D), prefetch, n_prefetch);
   }
 }
 
