@@ -366,11 +366,12 @@ void WorkerPool::MarkSuspect(const WorkerId& address) {
 bool WorkerPool::AwaitHealthy(size_t n, bool want, absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
   auto enough = [this, n, want]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stopping_) return true;
     size_t healthy = 0;
     for (const auto& [addr, w] : workers_) healthy += ViewLocked(*w).healthy ? 1 : 0;
     return (healthy >= n) == want;
   };
-  return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+  return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout) && !stopping_;
 }
 
 }  // namespace kvcache::router

@@ -93,8 +93,8 @@ class WorkerPool {
   // The worker answered that it drains (kWorkerDrainingMessage): take it as
   // draining now, before its Watch stream says so.
   void MarkDraining(const WorkerId& address);
-  // Blocks until "at least `n` workers are healthy" equals `want`, or `timeout`
-  // passes; returns whether it does.
+  // Blocks until "at least `n` workers are healthy" equals `want`, `timeout`
+  // passes, or Stop begins; returns whether it does (false once stopping).
   bool AwaitHealthy(size_t n, bool want, absl::Duration timeout) const;
 
   void Stop();
