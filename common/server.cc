@@ -17,7 +17,6 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/health_check_service_interface.h"
 
 namespace kvcache {
 namespace {
@@ -223,19 +222,13 @@ void ServerProcess::RequestShutdown() {
 void ServerProcess::SetReady(bool ready) {
   absl::MutexLock lock(&mu_);
   ready_ = ready;
-  if (server_ != nullptr) {
-    server_->GetHealthCheckService()->SetServingStatus(kReadinessService, ready);
-  }
+  if (server_ != nullptr) health_.SetServingStatus(kReadinessService, ready);
 }
 
 absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
                                   std::function<void(absl::Time deadline)> on_shutdown) {
-  if (services.empty()) {
-    // The default health service alone crashes gRPC 1.51; refuse early.
-    return absl::InvalidArgumentError("Serve needs at least one service");
-  }
+  if (services.empty()) return absl::InvalidArgumentError("Serve needs at least one service");
   KVCACHE_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options_));
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
@@ -247,19 +240,19 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
                                MillisArg(options_.max_connection_age_grace));
   }
+  builder.RegisterService(&health_);
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.grpc_address));
   }
   grpc_port_ = port;
-  auto* health = server->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(kLivenessService, true);
+  health_.SetServingStatus("", true);
+  health_.SetServingStatus(kLivenessService, true);
   {
     absl::MutexLock lock(&mu_);
     server_ = server.get();
-    health->SetServingStatus(kReadinessService, ready_);
+    health_.SetServingStatus(kReadinessService, ready_);
   }
   std::string fields;
   for (size_t i = 0; i < frontends_.size(); ++i) {
@@ -267,6 +260,7 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
         frontends_[i]->Start(server->InProcessChannel(grpc::ChannelArguments()));
     if (!field.ok()) {
       for (size_t j = 0; j < i; ++j) frontends_[j]->Stop();
+      health_.Shutdown();
       server->Shutdown();
       server->Wait();
       absl::MutexLock lock(&mu_);
@@ -286,9 +280,9 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
 
   const absl::Time deadline = absl::Now() + options_.shutdown_deadline;
   if (on_shutdown) on_shutdown(deadline);
-  health->SetServingStatus(kReadinessService, false);
-  health->SetServingStatus(kLivenessService, false);
-  health->SetServingStatus("", false);
+  // Every health status NOT_SERVING, and Watch streams end (they would hold
+  // the server's shutdown until the deadline).
+  health_.Shutdown();
   for (Frontend* f : frontends_) f->Drain(deadline);
   server->Shutdown(absl::ToChronoTime(deadline));
   server->Wait();

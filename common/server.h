@@ -13,7 +13,8 @@
 // Health (grpc.health.v1): service "" and "liveness" report SERVING while the
 // process runs; "readiness" reports SERVING once Serve starts and the binary has
 // not called SetReady(false) (e.g. while draining). Reflection (v1alpha) lists
-// every registered service.
+// every registered service. Shutdown turns every status NOT_SERVING and ends
+// Watch streams (common/health_service.h).
 //
 // Thread-safety: SetReady and RequestShutdown may be called from any thread.
 #ifndef KVCACHE_COMMON_SERVER_H_
@@ -31,6 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/health_service.h"
 #include "common/keepalive.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/exposer.h"
@@ -149,6 +151,7 @@ class ServerProcess {
   int metrics_port_ = 0;
   std::atomic<int> grpc_port_{0};
   std::vector<Frontend*> frontends_;
+  HealthService health_;  // outlives the server Serve builds
 
   absl::Notification shutdown_requested_;
   int signal_pipe_[2] = {-1, -1};  // the signal handler writes, signal_thread_ reads
