@@ -204,12 +204,15 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       // A FULL_CONTEXT turn that another worker serves moves the session
       // there; the copy it leaves behind is closed once the turn has created
       // the session on its new worker.
-      stale_copy_.clear();
+      stale_copies_.clear();
       creates_session_ = false;
       if (!append_) {
-        std::optional<WorkerId> home = router_->SessionHome(key);
-        if (home && *home != placement_.worker) stale_copy_ = *home;
-        creates_session_ = !home || *home != placement_.worker;
+        std::vector<WorkerId> homes = router_->SessionHomes(key);
+        // The freshest knowledge of where it lives comes first.
+        creates_session_ = homes.empty() || homes.front() != placement_.worker;
+        for (WorkerId& home : homes) {
+          if (home != placement_.worker) stale_copies_.push_back(std::move(home));
+        }
       }
       router_->ledger_.SessionDispatched(key, placement_.worker, creates_session_);
     }
@@ -268,10 +271,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
             router_->ledger_.CreatedUnseen(key, placement_.worker);
           }
         }
-        if (!stale_copy_.empty() && held) {
-          router_->CloseStaleCopy(key, stale_copy_);
+        if (held) {
+          for (const WorkerId& w : stale_copies_) router_->CloseStaleCopy(key, w);
         }
-        stale_copy_.clear();
+        stale_copies_.clear();
       }
     }
     last_ = st;
@@ -384,8 +387,9 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   size_t continued_from_ = 0;     // tokens already streamed when the current attempt began
   std::vector<WorkerId> tried_;
   int attempts_ = 0;
-  Placement placement_;           // the current attempt's
-  WorkerId stale_copy_;           // the worker the session was on when this attempt moved it, if so
+  Placement placement_;  // the current attempt's
+  // Where the session was when this attempt moved it elsewhere, if it did.
+  std::vector<WorkerId> stale_copies_;
   bool creates_session_ = false;  // this attempt makes the session on its worker (new, or moved)
   // The current attempt's entry in the router's DispatchLedger: its prompt's
   // page chain (empty unless placed by affinity), and its prompt tokens until
@@ -450,6 +454,16 @@ void RouterService::EndCall() {
 std::optional<WorkerId> RouterService::SessionHome(const SessionKey& key) const {
   if (auto loc = directory_->FindSession(key)) return loc->worker;
   return ledger_.RecentSessionWorker(key);
+}
+
+std::vector<WorkerId> RouterService::SessionHomes(const SessionKey& key) const {
+  std::vector<WorkerId> homes;
+  if (auto recent = ledger_.RecentSessionWorker(key)) homes.push_back(*recent);
+  if (auto loc = directory_->FindSession(key);
+      loc.has_value() && (homes.empty() || homes[0] != loc->worker)) {
+    homes.push_back(loc->worker);
+  }
+  return homes;
 }
 
 bool RouterService::MustWaitForSession(const SessionKey& key) const {
