@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <netdb.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -58,9 +59,15 @@ void StopExposer(std::unique_ptr<prometheus::Exposer> exposer, const std::string
   std::thread waker([&] {
     if (peer == nullptr) return;
     do {
-      const int fd = socket(peer->ai_family, peer->ai_socktype | SOCK_CLOEXEC, peer->ai_protocol);
+      // Non-blocking, each attempt bounded: the port is this process's own, but
+      // a connect must never hold the shutdown.
+      const int fd =
+          socket(peer->ai_family, peer->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, peer->ai_protocol);
       if (fd >= 0) {
-        (void)connect(fd, peer->ai_addr, peer->ai_addrlen);
+        if (connect(fd, peer->ai_addr, peer->ai_addrlen) != 0 && errno == EINPROGRESS) {
+          pollfd p{fd, POLLOUT, 0};
+          (void)poll(&p, 1, 10);
+        }
         close(fd);
       }
     } while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(10)));
