@@ -31,6 +31,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -136,6 +137,11 @@ class FakeWorker final : public v1::Worker::CallbackService {
   std::vector<v1::MigrateSessionRequest> Migrations() const {
     absl::MutexLock lock(&mu_);
     return migrations_;
+  }
+  // CloseSession calls so far.
+  int CloseCalls() const {
+    absl::MutexLock lock(&mu_);
+    return close_calls_;
   }
 
   // The session lives here now: listed by later snapshots, announced to open
@@ -255,6 +261,22 @@ class FakeWorker final : public v1::Worker::CallbackService {
     return g;
   }
 
+  // Drops the session without a word on the Watch streams: the router's
+  // directory keeps listing it here, as it does while a real worker's event is
+  // on its way.
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const v1::SessionRequest* request,
+                                         v1::CloseSessionResponse* /*response*/) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++close_calls_;
+      sessions_.erase({request->tenant(), request->session_id()});
+    }
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
   grpc::ServerUnaryReactor* MigrateSession(grpc::CallbackServerContext* context,
                                            const v1::MigrateSessionRequest* request,
                                            v1::MigrateSessionResponse* response) override {
@@ -369,6 +391,7 @@ class FakeWorker final : public v1::Worker::CallbackService {
   std::vector<GenerateWriter*> held_ ABSL_GUARDED_BY(mu_);  // each with a reference of ours
   std::vector<v1::GenerateRequest> generate_calls_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::MigrateSessionRequest> migrations_ ABSL_GUARDED_BY(mu_);
+  int close_calls_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<FakeWorker*(const std::string&)> find_peer_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -591,6 +614,41 @@ TEST_F(RouterDrainRaceTest, DrainRefusalWaitsForTheSessionToMoveAndFollowsIt) {
   EXPECT_EQ(moves[0].target_address(), b_->address());
   EXPECT_EQ(HealthOf("fake-a"), "DRAINING");
   EXPECT_EQ(SessionsOn("fake-b"), 1);
+}
+
+// FULL_CONTEXT turns that alternate between the workers (round-robin
+// placement) move the session each time, and each closes the copy the previous
+// turn left, although the workers' events never arrive here (these fakes send
+// none on Generate or CloseSession): the directory keeps listing the session
+// on A, where the first snapshot put it, and only the router's own record of
+// its last turn knows it is on the other worker now.
+TEST_F(RouterDrainRaceTest, FullContextTurnsCloseTheCopyThePreviousTurnLeft) {
+  auto rr = testing::ServerUnderTest::Start(
+      testing::BinaryPath("router/kvcache-router"),
+      {"--workers=" + a_->address() + "," + b_->address(), "--model=" + *model_, "--min_ready_workers=2",
+       "--health_timeout=300s", "--forget_after=300s", "--rebalance_interval=0s", "--placement=round_robin"});
+  ASSERT_TRUE(rr.ok()) << rr.status();
+  auto api = v1::KvCache::NewStub((*rr)->channel());
+  std::vector<std::string> served;
+  for (int turn = 0; turn < 4; ++turn) {
+    const Reply r = testing::Generate(
+        api.get(), testing::TokensRequest(kSession, {1, 2, 3}, 4, v1::FULL_CONTEXT), absl::Seconds(30));
+    ASSERT_TRUE(r.status.ok()) << turn << ": " << r.status.error_message();
+    served.push_back(r.final.worker_id());
+  }
+  // Each move off a worker closes the copy there, once.
+  std::map<std::string, int> moved_off;
+  std::string where = "fake-a";
+  for (const std::string& w : served) {
+    if (w != where) ++moved_off[where];
+    where = w;
+  }
+  EXPECT_GE(moved_off["fake-b"], 1) << "round-robin never moved the session off B";
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return a_->CloseCalls() >= moved_off["fake-a"] && b_->CloseCalls() >= moved_off["fake-b"]; },
+      absl::Seconds(10)));
+  EXPECT_EQ(a_->CloseCalls(), moved_off["fake-a"]) << absl::StrJoin(served, ",");
+  EXPECT_EQ(b_->CloseCalls(), moved_off["fake-b"]) << absl::StrJoin(served, ",");
 }
 
 }  // namespace
