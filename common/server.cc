@@ -30,11 +30,15 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
+// The host of a "host:port" address (ValidateAddress gave it a port).
+std::string HostOf(const std::string& address) {
+  const auto pos = address.rfind(':');
+  return pos == std::string::npos ? address : address.substr(0, pos);
+}
+
 // "host:port" with the host kept and the port replaced.
 std::string WithPort(const std::string& address, int port) {
-  auto pos = address.rfind(':');
-  std::string host = pos == std::string::npos ? address : address.substr(0, pos);
-  return absl::StrCat(host, ":", port);
+  return absl::StrCat(HostOf(address), ":", port);
 }
 
 // Destroys `exposer` (listening on `address` with its port `port`) promptly.
@@ -45,8 +49,7 @@ std::string WithPort(const std::string& address, int port) {
 // close at once, unread).
 void StopExposer(std::unique_ptr<prometheus::Exposer> exposer, const std::string& address, int port) {
   if (exposer == nullptr) return;
-  auto pos = address.rfind(':');
-  std::string host = pos == std::string::npos ? "" : address.substr(0, pos);
+  std::string host = HostOf(address);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
   if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
   if (host == "::") host = "::1";

@@ -451,11 +451,6 @@ void RouterService::EndCall() {
   --calls_in_flight_;
 }
 
-std::optional<WorkerId> RouterService::SessionHome(const SessionKey& key) const {
-  if (auto loc = directory_->FindSession(key)) return loc->worker;
-  return ledger_.RecentSessionWorker(key);
-}
-
 std::vector<WorkerId> RouterService::SessionHomes(const SessionKey& key) const {
   std::vector<WorkerId> homes;
   if (auto recent = ledger_.RecentSessionWorker(key)) homes.push_back(*recent);
@@ -664,7 +659,7 @@ class RouterService::SessionForward final : public grpc::ServerUnaryReactor {
     if constexpr (std::is_same_v<Req, v1::ForkSessionRequest>) {
       if (absl::Status st = ValidateSessionId(request_.new_session_id()); !st.ok())
         return Answer(ToGrpcStatus(st));
-      if (router_->SessionHome({request_.tenant(), request_.new_session_id()}).has_value()) {
+      if (!router_->SessionHomes({request_.tenant(), request_.new_session_id()}).empty()) {
         return Answer(grpc::Status(grpc::ALREADY_EXISTS,
                                    absl::StrCat("session '", request_.new_session_id(), "' already exists")));
       }

@@ -145,15 +145,11 @@ class RouterService final : public v1::KvCache::CallbackService {
   bool BeginCall();
   void EndCall();
 
-  // The worker session `key` lives on as far as this router knows: the
-  // directory's, or where this router's own request on it is in flight or
-  // just left it (the worker's placement event may still be on its way).
-  std::optional<WorkerId> SessionHome(const SessionKey& key) const;
   // Every worker that may hold `key` now, freshest first: where this router's
   // last request on it left it (for DispatchLedger::kFinishedGrace: a session
   // a turn just moved is still listed on its old worker until both workers'
   // events arrive), then the directory's. A FULL_CONTEXT turn placed elsewhere
-  // closes the copies on these.
+  // closes the copies on these; a fork's new id must have none.
   std::vector<WorkerId> SessionHomes(const SessionKey& key) const;
   // An APPEND on `key` must wait (on the executor) before placement: the
   // directory has not heard of the session yet, or its worker drains.
