@@ -18,8 +18,9 @@
 // workers on behalf of session and admin calls are callback unary calls. The
 // only step that blocks (an APPEND or session call waiting up to
 // `session_lookup_wait` for a session the directory has not heard of yet, or up
-// to `drain_move_wait` for a session on a draining worker to move) runs on a
-// small fixed executor. Rebalancing and evacuation have a thread each.
+// to `drain_move_wait` for a session on a draining worker to move) runs on an
+// executor whose threads start as waits need them, up to `executor_threads`.
+// Rebalancing and evacuation have a thread each.
 //
 // Thread-safety: handlers and callbacks run on gRPC and executor threads; shared
 // state is in the thread-safe directory, pool and metrics, and the service's own
@@ -76,9 +77,10 @@ struct RouterOptions {
   double rebalance_high_free = 0.50;
   int rebalance_batch = 4;
   int rebalance_min_tokens = 64;
-  // The executor for the waits above: its threads, and how many waits may
-  // queue for them before a request is refused with RESOURCE_EXHAUSTED.
-  int executor_threads = 4;
+  // The executor for the waits above: the most threads it starts (as waits
+  // need them; a wait is mostly idle), and how many waits may queue for them
+  // before a request is refused with RESOURCE_EXHAUSTED.
+  int executor_threads = 64;
   size_t executor_max_queued = 4096;
 };
 

@@ -12,6 +12,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/gguf/tiny_llama.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -575,6 +578,47 @@ TEST_F(RouterTest, SessionCallsRightAfterItsFirstTurnFindIt) {
   int copies = 0;
   for (int i = 0; i < kRounds; ++i) copies += HoldersOf(workers_, absl::StrCat("taken-", i));
   EXPECT_EQ(copies, kRounds);
+}
+
+TEST_F(RouterTest, SessionCallsWaitingForUnknownIdsDoNotHoldUpALaterOne) {
+  // A session call on an id the directory has not heard of waits up to
+  // --session_lookup_wait for it. Many such waits at once (a client closing
+  // sessions that expired) must not queue a later call behind them: on a
+  // 4-thread executor the call below started waiting only after the first
+  // stale waits ended (6 s) and missed its 5 s deadline.
+  StartWorkers(1);
+  auto router = StartRouter({"--session_lookup_wait=6s"});
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::SessionRequest req;
+    v1::SessionInfo info;
+    grpc::Status status;
+    absl::Notification done;
+  };
+  auto start = [&](const std::string& id, absl::Duration timeout) {
+    auto c = std::make_unique<Call>();
+    c->req.set_session_id(id);
+    c->ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    stub->async()->GetSession(&c->ctx, &c->req, &c->info, [c = c.get()](grpc::Status st) {
+      c->status = std::move(st);
+      c->done.Notify();
+    });
+    return c;
+  };
+  std::vector<std::unique_ptr<Call>> stale;
+  for (int i = 0; i < 8; ++i) stale.push_back(start(absl::StrCat("expired-", i), absl::Seconds(30)));
+  // Asked for before it exists, so it too waits; it appears a moment later.
+  std::unique_ptr<Call> late = start("late", absl::Seconds(5));
+  ASSERT_TRUE(Generate(stub.get(), Text("late", "a conversation that starts now", 1)).status.ok());
+  late->done.WaitForNotification();
+  EXPECT_TRUE(late->status.ok()) << late->status.error_code() << ": " << late->status.error_message();
+  EXPECT_EQ(late->info.session_id(), "late");
+  for (auto& c : stale) {
+    c->done.WaitForNotification();
+    EXPECT_EQ(c->status.error_code(), grpc::NOT_FOUND) << c->req.session_id();
+  }
 }
 
 TEST_F(RouterTest, RequestOnASessionInFlightGoesToItsWorkerAndIsAborted) {

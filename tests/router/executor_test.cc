@@ -11,7 +11,7 @@
 namespace kvcache::router {
 namespace {
 
-TEST(ExecutorTest, RunsEveryTaskOnItsOwnFixedThreads) {
+TEST(ExecutorTest, RunsEveryTaskOnItsOwnThreadsAtMostMaxThreads) {
   Executor ex(3, 0);
   absl::Mutex mu;
   std::set<std::thread::id> seen;
@@ -31,7 +31,58 @@ TEST(ExecutorTest, RunsEveryTaskOnItsOwnFixedThreads) {
   ex.Shutdown();
   EXPECT_EQ(ran.load(), kTasks);
   EXPECT_LE(seen.size(), 3u);  // never a thread per task
+  EXPECT_LE(ex.threads(), 3);
   EXPECT_EQ(seen.count(std::this_thread::get_id()), 0u);
+}
+
+// Tasks that block (the router's waits) each get a thread of their own up to
+// the bound, started as they arrive: none before the first task, and a task
+// that finds every thread busy does not wait behind them.
+TEST(ExecutorTest, StartsThreadsAsBlockedTasksNeedThem) {
+  constexpr int kMax = 8;
+  Executor ex(kMax, 0);
+  EXPECT_EQ(ex.threads(), 0);
+  absl::Notification release;
+  absl::Mutex mu;
+  int running = 0;
+  for (int i = 0; i < kMax; ++i) {
+    ASSERT_TRUE(ex.Schedule([&] {
+      {
+        absl::MutexLock lock(&mu);
+        ++running;
+      }
+      release.WaitForNotification();
+    }));
+  }
+  {
+    // All kMax run at once: with fewer threads some would still be queued.
+    absl::MutexLock lock(&mu);
+    auto all_running = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return running == kMax; };
+    mu.Await(absl::Condition(&all_running));
+  }
+  EXPECT_EQ(ex.threads(), kMax);
+  // Past the bound a task queues for the first thread that comes free.
+  absl::Notification extra;
+  ASSERT_TRUE(ex.Schedule([&] { extra.Notify(); }));
+  EXPECT_EQ(ex.threads(), kMax);
+  EXPECT_FALSE(extra.HasBeenNotified());
+  release.Notify();
+  extra.WaitForNotification();
+  ex.Shutdown();
+  EXPECT_EQ(ex.threads(), 0);
+}
+
+// An idle thread takes the next task: sequential tasks start no more threads.
+TEST(ExecutorTest, ReusesAnIdleThread) {
+  Executor ex(64, 0);
+  for (int i = 0; i < 50; ++i) {
+    absl::Notification done;
+    ASSERT_TRUE(ex.Schedule([&] { done.Notify(); }));
+    done.WaitForNotification();
+  }
+  // A task may be scheduled before the thread that ran the previous one is
+  // back waiting (it then starts another), but not one per task.
+  EXPECT_LE(ex.threads(), 8);
 }
 
 TEST(ExecutorTest, RefusesPastItsQueueBound) {
