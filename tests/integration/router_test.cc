@@ -611,7 +611,8 @@ TEST_F(RouterTest, SessionCallsWaitingForUnknownIdsDoNotHoldUpALaterOne) {
   for (int i = 0; i < 8; ++i) stale.push_back(start(absl::StrCat("expired-", i), absl::Seconds(30)));
   // Asked for before it exists, so it too waits; it appears a moment later.
   std::unique_ptr<Call> late = start("late", absl::Seconds(5));
-  ASSERT_TRUE(Generate(stub.get(), Text("late", "a conversation that starts now", 1)).status.ok());
+  // EXPECT, not ASSERT: the calls above must finish before `stale` and `late` go.
+  EXPECT_TRUE(Generate(stub.get(), Text("late", "a conversation that starts now", 1)).status.ok());
   late->done.WaitForNotification();
   EXPECT_TRUE(late->status.ok()) << late->status.error_code() << ": " << late->status.error_message();
   EXPECT_EQ(late->info.session_id(), "late");
