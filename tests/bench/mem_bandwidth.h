@@ -15,11 +15,12 @@ namespace kvcache::bench {
 double MeasureReadBandwidth(int threads);
 
 // Multiply-accumulates per second of the integer-dot instruction a CPU kernel
-// level is built on, on `threads` threads at once, with 12 independent chains a
-// thread (more than the latency x throughput of any core we run on): vpdpbusd
-// on zmm (64 u8 x s8 products into int32) when `vnni`, else AVX2 vpmaddubsw on
-// ymm plus the int16 add that accumulates it (32 products). No kernel that
-// issues these instructions can exceed it; the fastest of 5 runs.
+// level is built on, on `threads` threads at once, in independent chains a thread
+// (more than the latency x throughput of any core we run on): 12 of vpdpbusd on
+// zmm (64 u8 x s8 products into int32) when `vnni`, else 8 of AVX2 vpmaddubsw on
+// ymm plus the int16 add that accumulates it (32 products), each on operands of
+// its own. No kernel that issues these instructions can exceed it; the fastest
+// of 5 runs.
 double MeasureInt8DotPeak(int threads, bool vnni);
 
 }  // namespace kvcache::bench
