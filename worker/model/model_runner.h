@@ -17,6 +17,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/gguf/llama_hparams.h"
 #include "worker/kv/tier_storage.h"
@@ -61,6 +62,17 @@ class ModelRunner {
     if (!st.ok()) return st;
     return absl::MakeConstSpan(view_logits_);
   }
+
+  // Where the last Forward (or ForwardView) spent its time: the wall time of the
+  // linear layers' products (the output head and the activations' quantisation
+  // included) and of attention, so that step statistics can split a step. Both
+  // zero where the runner does not time them apart (the default; the CPU runner
+  // when a step runs its layers as groups, whose parts overlap on several threads).
+  struct ForwardProfile {
+    absl::Duration products;
+    absl::Duration attention;
+  };
+  virtual ForwardProfile last_forward_profile() const { return {}; }
 
   // Calls fn(i) once for each i in [0, n) and returns when all have returned, on
   // the host threads the runner's kernels use (they idle between steps): the

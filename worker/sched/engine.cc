@@ -723,7 +723,9 @@ bool Engine::Step() {
     (p.r->decoding ? decode_tokens : prefill_tokens) += p.n;
     batch.push_back(s);
   }
+  const absl::Time forward_start = absl::Now();
   absl::StatusOr<absl::Span<const float>> logits = runner_->ForwardView(batch);
+  const absl::Duration forward_took = absl::Now() - forward_start;
   absl::Status st = logits.status();
   if (!st.ok()) {
     KV_LOG_ERROR("forward step failed: {}", st.ToString());
@@ -824,8 +826,16 @@ bool Engine::Step() {
         "per prefill token + {:.3f} ms per 1M prefill attention pairs",
         c[0] * 1e3, c[1] * 1e3, c[2] * 1e3, c[3] * 1e3, c[4] * 1e3);
   }
-  StepStats stats{
-      static_cast<int>(plan.size()), decode_tokens, prefill_tokens, end - start, recomputed, joined};
+  const model::ModelRunner::ForwardProfile profile = runner_->last_forward_profile();
+  StepStats stats{static_cast<int>(plan.size()),
+                  decode_tokens,
+                  prefill_tokens,
+                  end - start,
+                  forward_took,
+                  profile.products,
+                  profile.attention,
+                  recomputed,
+                  joined};
   std::function<void(const StepStats&)> cb;
   {
     absl::MutexLock lock(&mu_);

@@ -149,6 +149,12 @@ struct StepStats {
   int decode_tokens = 0;
   int prefill_tokens = 0;
   absl::Duration duration;
+  // Of which the runner's forward pass, and of that the linear layers' products
+  // and attention (ModelRunner::last_forward_profile; zero where the runner does
+  // not time them apart).
+  absl::Duration forward;
+  absl::Duration products;
+  absl::Duration attention;
   int64_t recomputed_tokens = 0;  // tokens the cache had lost, put back in this step's plan
   // Prompt tokens that prefilling requests found cached at a chunk boundary
   // (computed meanwhile by a request sharing their prefix), so not computed again.

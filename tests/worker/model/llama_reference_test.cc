@@ -18,11 +18,13 @@
 //    noise between two correct implementations, not by ours being right or
 //    wrong: those steps are counted and printed, not asserted. First-step top-20
 //    logit gaps agree with llama.cpp's within kLogitTolerance.
+#include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "absl/base/casts.h"
+#include "absl/time/time.h"
 #include "common/gguf/model_path.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
@@ -295,6 +297,57 @@ TEST_F(LlamaReferenceTest, DecodeGroupsGiveTheSameLogitsAsOneLoop) {
     }
   }
   ASSERT_TRUE(cpu::SetCpuKernelLevel(saved_level).ok());
+  cpu::SetNumThreads(saved_threads);
+}
+
+// A step whose products are split over the threads reports how long its products
+// and its attention took, parts of the Forward's wall time; one run as groups
+// (whose parts overlap on several threads) reports neither.
+TEST_F(LlamaReferenceTest, ForwardProfileSplitsOnlyAStepSplitByRows) {
+  const int saved_threads = cpu::NumThreads();
+  cpu::SetNumThreads(2);
+  for (auto groups : {cpu::CpuRunnerOptions::Groups::kNever, cpu::CpuRunnerOptions::Groups::kAlways}) {
+    auto kv = std::move(kv::KvCacheManager::Create(testing::ReferenceKvOptions(*model_, kv::KvDtype::kF16)))
+                  .value();
+    cpu::CpuRunnerOptions o;
+    o.max_batch_tokens = 64;
+    o.groups = groups;
+    auto runner = std::move(cpu::CpuLlamaRunner::Create(model_, kv.get(), o)).value();
+    const std::vector<int32_t> prompt = {200, 300, 400, 500, 600};
+    std::vector<kv::StepReservation> reservations;
+    std::vector<model::SequenceStep> batch;
+    for (const char* id : {"a", "b"}) {
+      ASSERT_TRUE(kv->CreateSession(id, "t").ok());
+      auto res = kv->BeginStep(id, static_cast<int64_t>(prompt.size()));
+      ASSERT_TRUE(res.ok()) << res.status();
+      reservations.push_back(*std::move(res));
+    }
+    for (const kv::StepReservation& r : reservations) {
+      model::SequenceStep st;
+      st.tokens = prompt;
+      st.first_pos = r.first_pos;
+      st.page_table = r.page_table;
+      st.want_logits = true;
+      batch.push_back(st);
+    }
+    const bool grouped = !runner->PlanGroups(batch).empty();
+    ASSERT_EQ(grouped, groups == cpu::CpuRunnerOptions::Groups::kAlways);
+    std::vector<float> logits;
+    for (int run = 0; run < 2; ++run) {  // the second reports itself, not both
+      const auto start = std::chrono::steady_clock::now();
+      ASSERT_TRUE(runner->Forward(batch, &logits).ok());
+      const absl::Duration wall = absl::FromChrono(std::chrono::steady_clock::now() - start);
+      const model::ModelRunner::ForwardProfile p = runner->last_forward_profile();
+      if (grouped) {
+        EXPECT_EQ(p.products, absl::ZeroDuration());
+        EXPECT_EQ(p.attention, absl::ZeroDuration());
+      } else {
+        EXPECT_GT(p.products, absl::ZeroDuration());
+        EXPECT_GT(p.attention, absl::ZeroDuration());
+        EXPECT_LE(p.products + p.attention, wall);
+      }
+    }
+  }
   cpu::SetNumThreads(saved_threads);
 }
 

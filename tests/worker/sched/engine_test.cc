@@ -107,6 +107,32 @@ TEST_F(EngineTest, EphemeralRequestGeneratesAndFreesItsSession) {
   EXPECT_EQ(kv_->GetStats().sessions, 0);
 }
 
+// Each step's statistics carry the runner's split of its forward pass, and the
+// forward pass is part of the step.
+TEST_F(EngineTest, StepStatsCarryTheRunnersSplitOfTheForwardPass) {
+  runner_->profile_ = {absl::Milliseconds(3), absl::Milliseconds(1)};
+  absl::Mutex mu;
+  std::vector<StepStats> steps;
+  engine_->SetStepCallback([&](const StepStats& s) {
+    absl::MutexLock lock(&mu);
+    steps.push_back(s);
+  });
+  Collector c;
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(20), 4), &c).ok());
+  c.Wait();
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  ASSERT_TRUE(engine_->WaitIdle(absl::Seconds(10)));
+  engine_->SetStepCallback(nullptr);
+  absl::MutexLock lock(&mu);
+  ASSERT_GE(steps.size(), 4u);  // a prefill, then a decode per further token
+  for (const StepStats& s : steps) {
+    EXPECT_EQ(s.products, absl::Milliseconds(3));
+    EXPECT_EQ(s.attention, absl::Milliseconds(1));
+    EXPECT_GT(s.forward, absl::ZeroDuration());
+    EXPECT_LE(s.forward, s.duration);
+  }
+}
+
 TEST_F(EngineTest, AppendTurnReusesTheWholeConversation) {
   Collector t1, t2;
   auto p1 = Prompt(40);

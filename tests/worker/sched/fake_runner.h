@@ -80,6 +80,10 @@ class FakeRunner : public model::ModelRunner {
     return absl::OkStatus();
   }
 
+  // What every Forward reports as its products' and attention's time.
+  ForwardProfile last_forward_profile() const override { return profile_; }
+  ForwardProfile profile_;
+
   // With threaded_parallel_for_, each call of a ParallelFor runs on its own
   // thread, last index first (as a pool may), instead of in order on the caller.
   void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) override {

@@ -1,9 +1,11 @@
 #include "worker/backend/cpu/cpu_llama_runner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "worker/backend/cpu/attention.h"
 #include "worker/backend/cpu/compute_pool.h"
@@ -12,6 +14,16 @@
 namespace kvcache::cpu {
 
 namespace {
+
+// fn()'s status, with its wall time added to *total when total is not null.
+template <class Fn>
+absl::Status Timed(absl::Duration* total, Fn&& fn) {
+  if (total == nullptr) return fn();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status st = fn();
+  *total += absl::FromChrono(std::chrono::steady_clock::now() - start);
+  return st;
+}
 
 // What a quantised product's multiply-accumulate costs against attention's (f32
 // scores and P·V over f16 K/V): 16-session SmolLM2 steps ran their products at
@@ -110,6 +122,7 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   const gguf::LlamaHparams& hp = model_->hparams();
   const int64_t d = hp.n_embd;
   const float eps = static_cast<float>(hp.norm_rms_eps);
+  profile_ = ForwardProfile{};
 
   // Flatten the batch and check it against the page tables.
   tokens_.clear();
@@ -148,7 +161,7 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   KVCACHE_RETURN_IF_ERROR(GetRows(model_->token_embd(), tokens_, x_.data()));
   const std::vector<size_t> groups = PlanGroups(batch);
   if (groups.empty()) {
-    KVCACHE_RETURN_IF_ERROR(RunLayers(batch, seqs, 0, t));
+    KVCACHE_RETURN_IF_ERROR(RunLayers(batch, seqs, 0, t, &profile_));
   } else {
     // One group per thread; a group's kernels find the pool busy with this loop
     // and run on their own thread.
@@ -163,7 +176,7 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
     ComputePool::Get().ParallelFor(n_groups, n_groups, [&](int64_t g) {
       status[g] = RunLayers(batch.subspan(groups[g], groups[g + 1] - groups[g]),
                             absl::MakeConstSpan(seqs).subspan(groups[g], groups[g + 1] - groups[g]), row0[g],
-                            static_cast<int>(row0[g + 1] - row0[g]));
+                            static_cast<int>(row0[g + 1] - row0[g]), nullptr);
     });
     for (const absl::Status& st : status) KVCACHE_RETURN_IF_ERROR(st);
   }
@@ -175,7 +188,11 @@ absl::Status CpuLlamaRunner::Forward(absl::Span<const model::SequenceStep> batch
   }
   RmsNorm(tmp_.data(), model_->output_norm().data(), n_want, d, eps, xn_.data());
   logits->resize(static_cast<size_t>(n_want) * hp.n_vocab);
-  if (n_want > 0) KVCACHE_RETURN_IF_ERROR(MatMul(weights_.output(), xn_.data(), n_want, logits->data()));
+  if (n_want > 0) {
+    KVCACHE_RETURN_IF_ERROR(Timed(groups.empty() ? &profile_.products : nullptr, [&] {
+      return MatMul(weights_.output(), xn_.data(), n_want, logits->data());
+    }));
+  }
   return absl::OkStatus();
 }
 
@@ -249,7 +266,10 @@ std::vector<size_t> CpuLlamaRunner::PlanGroups(absl::Span<const model::SequenceS
 }
 
 absl::Status CpuLlamaRunner::RunLayers(absl::Span<const model::SequenceStep> batch,
-                                       absl::Span<const AttentionSeq> seqs, int64_t row0, int n_tokens) {
+                                       absl::Span<const AttentionSeq> seqs, int64_t row0, int n_tokens,
+                                       ForwardProfile* profile) {
+  absl::Duration* const products = profile != nullptr ? &profile->products : nullptr;
+  absl::Duration* const attention = profile != nullptr ? &profile->attention : nullptr;
   const gguf::LlamaHparams& hp = model_->hparams();
   const int64_t d = hp.n_embd, q_dim = hp.n_head * hp.head_dim, kv_dim = hp.n_head_kv * hp.head_dim;
   const float eps = static_cast<float>(hp.norm_rms_eps);
@@ -278,7 +298,7 @@ absl::Status CpuLlamaRunner::RunLayers(absl::Span<const model::SequenceStep> bat
     RmsNorm(x, L.attn_norm.data(), t, d, eps, xn);
     // q: [t][n_head][hd], k and v: [t][n_kv][hd]
     const MatMulOutput qkv[] = {{W.wq, q}, {W.wk, k}, {W.wv, v}};
-    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(qkv, xn, t));
+    KVCACHE_RETURN_IF_ERROR(Timed(products, [&] { return MatMulSameInput(qkv, xn, t); }));
     if (hp.qkv_bias) {
       for (int i = 0; i < t; ++i) {
         Add(q + int64_t{i} * q_dim, L.bq.data(), q_dim, q + int64_t{i} * q_dim);
@@ -300,15 +320,16 @@ absl::Status CpuLlamaRunner::RunLayers(absl::Span<const model::SequenceStep> bat
       row += n;
     }
     ap.layer = static_cast<int>(l);
-    KVCACHE_RETURN_IF_ERROR(PagedAttention(ap, seqs, q, att));  // att: [t][n_head][hd]
-    KVCACHE_RETURN_IF_ERROR(MatMul(W.wo, att, t, tmp));         // [t][d]
+    KVCACHE_RETURN_IF_ERROR(
+        Timed(attention, [&] { return PagedAttention(ap, seqs, q, att); }));              // [t][n_head][hd]
+    KVCACHE_RETURN_IF_ERROR(Timed(products, [&] { return MatMul(W.wo, att, t, tmp); }));  // [t][d]
     Add(x, tmp, int64_t{t} * d, x);
     // Feed-forward block (SwiGLU).
     RmsNorm(x, L.ffn_norm.data(), t, d, eps, xn);
     const MatMulOutput gate_up[] = {{W.w_gate, gate}, {W.w_up, up}};  // [t][n_ff] each
-    KVCACHE_RETURN_IF_ERROR(MatMulSameInput(gate_up, xn, t));
+    KVCACHE_RETURN_IF_ERROR(Timed(products, [&] { return MatMulSameInput(gate_up, xn, t); }));
     SwiGlu(gate, up, int64_t{t} * hp.n_ff, gate);
-    KVCACHE_RETURN_IF_ERROR(MatMul(W.w_down, gate, t, tmp));  // [t][d]
+    KVCACHE_RETURN_IF_ERROR(Timed(products, [&] { return MatMul(W.w_down, gate, t, tmp); }));  // [t][d]
     Add(x, tmp, int64_t{t} * d, x);
   }
   return absl::OkStatus();

@@ -97,6 +97,9 @@ class CpuLlamaRunner : public model::ModelRunner {
   const gguf::LlamaHparams& hparams() const override { return model_->hparams(); }
   int max_batch_tokens() const override { return options_.max_batch_tokens; }
   absl::Status Forward(absl::Span<const model::SequenceStep> batch, std::vector<float>* logits) override;
+  // Timed on the calling thread, for steps whose products are split over the
+  // threads (zero for a step run as groups: PlanGroups).
+  ForwardProfile last_forward_profile() const override { return profile_; }
   // Over ComputePool, on cpu::NumThreads() threads.
   void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) override;
 
@@ -113,9 +116,10 @@ class CpuLlamaRunner : public model::ModelRunner {
                  kv::PageLayout layout, RopeTable rope);
 
   // Every layer for `batch` (one group, or the whole step), whose tokens are rows
-  // [row0, row0 + n_tokens) of the scratch; seqs[i] is batch[i]'s.
+  // [row0, row0 + n_tokens) of the scratch; seqs[i] is batch[i]'s. Adds the wall
+  // time of the products and of attention to *profile when it is not null.
   absl::Status RunLayers(absl::Span<const model::SequenceStep> batch, absl::Span<const AttentionSeq> seqs,
-                         int64_t row0, int n_tokens);
+                         int64_t row0, int n_tokens, ForwardProfile* profile);
 
   const model::LlamaModel* const model_;
   kv::KvCacheManager* const kv_;
@@ -126,6 +130,8 @@ class CpuLlamaRunner : public model::ModelRunner {
   // The context length at which a decode token's attention costs about as much
   // as its pass through the layers' products (PlanGroups' cost model).
   const double keys_per_token_cost_;
+
+  ForwardProfile profile_;  // the last Forward's (last_forward_profile)
 
   // Scratch, sized for max_batch_tokens rows.
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_;
