@@ -1150,8 +1150,15 @@ TEST_F(WorkerTest, MetricsPassPromtool) {
        {"kvcache_kv_pages", "kvcache_kv_usage_ratio", "kvcache_prefix_query_tokens_total", "kvcache_sessions",
         "kvcache_requests_total", "kvcache_time_to_first_token_seconds",
         "kvcache_inter_token_latency_seconds", "kvcache_step_duration_seconds", "kvcache_batch_size",
-        "kvcache_requests_running"}) {
+        "kvcache_requests_running", "kvcache_step_part_seconds_total"}) {
     EXPECT_THAT(*body, HasSubstr(std::string("# TYPE ") + name)) << name;
+  }
+  // The CPU runner times a one-sequence step's products and attention apart.
+  for (const char* part : {"forward", "products", "attention"}) {
+    const std::string prefix = absl::StrCat("kvcache_step_part_seconds_total{part=\"", part, "\"} ");
+    const size_t at = body->find(prefix);
+    ASSERT_NE(at, std::string::npos) << part;
+    EXPECT_GT(std::stod(body->substr(at + prefix.size())), 0.0) << part;
   }
   // promtool reads the exposition from stdin.
   const std::string path = ::testing::TempDir() + "/kvcache_metrics.txt";

@@ -73,6 +73,15 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& r)
                         .Help("Running sessions offloaded to make room")
                         .Register(r)
                         .Add({})),
+      step_part_seconds_(BuildCounter()
+                             .Name("kvcache_step_part_seconds_total")
+                             .Help("Seconds of engine steps in the runner's forward pass (part=forward) and, "
+                                   "within it, in the linear layers' products and in attention (0 where the "
+                                   "runner does not time them apart)")
+                             .Register(r)),
+      step_forward_seconds_(&step_part_seconds_.Add({{"part", "forward"}})),
+      step_products_seconds_(&step_part_seconds_.Add({{"part", "products"}})),
+      step_attention_seconds_(&step_part_seconds_.Add({{"part", "attention"}})),
       recomputed_tokens_(
           &BuildCounter()
                .Name("kvcache_recomputed_tokens_total")
@@ -207,6 +216,9 @@ void WorkerMetrics::Refresh(const kv::KvStats& kv, int64_t page_bytes, const sch
 
 void WorkerMetrics::OnStep(const sched::StepStats& step) {
   step_->Observe(absl::ToDoubleSeconds(step.duration));
+  step_forward_seconds_->Increment(absl::ToDoubleSeconds(step.forward));
+  step_products_seconds_->Increment(absl::ToDoubleSeconds(step.products));
+  step_attention_seconds_->Increment(absl::ToDoubleSeconds(step.attention));
   batch_size_->Observe(step.sequences);
   batch_tokens_->Observe(step.decode_tokens + step.prefill_tokens);
   if (step.recomputed_tokens > 0) recomputed_tokens_->Increment(static_cast<double>(step.recomputed_tokens));

@@ -56,6 +56,12 @@ class WorkerMetrics {
   prometheus::Counter* offload_bytes_;
   prometheus::Counter* restore_bytes_;
   prometheus::Counter* preemptions_;
+  // kvcache_step_part_seconds_total by part: the runner's forward pass, and the
+  // products and attention within it.
+  prometheus::Family<prometheus::Counter>& step_part_seconds_;
+  prometheus::Counter* step_forward_seconds_;
+  prometheus::Counter* step_products_seconds_;
+  prometheus::Counter* step_attention_seconds_;
   prometheus::Counter* recomputed_tokens_;
   prometheus::Counter* prefill_tokens_;
   prometheus::Counter* unauthenticated_;
