@@ -15,7 +15,9 @@
 //               the ratio that 16-token time allows (batch16_vs_single_matmul_ceiling); and
 //               the ratio a 16-token step allows if its multiply-accumulates ran at
 //               the measured peak of the level's integer-dot instruction
-//               (batch16_vs_single_int8_peak_ceiling, int8_dot_peak_gmac_per_s)
+//               (batch16_vs_single_int8_peak_ceiling, int8_dot_peak_gmac_per_s);
+//               and where the engine's steps of 1 and 16 decodes went, from its
+//               step statistics (engine_{step,forward,products,attention}_ms_*)
 //   sampled:    1 and 16 sessions decoding as in batched, greedy against
 //               temperature 1 (OpenAI's default; every token sampled from the
 //               whole vocabulary) and top_p 0.9, at the best level
@@ -69,6 +71,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/bench_json.h"
 #include "common/gguf/model_path.h"
@@ -216,6 +219,70 @@ sched::GenerateRequest Greedy(std::vector<int32_t> input, int max_tokens) {
   r.ignore_eos = true;
   return r;
 }
+
+// Medians over an engine's steps of one shape, in milliseconds: the step, its
+// forward pass, the products and attention within it (sched::StepStats), the
+// rest of the forward pass, and the engine's own part of the step. Each derived
+// part is the median of that part per step.
+struct StepSplit {
+  int steps = 0;
+  double step_ms = 0, forward_ms = 0, products_ms = 0, attention_ms = 0, rest_ms = 0, own_ms = 0;
+};
+
+struct DecodeSteps {
+  std::vector<sched::StepStats> stats;
+
+  StepSplit Median() const {
+    std::vector<double> step, forward, products, attention, rest, own;
+    for (const sched::StepStats& st : stats) {
+      const double ms_step = absl::ToDoubleMilliseconds(st.duration);
+      const double ms_forward = absl::ToDoubleMilliseconds(st.forward);
+      const double ms_products = absl::ToDoubleMilliseconds(st.products);
+      const double ms_attention = absl::ToDoubleMilliseconds(st.attention);
+      step.push_back(ms_step);
+      forward.push_back(ms_forward);
+      products.push_back(ms_products);
+      attention.push_back(ms_attention);
+      rest.push_back(ms_forward - ms_products - ms_attention);
+      own.push_back(ms_step - ms_forward);
+    }
+    if (stats.empty()) return {};
+    return StepSplit{
+        static_cast<int>(stats.size()), bench::Median(step), bench::Median(forward), bench::Median(products),
+        bench::Median(attention),       bench::Median(rest), bench::Median(own)};
+  }
+};
+
+// Collects, while it lives, the engine's steps (Engine::SetStepCallback) that
+// decode exactly n sequences and prefill nothing. The engine may still be calling
+// a callback it copied when the collector goes, so the steps live as long as the
+// last callback.
+class DecodeStepCollector {
+ public:
+  DecodeStepCollector(sched::Engine& engine, int n) : engine_(engine), shared_(std::make_shared<Shared>()) {
+    engine_.SetStepCallback([shared = shared_, n](const sched::StepStats& st) {
+      if (st.sequences != n || st.decode_tokens != n || st.prefill_tokens != 0) return;
+      absl::MutexLock lock(&shared->mu);
+      shared->steps.stats.push_back(st);
+    });
+  }
+  ~DecodeStepCollector() { engine_.SetStepCallback(nullptr); }
+  DecodeStepCollector(const DecodeStepCollector&) = delete;
+  DecodeStepCollector& operator=(const DecodeStepCollector&) = delete;
+
+  DecodeSteps Steps() const {
+    absl::MutexLock lock(&shared_->mu);
+    return shared_->steps;
+  }
+
+ private:
+  struct Shared {
+    absl::Mutex mu;
+    DecodeSteps steps ABSL_GUARDED_BY(mu);
+  };
+  sched::Engine& engine_;
+  const std::shared_ptr<Shared> shared_;
+};
 
 // Aggregate decode tokens/s of n sessions (16-token prompts, 64 tokens each)
 // decoding together with `sampling`, `reps` times: the window runs from the step
@@ -581,11 +648,16 @@ int Main() {
     if (want("prefill")) put_samples(report.metrics, "prefill_tokens_per_s", level, prefill[level]);
 
     // ---- batched decode: N sessions decoding together.
-    std::map<int, double> batched;  // medians
+    std::map<int, double> batched;            // medians
+    std::map<int, DecodeSteps> engine_steps;  // the engine's steps of n decodes
     for (int n : {1, 4, 16}) {
       if (!want("batched")) break;
-      absl::StatusOr<std::vector<double>> rates =
-          BatchedDecodeTokensPerSecond(*s.engine, tk, n, reps, model::SamplingConfig{}, &rerun);
+      absl::StatusOr<std::vector<double>> rates;
+      {
+        DecodeStepCollector collect(*s.engine, n);
+        rates = BatchedDecodeTokensPerSecond(*s.engine, tk, n, reps, model::SamplingConfig{}, &rerun);
+        engine_steps[n] = collect.Steps();
+      }
       if (!rates.ok()) return fail(rates.status());
       batched[n] = bench::Median(*rates);
       put_samples(report.metrics, absl::StrCat("batched_decode_tokens_per_s_", n, "_sessions"), level,
@@ -611,6 +683,20 @@ int Main() {
       if (!mm16.ok()) return fail(mm16.status());
       put(report.metrics, "step_matmuls_ms_1_token", level, *mm1 * 1e3);
       put(report.metrics, "step_matmuls_ms_16_tokens", level, *mm16 * 1e3);
+      // Where the engine's own steps of 1 and 16 decodes went (medians over them).
+      std::map<int, StepSplit> split;
+      for (int n : {1, 16}) {
+        split[n] = engine_steps[n].Median();
+        if (split[n].steps == 0) {
+          return fail(absl::InternalError(absl::StrCat("no engine step decoded ", n, " sessions alone")));
+        }
+        const std::string what = n == 1 ? "1_decode" : absl::StrCat(n, "_decodes");
+        put(report.metrics, "engine_step_ms_" + what, level, split[n].step_ms);
+        put(report.metrics, "engine_forward_ms_" + what, level, split[n].forward_ms);
+        put(report.metrics, "engine_products_ms_" + what, level, split[n].products_ms);
+        put(report.metrics, "engine_attention_ms_" + what, level, split[n].attention_ms);
+      }
+      const StepSplit& s16 = split[16];
       put(report.metrics, "step_matmuls_gmac_per_s_16_tokens", level, 16 * macs / *mm16 / 1e9);
       const double ceiling = 16 / *mm16 / batched[1];
       put(report.ratio, "batch16_vs_single_matmul_ceiling", level, ceiling);
@@ -625,15 +711,22 @@ int Main() {
           "compute: the matmuls of a 16-token step (%s) take %.1f ms (%.0f GMAC/s, %.2f of this machine's "
           "measured %s peak of %.0f GMAC/s; one token's take %.1f ms, %.2f of the bandwidth roofline), so "
           "against one session's %.0f tokens/s batch16_vs_single cannot exceed %.2f with these kernels, "
-          "nor %.2f with any kernel built on that instruction; the rest of the measured 16-session step "
-          "(attention, norms, sampling, scheduling) took %.1f ms",
+          "nor %.2f with any kernel built on that instruction. In the engine, a step of 16 decodes took "
+          "%.1f ms (median of %d such steps): its forward pass %.1f ms, %s; the engine's own part of the "
+          "step (sampling, K/V commits, streaming) %.1f ms",
           groups > 1 ? absl::StrCat("the layers' in ", groups,
                                     " groups of sessions, one a thread, as the "
                                     "runner runs that step; the head split by rows")
                      : std::string("each split by rows over the threads, as the runner runs that step"),
           *mm16 * 1e3, 16 * macs / *mm16 / 1e9, 16 * macs / *mm16 / peak,
           level >= cpu::CpuKernelLevel::kAvx512 ? "vpdpbusd" : "vpmaddubsw+vpaddw", peak / 1e9, *mm1 * 1e3,
-          weight_bytes / bw / *mm1, batched[1], ceiling, peak_ceiling, (16 / batched[16] - *mm16) * 1e3);
+          weight_bytes / bw / *mm1, batched[1], ceiling, peak_ceiling, s16.step_ms, s16.steps, s16.forward_ms,
+          s16.products_ms > 0
+              ? absl::StrFormat("of which the products %.1f ms (timed alone above: %.1f), attention %.1f ms, "
+                                "and norms, RoPE, K/V writes, SwiGLU and adds %.1f ms",
+                                s16.products_ms, *mm16 * 1e3, s16.attention_ms, s16.rest_ms)
+              : std::string("whose products and attention are not timed apart (its layers ran as groups)"),
+          s16.own_ms);
     }
   }
   set_level(best);  // the rest runs at the best level
@@ -906,7 +999,9 @@ int Main() {
       kPrefillTokens,
       "-token prompt / time to first token; batched: N sessions x 64 "
       "tokens submitted together, tokens emitted while all N decode / that window (a run whose window "
-      "holds less than half their tokens runs again: batched_runs_rerun); arrivals: one stream decodes, and "
+      "holds less than half their tokens runs again: batched_runs_rerun); engine_*_ms_N_decodes: medians "
+      "over the engine's own steps of N decodes in those runs (its step statistics: the step, its forward "
+      "pass, the products and attention in it); arrivals: one stream decodes, and "
       "after its 16th token 15 requests of 16-token prompts (or one of 1,024) from other tenants arrive at "
       "once; their times to first token and the stream's gaps meanwhile, medians over reps; "
       "cache_vs_recompute: "
