@@ -222,36 +222,28 @@ sched::GenerateRequest Greedy(std::vector<int32_t> input, int max_tokens) {
 
 // Medians over an engine's steps of one shape, in milliseconds: the step, its
 // forward pass, the products and attention within it (sched::StepStats), the
-// rest of the forward pass, and the engine's own part of the step. Each derived
-// part is the median of that part per step.
+// rest of the forward pass, and the engine's own part of the step, each the
+// median of that part per step.
 struct StepSplit {
   int steps = 0;
   double step_ms = 0, forward_ms = 0, products_ms = 0, attention_ms = 0, rest_ms = 0, own_ms = 0;
 };
 
-struct DecodeSteps {
-  std::vector<sched::StepStats> stats;
-
-  StepSplit Median() const {
-    std::vector<double> step, forward, products, attention, rest, own;
-    for (const sched::StepStats& st : stats) {
-      const double ms_step = absl::ToDoubleMilliseconds(st.duration);
-      const double ms_forward = absl::ToDoubleMilliseconds(st.forward);
-      const double ms_products = absl::ToDoubleMilliseconds(st.products);
-      const double ms_attention = absl::ToDoubleMilliseconds(st.attention);
-      step.push_back(ms_step);
-      forward.push_back(ms_forward);
-      products.push_back(ms_products);
-      attention.push_back(ms_attention);
-      rest.push_back(ms_forward - ms_products - ms_attention);
-      own.push_back(ms_step - ms_forward);
-    }
-    if (stats.empty()) return {};
-    return StepSplit{
-        static_cast<int>(stats.size()), bench::Median(step), bench::Median(forward), bench::Median(products),
-        bench::Median(attention),       bench::Median(rest), bench::Median(own)};
+StepSplit MedianSplit(const std::vector<sched::StepStats>& stats) {
+  if (stats.empty()) return {};
+  std::vector<double> step, forward, products, attention, rest, own;
+  for (const sched::StepStats& st : stats) {
+    step.push_back(absl::ToDoubleMilliseconds(st.duration));
+    forward.push_back(absl::ToDoubleMilliseconds(st.forward));
+    products.push_back(absl::ToDoubleMilliseconds(st.products));
+    attention.push_back(absl::ToDoubleMilliseconds(st.attention));
+    rest.push_back(forward.back() - products.back() - attention.back());
+    own.push_back(step.back() - forward.back());
   }
-};
+  return StepSplit{
+      static_cast<int>(stats.size()), bench::Median(step), bench::Median(forward), bench::Median(products),
+      bench::Median(attention),       bench::Median(rest), bench::Median(own)};
+}
 
 // Collects, while it lives, the engine's steps (Engine::SetStepCallback) that
 // decode exactly n sequences and prefill nothing. The engine may still be calling
@@ -263,14 +255,14 @@ class DecodeStepCollector {
     engine_.SetStepCallback([shared = shared_, n](const sched::StepStats& st) {
       if (st.sequences != n || st.decode_tokens != n || st.prefill_tokens != 0) return;
       absl::MutexLock lock(&shared->mu);
-      shared->steps.stats.push_back(st);
+      shared->steps.push_back(st);
     });
   }
   ~DecodeStepCollector() { engine_.SetStepCallback(nullptr); }
   DecodeStepCollector(const DecodeStepCollector&) = delete;
   DecodeStepCollector& operator=(const DecodeStepCollector&) = delete;
 
-  DecodeSteps Steps() const {
+  std::vector<sched::StepStats> Steps() const {
     absl::MutexLock lock(&shared_->mu);
     return shared_->steps;
   }
@@ -278,7 +270,7 @@ class DecodeStepCollector {
  private:
   struct Shared {
     absl::Mutex mu;
-    DecodeSteps steps ABSL_GUARDED_BY(mu);
+    std::vector<sched::StepStats> steps ABSL_GUARDED_BY(mu);
   };
   sched::Engine& engine_;
   const std::shared_ptr<Shared> shared_;
@@ -648,15 +640,15 @@ int Main() {
     if (want("prefill")) put_samples(report.metrics, "prefill_tokens_per_s", level, prefill[level]);
 
     // ---- batched decode: N sessions decoding together.
-    std::map<int, double> batched;            // medians
-    std::map<int, DecodeSteps> engine_steps;  // the engine's steps of n decodes
+    std::map<int, double> batched;   // medians
+    std::map<int, StepSplit> split;  // the engine's steps of 1 and 16 decodes
     for (int n : {1, 4, 16}) {
       if (!want("batched")) break;
       absl::StatusOr<std::vector<double>> rates;
       {
         DecodeStepCollector collect(*s.engine, n);
         rates = BatchedDecodeTokensPerSecond(*s.engine, tk, n, reps, model::SamplingConfig{}, &rerun);
-        engine_steps[n] = collect.Steps();
+        if (n != 4) split[n] = MedianSplit(collect.Steps());
       }
       if (!rates.ok()) return fail(rates.status());
       batched[n] = bench::Median(*rates);
@@ -684,9 +676,7 @@ int Main() {
       put(report.metrics, "step_matmuls_ms_1_token", level, *mm1 * 1e3);
       put(report.metrics, "step_matmuls_ms_16_tokens", level, *mm16 * 1e3);
       // Where the engine's own steps of 1 and 16 decodes went (medians over them).
-      std::map<int, StepSplit> split;
       for (int n : {1, 16}) {
-        split[n] = engine_steps[n].Median();
         if (split[n].steps == 0) {
           return fail(absl::InternalError(absl::StrCat("no engine step decoded ", n, " sessions alone")));
         }
