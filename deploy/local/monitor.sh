@@ -63,20 +63,30 @@ prometheus=${PROMETHEUS:-$(command -v prometheus || echo /usr/bin/prometheus)}
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/kvcache-prometheus.XXXXXX")
 prom_pid=""
+exiting=""
+# A second Ctrl-C (a terminal, or `timeout`, sends it to the whole process group
+# as well) must not cut the clean-up short: one arriving before cleanup's first
+# line ran `exit` again from inside it, and the directory stayed behind.
+# shellcheck disable=SC2317  # called through trap
+on_signal() {
+  [ -z "$exiting" ] || return 0
+  exiting=1
+  exit "$1"
+}
 # shellcheck disable=SC2317  # called through trap
 cleanup() {
-  # A second Ctrl-C (a terminal sends it to the whole process group) must not cut this short.
   trap '' INT TERM
   trap - EXIT
-  if [ -n "$prom_pid" ] && kill -0 "$prom_pid" 2>/dev/null; then
+  if [ -n "$prom_pid" ]; then
     kill -TERM "$prom_pid" 2>/dev/null || true
-    wait "$prom_pid" 2>/dev/null || true
+    # A signal taken before the line above ends a wait early: wait until it is gone.
+    while kill -0 "$prom_pid" 2>/dev/null; do wait "$prom_pid" 2>/dev/null || true; done
   fi
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+trap 'on_signal 130' INT
+trap 'on_signal 143' TERM
 
 mkdir -p "$tmp/targets" "$tmp/data"
 cp "$promdir/prometheus.yml" "$promdir/alerts.yml" "$tmp/"
