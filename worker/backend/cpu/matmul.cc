@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
