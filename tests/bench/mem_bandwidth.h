@@ -7,12 +7,28 @@
 #ifndef KVCACHE_TESTS_BENCH_MEM_BANDWIDTH_H_
 #define KVCACHE_TESTS_BENCH_MEM_BANDWIDTH_H_
 
+#include <cstdint>
+#include <vector>
+
 namespace kvcache::bench {
 
 // Bytes per second of an AVX2 read-and-sum over a 512 MiB buffer split across
 // `threads` threads: the fastest of 5 passes (the cores are shared, slower passes
 // measure the neighbours).
 double MeasureReadBandwidth(int threads);
+
+// A range of bytes that MeasurePiecesReadBandwidth reads.
+struct Piece {
+  const void* data;
+  int64_t bytes;
+};
+
+// Bytes per second of a read-and-sum of `pieces` in their order, in tasks of
+// `per_task` consecutive pieces handed out to whichever of `threads` threads is
+// free: the fastest of 5 passes. What memory gives a kernel that reads those
+// bytes in that order and does nothing else (engine_bench: a session's K/V
+// pages as attention reads them, scattered as a page table scatters them).
+double MeasurePiecesReadBandwidth(int threads, const std::vector<Piece>& pieces, int per_task);
 
 // Multiply-accumulates per second of the integer-dot instruction a CPU kernel
 // level is built on, on `threads` threads at once, in independent chains a thread
