@@ -1030,10 +1030,9 @@ int Main() {
       "interpolated; attention: one decode token over a 4096-token session, all layers, random f16 K/V, "
       "best of 5 after a read-bandwidth measurement, per rep; the fraction is the median over reps of those "
       "pairs; attention_cached: the same on one layer's K/V, read as many times as there are layers, "
-      "best of 5 in the same reps, paired the same way; attention_pages_read: the same K/V bytes read with "
-      "no "
-      "arithmetic (each page's K block, then its V block, layer by layer, 16 pages a task over the threads), "
-      "best of 5 passes in the same reps, paired the same way");
+      "best of 5 in the same reps, paired the same way; attention_pages_read: the same K/V bytes read "
+      "with no arithmetic (each page's K block, then its V block, layer by layer, 16 pages a task over the "
+      "threads), best of 5 passes in the same reps, paired the same way");
   return bench::Finish(report).ok() ? 0 : 1;
 }
 
