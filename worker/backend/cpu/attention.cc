@@ -415,8 +415,9 @@ constexpr int kFewRows = 3;
 // at a time in 256-bit registers (24 operations a row and block, against 35 on
 // 128-bit halves) took SmolLM2's decode attention over one layer's K/V in cache
 // (30 times, 2 threads, Zen 3, a standalone loop, 8 runs of each build
-// alternating) from 4.16-5.36 to 3.62-4.38 ms (min-median; paired ratio 0.82),
-// and over all layers from DRAM by 2% (0.976, faster in 8 of 10 pairs).
+// alternating) from 4.16-5.36 to 3.62-4.38 ms (min-median; paired ratio 0.82;
+// 0.93 in an earlier 10 pairs), and over all layers from DRAM by 2% (0.976,
+// faster in 8 of 10 pairs).
 template <int NC, KvDtype DT, int R>
 KVCACHE_TARGET_AVX2 void ScoresFew(const float* q, const uint8_t* k, int64_t stride, int nk, __m256* s) {
   constexpr int hd = NC * 8;
