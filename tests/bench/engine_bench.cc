@@ -931,7 +931,8 @@ int Main() {
         pages_bws.push_back(rep_pages_bw);
       }
       const double pages_fraction = bench::Median(pages_fractions);
-      put(report.metrics, "attention_pages_read_gb_per_s", level, bench::Median(pages_bws) / 1e9);
+      const double pages_bw = bench::Median(pages_bws);
+      put(report.metrics, "attention_pages_read_gb_per_s", level, pages_bw / 1e9);
       put(report.ratio, "attention_pages_read_fraction", level, pages_fraction);
       std::sort(fractions.begin(), fractions.end());
       std::sort(cached_fractions.begin(), cached_fractions.end());
@@ -952,8 +953,8 @@ int Main() {
           "reach; over all %d layers from memory it takes %.2f ms (%.2f)%s",
           ceiling <= pages_fraction ? "compute" : "memory (the pages' read rate)", layer_bytes / 1e6,
           l3 > 0 ? absl::StrFormat(", L3 %.0f MiB", l3 / 1048576.0) : std::string(", L3 size unknown"),
-          L.layers, best_cached_s * 1e3, ceiling, std::min(ceiling, 1.0), bench::Median(pages_bws) / 1e9,
-          pages_fraction, L.layers, best_s * 1e3, fraction,
+          L.layers, best_cached_s * 1e3, ceiling, std::min(ceiling, 1.0), pages_bw / 1e9, pages_fraction,
+          L.layers, best_s * 1e3, fraction,
           fraction < 0.9 * bound
               ? ": the rest is memory time that these kernels do not hide behind their arithmetic"
               : "");

@@ -14,21 +14,6 @@
 namespace kvcache::bench {
 namespace {
 
-__attribute__((target("avx2"))) double SumBuffer(const float* p, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i + 32 <= n; i += 32) {
-    a0 = _mm256_add_ps(a0, _mm256_load_ps(p + i));
-    a1 = _mm256_add_ps(a1, _mm256_load_ps(p + i + 8));
-    a2 = _mm256_add_ps(a2, _mm256_load_ps(p + i + 16));
-    a3 = _mm256_add_ps(a3, _mm256_load_ps(p + i + 24));
-  }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  double s = 0;
-  for (float x : t) s += x;
-  return s;
-}
-
 // The int32 sum of the bytes' dwords (a trailing partial dword is left out).
 __attribute__((target("avx2"))) int64_t SumBytes(const uint8_t* p, int64_t bytes) {
   __m256i a0 = _mm256_setzero_si256(), a1 = a0;
@@ -125,26 +110,17 @@ double MeasureInt8DotPeak(int threads, bool vnni) {
 }
 
 double MeasureReadBandwidth(int threads) {
-  using Clock = std::chrono::steady_clock;
-  const int64_t n = int64_t{512} << 20 >> 2;
-  float* buf = static_cast<float*>(std::aligned_alloc(64, n * 4));
+  const int64_t n = int64_t{512} << 20;
+  uint8_t* buf = static_cast<uint8_t*>(std::aligned_alloc(64, n));
   // Parts of 1 MiB, handed out to whichever thread is free.
-  constexpr int64_t kPart = int64_t{1} << 18;
-  const int64_t parts = n / kPart;
-  cpu::ComputePool& pool = cpu::ComputePool::Get();
-  pool.ParallelFor(parts, threads,
-                   [&](int64_t p) { std::fill(buf + p * kPart, buf + (p + 1) * kPart, 1.0f); });
-  std::vector<double> sums(static_cast<size_t>(parts));
-  double best = 1e30, sink = 0;
-  for (int r = 0; r < 5; ++r) {
-    const auto start = Clock::now();
-    pool.ParallelFor(parts, threads, [&](int64_t p) { sums[p] = SumBuffer(buf + p * kPart, kPart); });
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
-    for (double v : sums) sink += v;
-  }
+  constexpr int64_t kPart = int64_t{1} << 20;
+  std::vector<Piece> parts;
+  for (int64_t p = 0; p < n / kPart; ++p) parts.push_back({buf + p * kPart, kPart});
+  cpu::ComputePool::Get().ParallelFor(static_cast<int64_t>(parts.size()), threads,
+                                      [&](int64_t p) { std::memset(buf + p * kPart, 1, kPart); });
+  const double bw = MeasurePiecesReadBandwidth(threads, parts, 1);
   std::free(buf);
-  if (sink == 0) return 0;  // keeps the sums alive
-  return n * 4.0 / best;
+  return bw;
 }
 
 double MeasurePiecesReadBandwidth(int threads, const std::vector<Piece>& pieces, int per_task) {
