@@ -158,6 +158,11 @@ std::vector<SessionKey> DispatchLedger::RecentSessionsNamed(const std::string& s
   return out;
 }
 
+void DispatchLedger::SessionMoved(const SessionKey& session, const std::string& worker) {
+  absl::MutexLock lock(&mu_);
+  if (auto r = recent_sessions_.find(session); r != recent_sessions_.end()) r->second.worker = worker;
+}
+
 void DispatchLedger::SessionClosed(const SessionKey& session) {
   absl::MutexLock lock(&mu_);
   recent_sessions_.erase(session);

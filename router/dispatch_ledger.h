@@ -86,6 +86,9 @@ class DispatchLedger {
   std::vector<SessionKey> RecentSessionsNamed(const std::string& session_id) const;
   // The session was closed through this router: it lives nowhere now.
   void SessionClosed(const SessionKey& session);
+  // A migration moved `session` to `worker`: RecentSessionWorker names that
+  // worker now where it named the one the session left.
+  void SessionMoved(const SessionKey& session, const std::string& worker);
 
   Outstanding Get(const std::string& worker) const;
   // Leading pages of `chain` that requests in flight on `worker` are computing.

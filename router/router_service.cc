@@ -228,6 +228,11 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         dispatched_prefill_ = 0;
       }
       emitted_.push_back(msg->token().id());
+      // The turn holds the session on its new worker now, and no migration can
+      // take it back to a previous one until the stream ends: the copies left
+      // there are closed at once, not when the stream ends (by then a drain may
+      // have moved the session to one of those workers).
+      CloseStaleCopies();
       Push(std::move(*msg));
     } else if (msg->has_final()) {
       auto* f = msg->mutable_final();
@@ -251,6 +256,15 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     }
   }
 
+  // Closes the session's copies that the current attempt left behind on other
+  // workers (see stale_copies_), once.
+  void CloseStaleCopies() {
+    if (stale_copies_.empty()) return;
+    const SessionKey key{request_.tenant(), request_.session_id()};
+    for (const WorkerId& w : stale_copies_) router_->CloseStaleCopy(key, w);
+    stale_copies_.clear();
+  }
+
   // The current attempt ended with `st` (`call` is null when it never started).
   void OnAttemptDone(WorkerCall* call, const grpc::Status& st) {
     if (call != nullptr) {
@@ -271,9 +285,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
             router_->ledger_.CreatedUnseen(key, placement_.worker);
           }
         }
-        if (held) {
-          for (const WorkerId& w : stale_copies_) router_->CloseStaleCopy(key, w);
-        }
+        if (held) CloseStaleCopies();  // a turn that ended OK without a token
         stale_copies_.clear();
       }
     }
@@ -881,9 +893,12 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
   CallWorker<v1::MigrateSessionRequest, v1::MigrateSessionResponse>(
       std::move(channel), std::chrono::system_clock::now() + std::chrono::minutes(5),
       &v1::Worker::StubInterface::async_interface::MigrateSession, std::move(req),
-      [this, reason, done = std::move(done)](const grpc::Status& st,
-                                             v1::MigrateSessionResponse* resp) mutable {
+      [this, key, dest, reason, done = std::move(done)](const grpc::Status& st,
+                                                        v1::MigrateSessionResponse* resp) mutable {
         if (st.ok()) {
+          // Where this router last saw the session is stale now: a FULL_CONTEXT
+          // turn must not take the worker it left for one holding a copy.
+          ledger_.SessionMoved(key, dest);
           metrics_->OnMigration(reason);
           std::move(done)(std::move(*resp));
         } else {

@@ -66,7 +66,8 @@ constexpr int kSessionTokens = 48;
 // (sequence 1) and then carries, numbered, each event the test causes
 // (PlaceSession, AnnounceExported, AnnounceDraining). Generate: by default answers
 // at once with the fake's own tokens; RefuseWith answers every call with a
-// status; HoldCalls keeps each call open until ReleaseHeld. MigrateSession
+// status; HoldCalls keeps each call open until ReleaseHeld (HoldAfterFirstToken:
+// once it has streamed its first token). MigrateSession
 // hands the session to the peer named by its target address.
 //
 // Thread-safety: every public method may be called from any thread; gRPC
@@ -110,6 +111,12 @@ class FakeWorker final : public v1::Worker::CallbackService {
     absl::MutexLock lock(&mu_);
     mode_ = Mode::kHold;
   }
+  // Every later Generate call streams its first token, then stays open until
+  // ReleaseHeld.
+  void HoldAfterFirstToken() {
+    absl::MutexLock lock(&mu_);
+    mode_ = Mode::kHoldAfterFirstToken;
+  }
   // Waits until a held call is open; false after `timeout`.
   bool AwaitHeldCall(absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
@@ -117,7 +124,8 @@ class FakeWorker final : public v1::Worker::CallbackService {
     return mu_.AwaitWithTimeout(absl::Condition(&held), timeout);
   }
   // Ends every held call with `status` (a real worker's answer to an APPEND
-  // whose session left while it was queued is NOT_FOUND).
+  // whose session left while it was queued is NOT_FOUND); OK streams the rest
+  // of the fake's tokens and the final message first.
   void ReleaseHeld(const grpc::Status& status) {
     std::vector<GenerateWriter*> held;
     {
@@ -125,6 +133,10 @@ class FakeWorker final : public v1::Worker::CallbackService {
       held.swap(held_);
     }
     for (GenerateWriter* g : held) {
+      if (status.ok()) {
+        for (size_t i = g->sent; i < tokens_.size(); ++i) g->Push(TokenMessage(tokens_[i]));
+        g->Push(FinalMessage(g->session_id, g->prompt_tokens));
+      }
       g->Close(status);
       g->Unref();
     }
@@ -227,6 +239,8 @@ class FakeWorker final : public v1::Worker::CallbackService {
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* /*context*/,
                                                            const v1::GenerateRequest* request) override {
     auto* g = new GenerateWriter();
+    g->session_id = request->session_id();
+    g->prompt_tokens = request->input().tokens().ids_size();
     Mode mode;
     grpc::Status refusal;
     {
@@ -234,7 +248,11 @@ class FakeWorker final : public v1::Worker::CallbackService {
       generate_calls_.push_back(*request);
       mode = stopped_ ? Mode::kRefuse : mode_;
       refusal = stopped_ ? grpc::Status(grpc::UNAVAILABLE, "fake worker stopped") : refusal_;
-      if (mode == Mode::kHold) {
+      if (mode == Mode::kHoldAfterFirstToken) {
+        g->Push(TokenMessage(tokens_[0]));  // before ReleaseHeld can see it
+        g->sent = 1;
+      }
+      if (mode == Mode::kHold || mode == Mode::kHoldAfterFirstToken) {
         g->Ref();  // ReleaseHeld's
         held_.push_back(g);
       }
@@ -242,20 +260,8 @@ class FakeWorker final : public v1::Worker::CallbackService {
     if (mode == Mode::kRefuse) {
       g->Close(refusal);
     } else if (mode == Mode::kServe) {
-      for (int32_t id : tokens_) {
-        v1::GenerateResponse msg;
-        msg.mutable_token()->set_id(id);
-        g->Push(std::move(msg));
-      }
-      v1::GenerateResponse msg;
-      v1::GenerateResponse::Final* f = msg.mutable_final();
-      f->set_finish_reason(v1::FINISH_REASON_LENGTH);
-      f->set_session_id(request->session_id());
-      f->set_worker_id(worker_id_);
-      f->mutable_usage()->set_prompt_tokens(request->input().tokens().ids_size());
-      f->mutable_usage()->set_cached_tokens(kSessionTokens);
-      f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(tokens_.size()));
-      g->Push(std::move(msg));
+      for (int32_t id : tokens_) g->Push(TokenMessage(id));
+      g->Push(FinalMessage(request->session_id(), request->input().tokens().ids_size()));
       g->Close(grpc::Status::OK);
     }
     return g;
@@ -315,10 +321,15 @@ class FakeWorker final : public v1::Worker::CallbackService {
   }
 
  private:
-  enum class Mode { kServe, kRefuse, kHold };
+  enum class Mode { kServe, kRefuse, kHold, kHoldAfterFirstToken };
 
   // A Generate stream. A client that goes away ends it (a held call included).
   class GenerateWriter final : public StreamWriter<v1::GenerateResponse> {
+   public:
+    std::string session_id;  // the request's
+    int prompt_tokens = 0;   // the request's
+    size_t sent = 0;         // of the fake's tokens, before it was held
+
    private:
     void OnClientGone() override { Close(grpc::Status(grpc::CANCELLED, "client went away")); }
   };
@@ -344,6 +355,24 @@ class FakeWorker final : public v1::Worker::CallbackService {
 
   FakeWorker(std::string worker_id, std::vector<int32_t> tokens)
       : worker_id_(std::move(worker_id)), tokens_(std::move(tokens)) {}
+
+  static v1::GenerateResponse TokenMessage(int32_t id) {
+    v1::GenerateResponse msg;
+    msg.mutable_token()->set_id(id);
+    return msg;
+  }
+  // The end of a served call that streamed every one of the fake's tokens.
+  v1::GenerateResponse FinalMessage(const std::string& session_id, int prompt_tokens) const {
+    v1::GenerateResponse msg;
+    v1::GenerateResponse::Final* f = msg.mutable_final();
+    f->set_finish_reason(v1::FINISH_REASON_LENGTH);
+    f->set_session_id(session_id);
+    f->set_worker_id(worker_id_);
+    f->mutable_usage()->set_prompt_tokens(prompt_tokens);
+    f->mutable_usage()->set_cached_tokens(kSessionTokens);
+    f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(tokens_.size()));
+    return msg;
+  }
 
   static v1::WatchEvent SessionEvent(v1::CacheEvent::Kind kind, const std::string& tenant,
                                      const std::string& id, int tokens) {
@@ -649,6 +678,64 @@ TEST_F(RouterDrainRaceTest, FullContextTurnsCloseTheCopyThePreviousTurnLeft) {
       absl::Seconds(10)));
   EXPECT_EQ(a_->CloseCalls(), moved_off["fake-a"]) << absl::StrJoin(served, ",");
   EXPECT_EQ(b_->CloseCalls(), moved_off["fake-b"]) << absl::StrJoin(served, ",");
+}
+
+// A FULL_CONTEXT turn that moves the session (here: A refuses it, and the
+// retry runs on B) closes the copy it leaves on A as soon as B has streamed
+// the turn's first token: from then until the stream ends the session is busy
+// on B and nothing can move it back to A. Closed when the stream ended, the
+// copy's close could reach A after a drain of B had moved the live session
+// there (a black-box drain test lost a session that way).
+TEST_F(RouterDrainRaceTest, AMovingTurnClosesTheCopyItLeavesAtItsFirstToken) {
+  a_->RefuseWith(grpc::Status(grpc::UNAVAILABLE, "fake worker overloaded"));
+  b_->HoldAfterFirstToken();
+  BackgroundGenerate call(api_.get(), testing::TokensRequest(kSession, {1, 2, 3}, 4, v1::FULL_CONTEXT));
+  ASSERT_TRUE(b_->AwaitHeldCall(absl::Seconds(10))) << "the retry never reached B";
+  EXPECT_TRUE(testing::WaitUntil([&] { return a_->CloseCalls() == 1; }, absl::Seconds(10)))
+      << "the copy on A was not closed while the turn ran on B";
+  b_->ReleaseHeld(grpc::Status::OK);
+  const Reply r = call.Join();
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_THAT(r.tokens, ElementsAreArray(kTokensB));
+  EXPECT_EQ(r.final.worker_id(), "fake-b");
+  EXPECT_EQ(a_->CloseCalls(), 1);
+}
+
+// After an admin migration through the router moves the session from A to B,
+// the next FULL_CONTEXT turn runs on B, where the session lives, and closes
+// nothing on A. The router's record of the session's last turn (on A, kept
+// for 2 s while the workers' events travel) used to outweigh the migration:
+// the turn then "left a copy" on A and closed it, and when a drain had moved
+// the session back to A meanwhile, that close ended the live session. Then a
+// turn that B refuses moves the session to A and closes B's copy: once that
+// close has reached B, one the earlier turn sent to A would have too.
+TEST_F(RouterDrainRaceTest, AFullContextTurnAfterAMigrationClosesNothingWhereTheSessionWas) {
+  const v1::GenerateRequest turn = testing::TokensRequest(kSession, {1, 2, 3}, 4, v1::FULL_CONTEXT);
+  Reply r = testing::Generate(api_.get(), turn, absl::Seconds(30));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(r.final.worker_id(), "fake-a");
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::AdminMigrateRequest req;
+    req.set_session_id(kSession);
+    req.set_target_worker("fake-b");
+    v1::MigrateSessionResponse resp;
+    const grpc::Status st = admin_->MigrateSession(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  ASSERT_TRUE(testing::WaitUntil([&] { return SessionsOn("fake-a") == 0 && SessionsOn("fake-b") == 1; }));
+  r = testing::Generate(api_.get(), turn, absl::Seconds(30));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), "fake-b");
+
+  b_->RefuseWith(grpc::Status(grpc::UNAVAILABLE, "fake worker overloaded"));
+  r = testing::Generate(api_.get(), turn, absl::Seconds(30));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), "fake-a");
+  EXPECT_TRUE(testing::WaitUntil([&] { return b_->CloseCalls() == 1; }, absl::Seconds(10)))
+      << "the turn that moved the session to A did not close its copy on B";
+  EXPECT_EQ(a_->CloseCalls(), 0) << "a turn closed the session on the worker it had migrated from";
 }
 
 }  // namespace
