@@ -20,8 +20,14 @@ namespace {
 // Query rows (query tokens x heads of one group) per work item: Q, O and the
 // converted K/V chunk then stay in L1 (32 x 128 x 4 B = 16 KiB each at most).
 constexpr int kMaxItemRows = 32;
-// Keys below which a (sequence, kv head, query block) is never split.
-constexpr int kMinSplitKeys = 256;
+// Keys per part of a split key range (rounded up to whole pages). The parts
+// lie at fixed key positions, multiples of this, so that a query row's output
+// depends on its own keys alone: not on the batch, the query block, the number
+// of threads or the step's cost, all of which used to set the split (a greedy
+// reply then changed with what else the worker ran, and an APPEND conversation
+// differed from the same tokens sent as one FULL_CONTEXT request past ~500
+// tokens, where decode steps had split and prefill had not).
+constexpr int kSplitKeys = 512;
 
 // ---- Scalar inner loops (the reference path) ----
 
@@ -994,7 +1000,6 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   const bool group_heads_for_decode =
       params.n_heads <= kMaxItemRows && static_cast<int64_t>(pt) * L.kv_heads * hd * 4 <= 32 * 1024;
   std::vector<Item> units;
-  int64_t total_cost = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const AttentionSeq& sq = seqs[s];
     const int first_q_pos = sq.n_cached - sq.n_query;
@@ -1002,55 +1007,56 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
     const int q_block = std::max(1, kMaxItemRows / (heads_per_unit * G));
     for (int q0 = 0; q0 < sq.n_query; q0 += q_block) {
       const int q1 = std::min(sq.n_query, q0 + q_block);
-      const int k0 = FirstVisible(params, first_q_pos + q0);
+      // From the start of the page: the blocks then start at the same keys
+      // whichever query block or decode step reads a row (they are cut at page
+      // ends), and a sliding window's keys before a row's first are masked.
+      const int k0 = FirstVisible(params, first_q_pos + q0) / pt * pt;
       const int k1 = first_q_pos + q1;  // the last query token's own position + 1
       for (int h0 = 0; h0 < L.kv_heads; h0 += heads_per_unit) {
         Item u{static_cast<int>(s), h0, h0 + heads_per_unit, q0, q1, k0, k1, -1, 0};
         u.cost = static_cast<int64_t>(ItemRows(u, G)) * (k1 - k0) + 64;
         units.push_back(u);
-        total_cost += u.cost;
       }
     }
   }
-  // Split so there are about 8 items per thread, never below kMinSplitKeys keys:
-  // dynamic scheduling then evens out a thread that joins the region late.
-  const int64_t target = std::max<int64_t>(total_cost / (8 * n_threads) + 1, 1);
+  // A unit whose keys reach into more than one kSplitKeys part is split at
+  // those parts' bounds; the parts run as items of their own and MergeGroup
+  // combines them in key order (at 4,096 keys 8 parts, so a lone long decode
+  // still spreads over the threads).
+  const int split_keys = (kSplitKeys + pt - 1) / pt * pt;
   std::vector<Item> items;
   std::vector<SplitGroup> groups;
   std::vector<int64_t> part_offset;
   int64_t partial_floats = 0;
   for (const Item& u : units) {
-    const int keys = u.k1 - u.k0;
-    const int n_split = static_cast<int>(
-        std::min<int64_t>((u.cost + target - 1) / target, std::max(1, keys / kMinSplitKeys)));
-    if (n_split <= 1) {
+    const int first = u.k0 / split_keys, last = (u.k1 - 1) / split_keys;
+    if (first == last) {
       items.push_back(u);
       continue;
     }
-    // Split length rounded up to whole pages, so each part converts whole chunks.
-    const int split_keys = ((keys + n_split - 1) / n_split + pt - 1) / pt * pt;
     const int n_rows = ItemRows(u, G);
     SplitGroup g{u, static_cast<int>(part_offset.size()), 0};
-    for (int s0 = u.k0; s0 < u.k1;) {
-      int s1 = (s0 + split_keys) / pt * pt;
-      if (s1 <= s0) s1 = s0 + split_keys;
-      s1 = std::min(s1, u.k1);
+    for (int i = first; i <= last; ++i) {
       Item part = u;
-      part.k0 = s0;
-      part.k1 = s1;
+      part.k0 = std::max(u.k0, i * split_keys);
+      part.k1 = std::min(u.k1, (i + 1) * split_keys);
       part.part = static_cast<int>(part_offset.size());
-      part.cost = static_cast<int64_t>(n_rows) * (s1 - s0) + 64;
+      part.cost = static_cast<int64_t>(n_rows) * (part.k1 - part.k0) + 64;
       items.push_back(part);
       part_offset.push_back(partial_floats);
       partial_floats += static_cast<int64_t>(n_rows) * (hd + 2);
       ++g.n_parts;
-      s0 = s1;
     }
     groups.push_back(g);
   }
   // Longest first + dynamic scheduling balances lengths that differ a lot.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::vector<float> partials(static_cast<size_t>(partial_floats));
+  // The parts' states, in a buffer the calling thread keeps (every part writes
+  // all of its rows before MergeGroup reads them): allocated afresh, a prefill
+  // chunk's (256 queries at 4k keys: 5 MB a layer) cost the kernel's page
+  // clearing 5% of the call.
+  thread_local std::vector<float> partials;
+  if (partials.size() < static_cast<size_t>(partial_floats)) partials.resize(partial_floats);
 
   const Ctx ctx{&params,
                 seqs.data(),

@@ -1024,6 +1024,75 @@ TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnItsChunk) {
   }
 }
 
+// A query row's output is the same bits whatever else its call computes: the
+// same row decoded alone, beside other sequences (short and long, which used
+// to change how its key range was split), as the last row of a prefill chunk,
+// and on 1, 2 or 3 threads. Greedy replies then do not change with what else
+// the worker runs, and an APPEND conversation equals the same tokens sent as
+// one FULL_CONTEXT request (a black-box test saw them differ past ~500 tokens).
+TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnTheBatch) {
+  std::mt19937 rng(59);
+  struct Shape {
+    int n_heads, kv_heads, head_dim, page_tokens, window;
+    KvDtype dtype;
+  };
+  const Shape shapes[] = {
+      {9, 3, 64, 16, 0, KvDtype::kF16},    // SmolLM2
+      {4, 2, 128, 5, 0, KvDtype::kBF16},   // odd pages
+      {4, 4, 32, 3, 700, KvDtype::kF32},   // MHA, short pages, a window
+      {8, 2, 64, 16, 300, KvDtype::kF16},  // groups of 4, a window
+  };
+  constexpr int kMaxKeys = 2100;
+  for (const Shape& sh : shapes) {
+    PageLayout L{1, sh.kv_heads, sh.head_dim, sh.page_tokens, sh.dtype};
+    const int n_pages = (kMaxKeys + sh.page_tokens - 1) / sh.page_tokens;
+    std::vector<uint8_t> slab(static_cast<size_t>((n_pages + 1) * L.page_bytes()));
+    std::vector<int32_t> table(n_pages);
+    std::iota(table.begin(), table.end(), 1);
+    std::shuffle(table.begin(), table.end(), rng);
+    const std::vector<float> k = RandomVec(rng, int64_t{kMaxKeys} * L.row_elems(), -2.0f, 2.0f);
+    const std::vector<float> v = RandomVec(rng, int64_t{kMaxKeys} * L.row_elems());
+    ASSERT_TRUE(WriteKv(L, slab.data(), table, 0, 0, kMaxKeys, k.data(), v.data()).ok());
+    AttentionParams p;
+    p.layout = L;
+    p.kv_base = slab.data();
+    p.n_heads = sh.n_heads;
+    p.sliding_window = sh.window;
+    const int row = sh.n_heads * sh.head_dim;
+    for (int n_cached : {300, 700, 1500}) {
+      SCOPED_TRACE(::testing::Message() << "heads " << sh.n_heads << "/" << sh.kv_heads << " window " << sh.window
+                                        << " keys " << n_cached);
+      const std::vector<float> q = RandomVec(rng, row, -1.0f, 1.0f);
+      SetNumThreads(1);
+      std::vector<float> want(row, NAN);
+      ASSERT_TRUE(PagedAttention(p, {{table, n_cached, 1}}, q.data(), want.data()).ok());
+      for (int threads : {1, 2, 3}) {
+        SetNumThreads(threads);
+        // The row's sequence with `before` query rows ahead of it in the call and
+        // its own `n_query` rows (the row last), as the call's sequence `at`.
+        auto expect_same = [&](const std::vector<AttentionSeq>& seqs, int at, const char* what) {
+          int64_t rows = 0, mine = -1;
+          for (size_t i = 0; i < seqs.size(); ++i) {
+            rows += seqs[i].n_query;
+            if (static_cast<int>(i) == at) mine = rows - 1;
+          }
+          std::vector<float> qs = RandomVec(rng, rows * row, -1.0f, 1.0f);
+          std::copy(q.begin(), q.end(), qs.begin() + mine * row);
+          std::vector<float> out(qs.size(), NAN);
+          ASSERT_TRUE(PagedAttention(p, seqs, qs.data(), out.data()).ok());
+          EXPECT_EQ(std::memcmp(out.data() + mine * row, want.data(), row * sizeof(float)), 0)
+              << what << ", " << threads << " threads";
+        };
+        expect_same({{table, n_cached, 1}}, 0, "alone");
+        expect_same({{table, kMaxKeys, 1}, {table, n_cached, 1}, {table, 40, 1}}, 1, "among decodes");
+        expect_same({{table, n_cached, 7}}, 0, "last of a prefill chunk");
+        expect_same({{table, 64, 64}, {table, n_cached, 1}}, 1, "beside a prefill");
+        expect_same({{table, kMaxKeys, 30}, {table, n_cached, 12}}, 1, "in a batch of prefill chunks");
+      }
+    }
+  }
+}
+
 TEST_P(CpuKernelsTest, PagedAttentionRejectsBadShapes) {
   PageLayout L{2, 3, 64, 16, KvDtype::kF16};
   std::vector<uint8_t> slab(static_cast<size_t>(L.page_bytes()));
