@@ -1060,8 +1060,8 @@ TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnTheBatch) {
     p.sliding_window = sh.window;
     const int row = sh.n_heads * sh.head_dim;
     for (int n_cached : {300, 700, 1500}) {
-      SCOPED_TRACE(::testing::Message() << "heads " << sh.n_heads << "/" << sh.kv_heads << " window " << sh.window
-                                        << " keys " << n_cached);
+      SCOPED_TRACE(::testing::Message() << "heads " << sh.n_heads << "/" << sh.kv_heads << " window "
+                                        << sh.window << " keys " << n_cached);
       const std::vector<float> q = RandomVec(rng, row, -1.0f, 1.0f);
       SetNumThreads(1);
       std::vector<float> want(row, NAN);
