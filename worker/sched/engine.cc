@@ -974,21 +974,19 @@ void Engine::Loop() {
             break;
           }
         }
-        const bool alone =
-            std::count_if(active_.begin(), active_.end(), [](const auto& r) { return !r->done; }) == 1;
-        if (victim != nullptr && alone && !victim->result.output.empty()) {
-          // Its context outgrew what tier 0 can give it: that is this worker's
-          // context limit, reached as --max_context is (the client keeps its text).
-          KV_LOG_WARN("session '{}': its context of {} tokens no longer fits in tier 0 ({} pages); ending it",
-                      victim->req.session_id, victim->context.size(), kv_->tier_capacity_pages(0));
-          Finish(*victim, absl::OkStatus(), FinishReason::kContextFull);
-        } else if (victim != nullptr) {
+        // A context that outgrew tier 0 has ended already (OutgrowsTier0, after
+        // each sampled token): this one would fit, but other holders of the tier
+        // (pinned sessions, sessions moving in or out) leave it no page now. That
+        // is no context limit, so not CONTEXT_FULL (a reply cut short as if it
+        // were complete): RESOURCE_EXHAUSTED, which a router continues elsewhere.
+        if (victim != nullptr) {
           Finish(*victim,
                  absl::ResourceExhaustedError(absl::StrCat(
                      victim->result.output.empty() ? "no KV cache memory to start the request"
                                                    : "no KV cache memory for the context to grow",
                      ": tier 0 holds ", kv_->tier_capacity_pages(0),
-                     " pages (--tier0_bytes), all held by running requests and pinned sessions")),
+                     " pages (--tier0_bytes), all held by running requests, pinned sessions and sessions "
+                     "moving in or out")),
                  std::nullopt);
         }
       }

@@ -349,6 +349,34 @@ TEST_F(EngineTest, RequestsOutgrowingTier0TogetherEachEndAtContextFull) {
   EXPECT_EQ(b.tokens, Expected(p2, 25));
 }
 
+// A request alone whose context would fit tier 0, but which a pinned session
+// leaves no page to grow into, fails RESOURCE_EXHAUSTED mid-stream (its tokens
+// stand, and the session keeps them), not OK with CONTEXT_FULL: that reads as a
+// reply that reached the worker's context limit, while another worker (or this
+// one later) can continue it. A black-box drain test saw such replies cut at
+// 16-19 pages of a 32-page tier 0 while idle sessions moved in.
+TEST_F(EngineTest, RequestBlockedByPinnedPagesFailsResourceExhaustedNotContextFull) {
+  Build(/*tier0_pages=*/4, /*tier1_pages=*/0);  // 64 tokens of 16-token pages
+  Collector pinned;
+  GenerateRequest fill = Req("pinned", RequestMode::kFullContext, Prompt(40), 1);
+  fill.pin = true;  // 41 tokens: 3 pages, kept in tier 0
+  ASSERT_TRUE(engine_->Submit(fill, &pinned).ok());
+  pinned.Wait();
+  ASSERT_TRUE(pinned.status.ok()) << pinned.status;
+  Collector c;
+  const auto prompt = Prompt(10, 1);
+  ASSERT_TRUE(engine_->Submit(Req("grows", RequestMode::kFullContext, prompt, 40), &c).ok());
+  c.Wait();
+  EXPECT_EQ(c.status.code(), absl::StatusCode::kResourceExhausted) << c.status;
+  // The K/V of its first 16 tokens fill its page; the 7th sampled token's
+  // needs a second, which the pin holds.
+  EXPECT_EQ(c.tokens.size(), 7u);
+  EXPECT_EQ(c.tokens, Expected(prompt, static_cast<int>(c.tokens.size())));
+  auto context = engine_->Context("grows", "t");
+  ASSERT_TRUE(context.ok()) << context.status();
+  EXPECT_EQ(context->size(), prompt.size() + c.tokens.size());
+}
+
 // A request that would have created its session and failed before its first
 // token leaves no session: it would hold one of the tenant's slots for nothing.
 TEST_F(EngineTest, NewSessionRefusedForMemoryLeavesNoSession) {
