@@ -82,7 +82,12 @@ std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& cont
   const auto& md = context.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) return std::nullopt;
-  absl::string_view value(it->second.data(), it->second.size());
+  return BearerToken(absl::string_view(it->second.data(), it->second.size()));
+}
+
+std::optional<absl::string_view> BearerToken(std::optional<absl::string_view> authorization) {
+  if (!authorization.has_value()) return std::nullopt;
+  absl::string_view value = *authorization;
   // The scheme is case-insensitive (RFC 7235 section 2.1): "bearer x" is "Bearer x".
   constexpr absl::string_view kScheme = "bearer ";
   if (!absl::StartsWithIgnoreCase(value, kScheme)) return absl::string_view();

@@ -68,8 +68,10 @@ class ClusterToken {
 
 // The token of a call's `authorization: Bearer <token>` metadata: nullopt when
 // the call has no authorization metadata, an empty view when it is not a bearer
-// token. The one parser of that header (routers' clients, workers' peers).
+// token. The one parser of that header (routers' clients, workers' peers, the
+// HTTP API's Authorization header: the overload takes its value).
 std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& context);
+std::optional<absl::string_view> BearerToken(std::optional<absl::string_view> authorization);
 
 // A channel whose every call carries `authorization: Bearer <token>`: the one
 // way kvcache's own clients attach a token (cluster or client).

@@ -44,7 +44,17 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& context,
                                                       bool need_admin) const {
-  const std::optional<absl::string_view> token = BearerToken(context);
+  const auto& md = context.client_metadata();
+  auto it = md.find("authorization");
+  return Authenticate(it == md.end() ? std::nullopt
+                                     : std::optional<absl::string_view>(
+                                           absl::string_view(it->second.data(), it->second.size())),
+                      need_admin);
+}
+
+absl::StatusOr<Principal> Authenticator::Authenticate(std::optional<absl::string_view> authorization,
+                                                      bool need_admin) const {
+  const std::optional<absl::string_view> token = BearerToken(authorization);
   // Without a tokens file every caller is anonymous, whatever it sends: SDKs
   // (OpenAI's among them) always send some key.
   if (!token.has_value() || (tokens_.empty() && allow_anonymous_)) {

@@ -12,10 +12,12 @@
 #define KVCACHE_ROUTER_AUTH_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "grpcpp/grpcpp.h"
 
 namespace kvcache::router {
@@ -40,6 +42,8 @@ class Authenticator {
   // callers are allowed; PERMISSION_DENIED when `need_admin` and the caller is
   // anonymous or its token is not an admin's.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& context, bool need_admin) const;
+  // The same for an `authorization` value (nullopt: none), e.g. an HTTP header.
+  absl::StatusOr<Principal> Authenticate(std::optional<absl::string_view> authorization, bool need_admin) const;
 
   bool enabled() const { return !tokens_.empty(); }
 

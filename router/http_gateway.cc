@@ -628,6 +628,18 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
   evbuffer* input = evhttp_request_get_input_buffer(req);
   const size_t size = evbuffer_get_length(input);
   const char* body = size == 0 ? "" : reinterpret_cast<const char*>(evbuffer_pullup(input, -1));
+  // Forwarded as is: the router reads it exactly as it reads gRPC metadata.
+  const char* authorization = Header(req, "Authorization");
+  if (authorization != nullptr && !std::all_of(authorization, authorization + std::strlen(authorization),
+                                               [](char c) { return c >= 0x20 && c < 0x7f; })) {
+    return SendError(req, absl::UnauthenticatedError("malformed Authorization header"));
+  }
+  if (options_.auth != nullptr) {
+    absl::StatusOr<Principal> who = options_.auth->Authenticate(
+        authorization == nullptr ? std::nullopt : std::optional<absl::string_view>(authorization),
+        /*need_admin=*/false);
+    if (!who.ok()) return SendError(req, who.status());
+  }
   const char* session = Header(req, "x-session-id");
   absl::StatusOr<openai::ParsedRequest> parsed =
       openai::ParseRequest(endpoint, absl::string_view(body, size), session == nullptr ? "" : session);
@@ -659,12 +671,6 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
                                 kMaxRequestTimeoutMs, "] (24 hours), got '", t, "'")));
     }
     timeout = absl::Milliseconds(ms);
-  }
-  // Forwarded as is: the router reads it exactly as it reads gRPC metadata.
-  const char* authorization = Header(req, "Authorization");
-  if (authorization != nullptr && !std::all_of(authorization, authorization + std::strlen(authorization),
-                                               [](char c) { return c >= 0x20 && c < 0x7f; })) {
-    return SendError(req, absl::UnauthenticatedError("malformed Authorization header"));
   }
   auto* exchange =
       new Exchange(this, req, *std::move(parsed), std::move(meta), absl::Now() + timeout, authorization);

@@ -37,6 +37,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/server.h"
+#include "router/auth.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvcache/v1/router.grpc.pb.h"
 
@@ -60,6 +61,11 @@ struct HttpGatewayOptions {
   size_t max_body_bytes = 8 << 20;
   // A keep-alive connection idle this long is closed.
   absl::Duration idle_timeout = absl::Minutes(5);
+  // The router's client tokens (or null): a request's Authorization header is
+  // checked before its body is read, so a caller without a valid token gets 401
+  // whatever it sent, and learns nothing of the served models or of what its
+  // body lacks. The router checks the forwarded call again.
+  const Authenticator* auth = nullptr;
 };
 
 class HttpGateway final : public ServerProcess::Frontend {

@@ -227,6 +227,7 @@ int Run() {
       ho.model_names.push_back(name);
     }
     ho.request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
+    ho.auth = auth.get();
     http = std::make_unique<router::HttpGateway>(std::move(ho));
     (*process)->AddFrontend(http.get());  // started and stopped by Serve
   }

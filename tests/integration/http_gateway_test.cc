@@ -33,7 +33,9 @@ namespace kvcache {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::HttpFetch;
+using testing::HttpHeaders;
 using testing::HttpResult;
 using Json = nlohmann::json;
 
@@ -159,6 +161,20 @@ TEST_F(HttpGatewayTest, RoutesAndStatuses) {
   EXPECT_EQ(HttpFetch(port_, "POST", "/v1/chat/completions", "\x01\x02{{").status, 400);
   EXPECT_EQ(HttpFetch(port_, "POST", "/v1/chat/completions", std::string(200000, '[')).status, 400);
   EXPECT_EQ(HttpFetch(port_, "GET", "/health").status, 200) << "the router survived them";
+
+  // A token the router does not know is 401 whatever the body holds: the caller
+  // learns neither what its body lacks nor which models are served (the body
+  // was read first: 400 and 404 with the served names).
+  const HttpHeaders stranger = {{"Authorization", "Bearer not-a-token-of-this-router"}};
+  for (const std::string& body : {std::string("\x01\x02{{"), std::string(R"({"n": 2, "prompt": [5]})"),
+                                  std::string(R"({"model": "gpt-4", "prompt": [5]})")}) {
+    HttpResult r = HttpFetch(port_, "POST", "/v1/completions", body, stranger);
+    EXPECT_EQ(r.status, 401) << body << ": " << r.body;
+    EXPECT_THAT(r.body, Not(HasSubstr("tiny"))) << body;
+  }
+  HttpResult admin = HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [5], "max_tokens": 1})",
+                               {{"Authorization", absl::StrCat("Bearer ", testing::kTestAdminToken)}});
+  EXPECT_EQ(admin.status, 200) << admin.body;
 }
 
 // A raw socket, so that the test decides when the connection closes.
