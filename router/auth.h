@@ -43,7 +43,8 @@ class Authenticator {
   // anonymous or its token is not an admin's.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& context, bool need_admin) const;
   // The same for an `authorization` value (nullopt: none), e.g. an HTTP header.
-  absl::StatusOr<Principal> Authenticate(std::optional<absl::string_view> authorization, bool need_admin) const;
+  absl::StatusOr<Principal> Authenticate(std::optional<absl::string_view> authorization,
+                                         bool need_admin) const;
 
   bool enabled() const { return !tokens_.empty(); }
 
