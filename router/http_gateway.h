@@ -37,9 +37,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/server.h"
-#include "router/auth.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvcache/v1/router.grpc.pb.h"
+#include "router/auth.h"
 
 struct event;
 struct event_base;
