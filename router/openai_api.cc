@@ -71,10 +71,15 @@ absl::StatusOr<std::string> String(const Json& v, const char* field) {
 }
 
 // A message's content: a string, or a list of text parts (joined by newlines,
-// as vLLM does); null is empty.
-absl::StatusOr<std::string> MessageContent(const Json& message, const std::string& field) {
+// as vLLM does). Required, as OpenAI requires it, but for an assistant's, which
+// may be null (a reply replayed with its refusal, say): empty then. A missing
+// one was an empty turn, so a client's misnamed field went unnoticed.
+absl::StatusOr<std::string> MessageContent(const Json& message, const std::string& field, bool optional) {
   const Json* content = Member(message, "content");
-  if (content == nullptr) return std::string();
+  if (content == nullptr || content->is_null()) {
+    if (optional) return std::string();
+    return FieldError(field, "needs its 'content' (a string or a list of text parts)");
+  }
   if (content->is_string()) return content->get<std::string>();
   if (!content->is_array()) return FieldError(field, "content must be a string or a list of text parts");
   std::vector<std::string> parts;
@@ -109,7 +114,7 @@ absl::Status ParseMessages(const Json& body, v1::ChatMessages* chat) {
     if (const Json* calls = Member(m, "tool_calls"); calls != nullptr && !calls->empty()) {
       return FieldError(field, "has tool_calls: tools are not supported");
     }
-    KVCACHE_ASSIGN_OR_RETURN(std::string content, MessageContent(m, field));
+    KVCACHE_ASSIGN_OR_RETURN(std::string content, MessageContent(m, field, /*optional=*/r == "assistant"));
     v1::ChatMessage* out = chat->add_messages();
     out->set_role(std::move(r));
     out->set_content(std::move(content));
@@ -195,6 +200,15 @@ absl::Status RefuseUnsupported(const Json& body) {
       KVCACHE_ASSIGN_OR_RETURN(double p, Number(*v, field));
       if (p != 0) return FieldError(field, "is not supported (only 0)");
     }
+  }
+  // vLLM's sampling extras besides top_k: accepted only at their no-op values.
+  if (const Json* v = Member(body, "repetition_penalty")) {
+    KVCACHE_ASSIGN_OR_RETURN(double p, Number(*v, "repetition_penalty"));
+    if (p != 1) return FieldError("repetition_penalty", "is not supported (only 1)");
+  }
+  if (const Json* v = Member(body, "min_p")) {
+    KVCACHE_ASSIGN_OR_RETURN(double p, Number(*v, "min_p"));
+    if (p != 0) return FieldError("min_p", "is not supported (only 0)");
   }
   // Chat's logprobs is a boolean; the legacy completions API's is a count of
   // alternatives, and any count (0 too) asks for the sampled tokens' log

@@ -150,6 +150,15 @@ TEST(OpenAiParseTest, BadInputIsInvalidArgumentNamingTheField) {
        "not supported"},
       {Endpoint::kChatCompletions, R"({"messages": [{"role": "user", "content": "x"}], "user": 7})", "user",
        "string"},
+      // A missing content was an empty turn (a client's misnamed field unnoticed).
+      {Endpoint::kChatCompletions, R"({"messages": [{"role": "user"}]})", "messages[0]", "content"},
+      {Endpoint::kChatCompletions, R"({"messages": [{"role": "system", "content": null}]})", "messages[0]",
+       "content"},
+      // vLLM's extras that kvcache does not apply were dropped silently.
+      {Endpoint::kChatCompletions,
+       R"({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.3})", "repetition_penalty",
+       "not supported"},
+      {Endpoint::kCompletions, R"({"prompt": "x", "min_p": 0.2})", "min_p", "not supported"},
       {Endpoint::kCompletions, R"({"prompt": ["a", "b"]})", "prompt", "several"},
       {Endpoint::kCompletions, R"({"prompt": [-1]})", "prompt", "token id"},
       {Endpoint::kCompletions, R"({"prompt": {}})", "prompt", "string"},
@@ -174,7 +183,7 @@ TEST(OpenAiParseTest, DefaultValuedUnsupportedFieldsAreAccepted) {
   auto r =
       Chat(R"({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false, "top_logprobs": 0,
                     "presence_penalty": 0, "frequency_penalty": 0.0, "tools": [], "logit_bias": {},
-                    "response_format": {"type": "text"}, "echo": false})");
+                    "response_format": {"type": "text"}, "echo": false, "repetition_penalty": 1, "min_p": 0})");
   EXPECT_TRUE(r.ok()) << r.status();
 }
 
