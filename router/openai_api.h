@@ -10,9 +10,9 @@
 // temperature (default 1, as OpenAI's), top_p, seed, stop (string or list),
 // stream, stream_options.include_usage, user, prompt_cache_key. Unknown fields
 // are ignored; known ones that kvcache cannot honour (n > 1, logprobs, echo,
-// tools, penalties (vLLM's repetition_penalty and min_p too), logit_bias, suffix,
-// a response_format other than text) are
-// INVALID_ARGUMENT rather than silently dropped.
+// tools, penalties (vLLM's repetition_penalty and min_p too), logit_bias,
+// suffix, a response_format other than text) are INVALID_ARGUMENT rather than
+// silently dropped.
 //
 // Every request is FULL_CONTEXT (OpenAI clients resend the history); its
 // session, the affinity key, is the x-session-id header, else
