@@ -998,6 +998,54 @@ TEST_F(WorkerTest, DrainMovesSessionsAndExits) {
   }
 }
 
+// A drain moves a pinned session whose pin the target's quota cannot take
+// unpinned, instead of leaving it on a worker that is about to exit (a
+// migration that is not a drain refuses it and leaves it where it was,
+// MigrationMovesPagesAndContinuesIdentically). A black-box test lost such a
+// session: the drain reported it dropped, and the worker exited with it.
+TEST_F(WorkerTest, DrainMovesAPinnedSessionOverTheTargetsPinQuotaUnpinned) {
+  auto src = StartWorker({"--worker_id=leaving"});
+  auto dst = StartWorker({"--worker_id=small", "--tenant_max_pinned_pages=1"});
+  ASSERT_NE(src, nullptr);
+  ASSERT_NE(dst, nullptr);
+  auto s = v1::Worker::NewStub(src->channel());
+  auto d = v1::Worker::NewStub(dst->channel());
+  const Turn first = Generate(s.get(), Text("kept", std::string(80, 'k'), 4));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  {
+    grpc::ClientContext c;
+    v1::PinSessionRequest pr;
+    pr.set_session_id("kept");
+    pr.set_pinned(true);
+    v1::SessionInfo info;
+    const grpc::Status st = s->PinSession(&c, pr, &info);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_TRUE(info.pinned());
+  }
+  grpc::ClientContext c;
+  v1::DrainRequest dr;
+  dr.add_targets(dst->grpc_address());
+  v1::DrainResponse resp;
+  ASSERT_TRUE(s->Drain(&c, dr, &resp).ok());
+  EXPECT_EQ(resp.sessions_migrated(), 1);
+  EXPECT_EQ(resp.sessions_dropped(), 0);
+  auto status = src->process().Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.ok()) << "drained worker did not exit";
+  {
+    grpc::ClientContext gc;
+    v1::SessionRequest gr;
+    gr.set_session_id("kept");
+    v1::SessionInfo info;
+    const grpc::Status st = d->GetSession(&gc, gr, &info);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_FALSE(info.pinned()) << "over the target's quota, the pin stays behind";
+    EXPECT_GE(info.tokens_cached(), 80);
+  }
+  const Turn t = Generate(d.get(), Text("kept", " after drain", 2, v1::APPEND));
+  EXPECT_TRUE(t.status.ok()) << t.status.error_message();
+  EXPECT_GT(t.final.usage().cached_tokens(), 80);
+}
+
 // The CPU kernel level comes from --cpu_kernel_level, else from
 // $KVCACHE_CPU_KERNEL_LEVEL, else the best the CPU has; kvcache_worker_info says
 // which one runs. A name that is not a level stops the worker at start (exit 2)

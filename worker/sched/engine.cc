@@ -1265,8 +1265,15 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
     absl::MutexLock lock(&mu_);
     if (state.pinned) {
       KVCACHE_ASSIGN_OR_RETURN(kv::SessionInfo info, kv_->GetSession(key));
-      KVCACHE_RETURN_IF_ERROR(CheckPinQuota(name.tenant, key, info.tier0_pages + info.tier1_pages));
-      KVCACHE_RETURN_IF_ERROR(kv_->PinSession(key));
+      absl::Status quota = CheckPinQuota(name.tenant, key, info.tier0_pages + info.tier1_pages);
+      if (quota.ok()) {
+        KVCACHE_RETURN_IF_ERROR(kv_->PinSession(key));
+      } else if (state.unpin_over_quota) {
+        KV_LOG_WARN("session '{}' moves in from a draining worker unpinned: {}", name.id,
+                    std::string(quota.message()));
+      } else {
+        return quota;
+      }
     }
     const int64_t last_reply =
         std::clamp<int64_t>(state.last_reply_tokens, 0, static_cast<int64_t>(context.size()));

@@ -189,6 +189,9 @@ struct ImportedState {
   int64_t last_reply_tokens = 0;  // the context's last tokens that its last request generated
   // Its last request there; InfinitePast, or a time ahead of this clock: now.
   absl::Time last_used = absl::InfinitePast();
+  // Over the tenant's pinned-pages quota here, import it unpinned (a drain's
+  // move) instead of refusing it.
+  bool unpin_over_quota = false;
 };
 
 class Engine {

@@ -42,6 +42,7 @@ void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
 sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
   sched::ImportedState state;
   state.pinned = commit.pinned();
+  state.unpin_over_quota = commit.unpin_over_quota();
   state.last_reply_tokens = commit.last_reply_tokens();
   if (commit.last_used_unix_ms() > 0) state.last_used = absl::FromUnixMillis(commit.last_used_unix_ms());
   return state;
@@ -580,7 +581,10 @@ absl::StatusOr<v1::MigrateSessionResponse> WorkerService::Migrate(const std::str
   absl::StatusOr<sched::SessionView> view = absl::UnknownError("read at the pause");
   auto send = [&](const kv::KvChunk& chunk, const std::vector<int32_t>& context) {
     v1::SessionChunk msg = ToWire(chunk, index++, context);
-    if (msg.has_commit()) SetCommitState(view, pinned, msg.mutable_commit());
+    if (msg.has_commit()) {
+      SetCommitState(view, pinned, msg.mutable_commit());
+      msg.mutable_commit()->set_unpin_over_quota(draining());  // this worker is about to exit
+    }
     bytes += static_cast<int64_t>(msg.ByteSizeLong());
     write_failed = !writer->Write(msg);
     return !write_failed;
