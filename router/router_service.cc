@@ -135,7 +135,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
 
   // Places the next attempt and starts it, or finishes when none is left.
   void NextAttempt() {
-    if (attempts_ >= router_->options_.max_attempts) return Finish(last_);
+    if (attempts_ >= router_->options_.max_attempts) return Finish(Refused());
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     // An APPEND whose session the directory has not heard of yet waits a moment
     // for the worker's placement event (it may trail the reply that created the
@@ -152,7 +152,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   void Attempt(absl::Duration session_wait) {
     auto placement = router_->Place(request_.session_id(), request_.tenant(), append_, tokens_, tried_,
                                     session_wait, &chain_);
-    if (!placement.ok()) return Finish(tried_.empty() ? ToGrpcStatus(placement.status()) : last_);
+    if (!placement.ok()) return Finish(tried_.empty() ? ToGrpcStatus(placement.status()) : Refused());
     if (attempts_ > 0) {
       placement->reason = PlacementReason::kRetry;
       router_->metrics_->OnRetry();
@@ -256,6 +256,13 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     }
   }
 
+  // The answer once every worker tried has refused: the last refusal, but a
+  // worker's RESOURCE_EXHAUSTED (no room now: worth retrying later) over
+  // another's OUT_OF_RANGE (a context that worker can never hold).
+  grpc::Status Refused() const {
+    return last_.error_code() == grpc::OUT_OF_RANGE && !no_room_now_.ok() ? no_room_now_ : last_;
+  }
+
   // Closes the session's copies that the current attempt left behind on other
   // workers (see stale_copies_), once.
   void CloseStaleCopies() {
@@ -290,6 +297,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       }
     }
     last_ = st;
+    if (st.error_code() == grpc::RESOURCE_EXHAUSTED) no_room_now_ = st;
     if (st.ok()) return Finish(st);
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     const bool first_token_sent = !emitted_.empty();
@@ -409,6 +417,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   std::vector<BlockHash> chain_;
   int64_t dispatched_prefill_ = 0;
   grpc::Status last_{grpc::UNAVAILABLE, "no healthy worker"};
+  grpc::Status no_room_now_;  // the last RESOURCE_EXHAUSTED refusal, if any
 
   std::atomic<bool> client_gone_{false};
   absl::Mutex mu_;

@@ -738,5 +738,27 @@ TEST_F(RouterDrainRaceTest, AFullContextTurnAfterAMigrationClosesNothingWhereThe
   EXPECT_EQ(a_->CloseCalls(), 0) << "a turn closed the session on the worker it had migrated from";
 }
 
+// When every worker refuses a FULL_CONTEXT request, a worker's "no room now"
+// (RESOURCE_EXHAUSTED: a later retry may fit) outweighs another's "never here"
+// (OUT_OF_RANGE), whichever came last; OUT_OF_RANGE only when each said so.
+// The router used to answer the last refusal, so a retryable request could
+// read as one that fits no worker.
+TEST_F(RouterDrainRaceTest, EveryWorkerRefusingAnswersNoRoomNowOverNeverHere) {
+  const grpc::Status no_room(grpc::RESOURCE_EXHAUSTED, "fake: no KV cache memory now");
+  const grpc::Status never(grpc::OUT_OF_RANGE, "fake: the context exceeds this tier 0");
+  const v1::GenerateRequest turn = testing::TokensRequest(kSession, {1, 2, 3}, 4, v1::FULL_CONTEXT);
+  a_->RefuseWith(no_room);  // the session's worker: tried first
+  b_->RefuseWith(never);
+  Reply r = testing::Generate(api_.get(), turn, absl::Seconds(30));
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_EQ(a_->GenerateCalls().size(), 1u);
+  EXPECT_EQ(b_->GenerateCalls().size(), 1u);
+  a_->RefuseWith(never);
+  r = testing::Generate(api_.get(), turn, absl::Seconds(30));
+  EXPECT_EQ(r.status.error_code(), grpc::OUT_OF_RANGE) << r.status.error_message();
+  EXPECT_EQ(a_->GenerateCalls().size(), 2u);
+  EXPECT_EQ(b_->GenerateCalls().size(), 2u);
+}
+
 }  // namespace
 }  // namespace kvcache
