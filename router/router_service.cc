@@ -373,7 +373,13 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   // The proxy's last call: answers the client and lets go of the object and of
   // the service.
   void Finish(const grpc::Status& st) {
-    router_->metrics_->OnRequestDone(CodeName(st));
+    // A client gone because its deadline passed counts as DEADLINE_EXCEEDED, so
+    // that dashboards tell timeouts (an HTTP 504 among them) from clients that
+    // left.
+    const bool timed_out = st.error_code() == grpc::CANCELLED && client_gone_.load() &&
+                           std::chrono::system_clock::now() >= deadline_;
+    router_->metrics_->OnRequestDone(timed_out ? CodeName(grpc::Status(grpc::DEADLINE_EXCEEDED, ""))
+                                               : CodeName(st));
     Close(st);
     router_->EndCall();
     Unref();

@@ -52,6 +52,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Reply;
 
 // The tenant the router gives callers without a token (--allow_unauthenticated).
@@ -758,6 +759,23 @@ TEST_F(RouterDrainRaceTest, EveryWorkerRefusingAnswersNoRoomNowOverNeverHere) {
   EXPECT_EQ(r.status.error_code(), grpc::OUT_OF_RANGE) << r.status.error_message();
   EXPECT_EQ(a_->GenerateCalls().size(), 2u);
   EXPECT_EQ(b_->GenerateCalls().size(), 2u);
+}
+
+// A client whose deadline passes while the worker has not answered counts as
+// DEADLINE_EXCEEDED in the router's requests, not CANCELLED: dashboards tell
+// timeouts (an HTTP API's 504 among them) from clients that left.
+TEST_F(RouterDrainRaceTest, AClientDeadlineCountsAsDeadlineExceeded) {
+  a_->HoldCalls();
+  const Reply r = testing::Generate(api_.get(), Append(), absl::Milliseconds(300));
+  EXPECT_EQ(r.status.error_code(), grpc::DEADLINE_EXCEEDED) << r.status.error_message();
+  std::string metrics;
+  EXPECT_TRUE(testing::WaitUntil([&] {
+    metrics = testing::HttpGet(router_->metrics_port(), "/metrics").value_or("");
+    return metrics.find("kvcache_router_requests_total{code=") != std::string::npos;
+  }));
+  EXPECT_THAT(metrics, HasSubstr("kvcache_router_requests_total{code=\"DEADLINE_EXCEEDED\"} 1"));
+  EXPECT_THAT(metrics, Not(HasSubstr("code=\"CANCELLED\"")));
+  a_->ReleaseHeld(grpc::Status(grpc::CANCELLED, "released"));
 }
 
 }  // namespace
