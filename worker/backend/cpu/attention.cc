@@ -1051,12 +1051,7 @@ absl::Status PagedAttention(const AttentionParams& params, absl::Span<const Atte
   }
   // Longest first + dynamic scheduling balances lengths that differ a lot.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  // The parts' states, in a buffer the calling thread keeps (every part writes
-  // all of its rows before MergeGroup reads them): allocated afresh, a prefill
-  // chunk's (256 queries at 4k keys: 5 MB a layer) cost the kernel's page
-  // clearing 5% of the call.
-  thread_local std::vector<float> partials;
-  if (partials.size() < static_cast<size_t>(partial_floats)) partials.resize(partial_floats);
+  std::vector<float> partials(static_cast<size_t>(partial_floats));
 
   const Ctx ctx{&params,
                 seqs.data(),
