@@ -33,10 +33,10 @@ namespace kvcache {
 namespace {
 
 using ::testing::HasSubstr;
-using ::testing::Not;
 using testing::HttpFetch;
 using testing::HttpHeaders;
 using testing::HttpResult;
+using ::testing::Not;
 using Json = nlohmann::json;
 
 // Open file descriptors of process `pid`.
