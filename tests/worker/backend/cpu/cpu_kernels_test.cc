@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/base/casts.h"
+#include "absl/status/status.h"
 #include "common/gguf/fp16.h"
 #include "common/gguf/ggml_types.h"
 #include "gtest/gtest.h"
@@ -968,18 +969,44 @@ TEST_P(CpuKernelsTest, PagedAttentionEveryHeadDim) {
   }
 }
 
+// The shape of the bit-for-bit attention tests below.
+struct RowShape {
+  int n_heads, kv_heads, head_dim, page_tokens, window;
+  KvDtype dtype;
+};
+
+// One layer of `keys` random keys in shuffled pages, and the params that read it.
+struct RandomLayer {
+  std::vector<uint8_t> slab;
+  std::vector<int32_t> table;
+  AttentionParams params;
+};
+
+absl::Status FillRandomLayer(const RowShape& sh, int keys, std::mt19937& rng, RandomLayer* out) {
+  const PageLayout L{1, sh.kv_heads, sh.head_dim, sh.page_tokens, sh.dtype};
+  const int n_pages = (keys + sh.page_tokens - 1) / sh.page_tokens;
+  out->slab.assign(static_cast<size_t>((n_pages + 1) * L.page_bytes()), 0);
+  out->table.resize(n_pages);
+  std::iota(out->table.begin(), out->table.end(), 1);
+  std::shuffle(out->table.begin(), out->table.end(), rng);
+  const std::vector<float> k = RandomVec(rng, int64_t{keys} * L.row_elems(), -2.0f, 2.0f);
+  const std::vector<float> v = RandomVec(rng, int64_t{keys} * L.row_elems());
+  out->params = AttentionParams();
+  out->params.layout = L;
+  out->params.kv_base = out->slab.data();
+  out->params.n_heads = sh.n_heads;
+  out->params.sliding_window = sh.window;
+  return WriteKv(L, out->slab.data(), out->table, 0, 0, keys, k.data(), v.data());
+}
+
 // A query row's output does not depend on how many query tokens came with it:
 // a decode token and the same position as the last token of a chunk give the
 // same bits (a worker that chunks a prompt differently, under memory pressure,
-// still samples what a roomy one samples). Up to 511 keys: from 512 on a long
-// range is split by the whole batch's cost, and merging rounds by the split.
+// still samples what a roomy one samples). Past 512 keys,
+// PagedAttentionRowDoesNotDependOnTheBatch checks the split ranges.
 TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnItsChunk) {
   std::mt19937 rng(53);
-  struct Shape {
-    int n_heads, kv_heads, head_dim, page_tokens, window;
-    KvDtype dtype;
-  };
-  const Shape shapes[] = {
+  const RowShape shapes[] = {
       {9, 3, 64, 16, 0, KvDtype::kF16},   // SmolLM2: groups of 3
       {4, 2, 128, 5, 0, KvDtype::kBF16},  // groups of 2, odd pages
       {4, 4, 32, 3, 19, KvDtype::kF32},   // MHA, pages shorter than a block, a window
@@ -987,24 +1014,14 @@ TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnItsChunk) {
   };
   for (int threads : {1, 2}) {
     SetNumThreads(threads);
-    for (const Shape& sh : shapes) {
-      PageLayout L{1, sh.kv_heads, sh.head_dim, sh.page_tokens, sh.dtype};
+    for (const RowShape& sh : shapes) {
       for (int n_cached : {1, 7, 100, 511}) {
         SCOPED_TRACE(::testing::Message() << "heads " << sh.n_heads << "/" << sh.kv_heads << " head_dim "
                                           << sh.head_dim << " keys " << n_cached << " threads " << threads);
-        const int n_pages = (n_cached + sh.page_tokens - 1) / sh.page_tokens;
-        std::vector<uint8_t> slab(static_cast<size_t>((n_pages + 1) * L.page_bytes()));
-        std::vector<int32_t> table(n_pages);
-        std::iota(table.begin(), table.end(), 1);
-        std::shuffle(table.begin(), table.end(), rng);
-        const std::vector<float> k = RandomVec(rng, n_cached * L.row_elems(), -2.0f, 2.0f);
-        const std::vector<float> v = RandomVec(rng, n_cached * L.row_elems());
-        ASSERT_TRUE(WriteKv(L, slab.data(), table, 0, 0, n_cached, k.data(), v.data()).ok());
-        AttentionParams p;
-        p.layout = L;
-        p.kv_base = slab.data();
-        p.n_heads = sh.n_heads;
-        p.sliding_window = sh.window;
+        RandomLayer kv;
+        ASSERT_TRUE(FillRandomLayer(sh, n_cached, rng, &kv).ok());
+        const std::vector<int32_t>& table = kv.table;
+        const AttentionParams& p = kv.params;
         // The decode token's output is the reference for the last row of each chunk.
         const int row = sh.n_heads * sh.head_dim;
         const std::vector<float> last_q = RandomVec(rng, row, -1.0f, 1.0f);
@@ -1032,32 +1049,18 @@ TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnItsChunk) {
 // one FULL_CONTEXT request (a black-box test saw them differ past ~500 tokens).
 TEST_P(CpuKernelsTest, PagedAttentionRowDoesNotDependOnTheBatch) {
   std::mt19937 rng(59);
-  struct Shape {
-    int n_heads, kv_heads, head_dim, page_tokens, window;
-    KvDtype dtype;
-  };
-  const Shape shapes[] = {
+  const RowShape shapes[] = {
       {9, 3, 64, 16, 0, KvDtype::kF16},    // SmolLM2
       {4, 2, 128, 5, 0, KvDtype::kBF16},   // odd pages
       {4, 4, 32, 3, 700, KvDtype::kF32},   // MHA, short pages, a window
       {8, 2, 64, 16, 300, KvDtype::kF16},  // groups of 4, a window
   };
   constexpr int kMaxKeys = 2100;
-  for (const Shape& sh : shapes) {
-    PageLayout L{1, sh.kv_heads, sh.head_dim, sh.page_tokens, sh.dtype};
-    const int n_pages = (kMaxKeys + sh.page_tokens - 1) / sh.page_tokens;
-    std::vector<uint8_t> slab(static_cast<size_t>((n_pages + 1) * L.page_bytes()));
-    std::vector<int32_t> table(n_pages);
-    std::iota(table.begin(), table.end(), 1);
-    std::shuffle(table.begin(), table.end(), rng);
-    const std::vector<float> k = RandomVec(rng, int64_t{kMaxKeys} * L.row_elems(), -2.0f, 2.0f);
-    const std::vector<float> v = RandomVec(rng, int64_t{kMaxKeys} * L.row_elems());
-    ASSERT_TRUE(WriteKv(L, slab.data(), table, 0, 0, kMaxKeys, k.data(), v.data()).ok());
-    AttentionParams p;
-    p.layout = L;
-    p.kv_base = slab.data();
-    p.n_heads = sh.n_heads;
-    p.sliding_window = sh.window;
+  for (const RowShape& sh : shapes) {
+    RandomLayer kv;
+    ASSERT_TRUE(FillRandomLayer(sh, kMaxKeys, rng, &kv).ok());
+    const std::vector<int32_t>& table = kv.table;
+    const AttentionParams& p = kv.params;
     const int row = sh.n_heads * sh.head_dim;
     for (int n_cached : {300, 700, 1500}) {
       SCOPED_TRACE(::testing::Message() << "heads " << sh.n_heads << "/" << sh.kv_heads << " window "
