@@ -78,11 +78,11 @@ absl::StatusOr<ClusterToken> ClusterToken::FromString(absl::string_view text) {
   return ClusterToken(std::string(token));
 }
 
-std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& context) {
+std::optional<absl::string_view> AuthorizationMetadata(const grpc::ServerContextBase& context) {
   const auto& md = context.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) return std::nullopt;
-  return BearerToken(absl::string_view(it->second.data(), it->second.size()));
+  return absl::string_view(it->second.data(), it->second.size());
 }
 
 std::optional<absl::string_view> BearerToken(std::optional<absl::string_view> authorization) {

@@ -66,12 +66,16 @@ class ClusterToken {
   std::string token_;
 };
 
-// The token of a call's `authorization: Bearer <token>` metadata: nullopt when
-// the call has no authorization metadata, an empty view when it is not a bearer
-// token. The one parser of that header (routers' clients, workers' peers, the
-// HTTP API's Authorization header: the overload takes its value).
-std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& context);
+// A call's `authorization` metadata, or nullopt.
+std::optional<absl::string_view> AuthorizationMetadata(const grpc::ServerContextBase& context);
+// The token of an `authorization: Bearer <token>` value (a call's metadata, or
+// the HTTP API's header): nullopt when there is none, an empty view when it is
+// not a bearer token. The one parser of that header (routers' clients, workers'
+// peers).
 std::optional<absl::string_view> BearerToken(std::optional<absl::string_view> authorization);
+inline std::optional<absl::string_view> BearerToken(const grpc::ServerContextBase& context) {
+  return BearerToken(AuthorizationMetadata(context));
+}
 
 // A channel whose every call carries `authorization: Bearer <token>`: the one
 // way kvcache's own clients attach a token (cluster or client).

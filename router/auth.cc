@@ -44,12 +44,7 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(const std
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& context,
                                                       bool need_admin) const {
-  const auto& md = context.client_metadata();
-  auto it = md.find("authorization");
-  return Authenticate(it == md.end() ? std::nullopt
-                                     : std::optional<absl::string_view>(
-                                           absl::string_view(it->second.data(), it->second.size())),
-                      need_admin);
+  return Authenticate(AuthorizationMetadata(context), need_admin);
 }
 
 absl::StatusOr<Principal> Authenticator::Authenticate(std::optional<absl::string_view> authorization,
