@@ -325,7 +325,8 @@ SessionLocation Directory::LocationLocked(const SessionKey& key, const SessionEn
   return loc;
 }
 
-void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost) {
+void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost,
+                                   std::vector<SessionKey>* held_out) {
   const std::optional<WorkerIndex> wi = IndexLocked(w);
   if (!wi.has_value()) return;
   WorkerState& state = workers_[*wi];
@@ -344,6 +345,7 @@ void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* l
     for (const SessionKey& key : held) {
       if (WithdrawLocked(key, *wi) && lost != nullptr) lost->push_back(key);
     }
+    if (held_out != nullptr) *held_out = std::move(held);
   }
   for (PageKey key : state.page_log) {
     auto it = pages_.find(key);
@@ -361,12 +363,32 @@ void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& 
   absl::MutexLock lock(&mu_);
   ForgetWorkerLocked(worker, nullptr);
   const WorkerIndex wi = InternLocked(worker);
+  auto stale = stale_.find(worker);
+  absl::flat_hash_set<SessionKey> still_stale;  // marks of copies the snapshot lists
   for (const auto& s : snapshot.sessions()) {
+    SessionKey key{s.tenant(), s.session_id()};
+    if (stale != stale_.end() && stale->second.contains(key)) {
+      if (ClaimedByAnotherLocked(key, wi)) {
+        // The session moved on elsewhere while this copy was out of reach.
+        stale_listed_.emplace_back(key, worker);
+        still_stale.insert(std::move(key));
+        continue;
+      }
+      // Nobody else holds it: the copy is the session (e.g. a worker that was
+      // forgotten and came back before any turn recreated it elsewhere).
+    }
     SessionEntry e;
     e.worker = wi;
     e.tier = s.state() == v1::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
     e.tokens = s.tokens_cached();
-    ClaimLocked(SessionKey{s.tenant(), s.session_id()}, e);
+    ClaimLocked(key, e);
+  }
+  if (stale != stale_.end()) {
+    if (still_stale.empty()) {
+      stale_.erase(stale);
+    } else {
+      stale->second = std::move(still_stale);
+    }
   }
   WorkerState& state = workers_[wi];
   state.page_log.reserve(snapshot.device_block_hashes_size() + snapshot.host_block_hashes_size());
@@ -392,6 +414,11 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
       // keyed under the empty tenant, which no caller has.
       SessionKey key{e.tenant(), e.session_id()};
       const v1::Tier tier = e.kind() == v1::CacheEvent::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
+      if (e.kind() == v1::CacheEvent::SESSION_PLACED) {
+        ClearStaleLocked(key, worker);  // placed anew: a current copy
+      } else if (IsStaleLocked(key, worker) && ClaimedByAnotherLocked(key, wi)) {
+        break;  // a stale copy moving between tiers stays out of the way
+      }
       SessionEntry* claim = ClaimOfLocked(key, wi);
       if (claim != nullptr && e.kind() != v1::CacheEvent::SESSION_PLACED) {
         // A holder moved it between its tiers: the claim stays where it ranks.
@@ -421,6 +448,7 @@ void Directory::ApplyEvent(const WorkerId& worker, const v1::CacheEvent& e) {
       // must not erase the session's new home, and a claim that another
       // stream has not yet withdrawn comes back when the newer one leaves.
       WithdrawLocked(SessionKey{e.tenant(), e.session_id()}, wi);
+      ClearStaleLocked(SessionKey{e.tenant(), e.session_id()}, worker);
       break;
     case v1::CacheEvent::PREFIX_STORED:
     case v1::CacheEvent::PREFIX_REMOVED: {
@@ -442,11 +470,63 @@ void Directory::ApplyLoad(const WorkerId& worker, const v1::WorkerLoad& load) {
   workers_[InternLocked(worker)].load = load;
 }
 
-std::vector<SessionKey> Directory::RemoveWorker(const WorkerId& worker) {
+std::vector<SessionKey> Directory::RemoveWorker(const WorkerId& worker, bool may_return) {
   absl::MutexLock lock(&mu_);
-  std::vector<SessionKey> lost;
-  ForgetWorkerLocked(worker, &lost);
+  std::vector<SessionKey> lost, held;
+  ForgetWorkerLocked(worker, &lost, &held);
+  if (may_return) {
+    for (SessionKey& key : held) stale_[worker].insert(std::move(key));
+  } else {
+    stale_.erase(worker);
+  }
   return lost;
+}
+
+bool Directory::ClaimedByAnotherLocked(const SessionKey& key, WorkerIndex w) const {
+  auto it = sessions_.find(key);
+  if (it != sessions_.end() && it->second.worker != w) return true;
+  auto oc = older_claims_.find(key);
+  if (oc == older_claims_.end()) return false;
+  return std::any_of(oc->second.begin(), oc->second.end(),
+                     [w](const SessionEntry& c) { return c.worker != w; });
+}
+
+bool Directory::IsStaleLocked(const SessionKey& key, const WorkerId& w) const {
+  auto it = stale_.find(w);
+  return it != stale_.end() && it->second.contains(key);
+}
+
+void Directory::ClearStaleLocked(const SessionKey& key, const WorkerId& w) {
+  auto it = stale_.find(w);
+  if (it == stale_.end()) return;
+  it->second.erase(key);
+  if (it->second.empty()) stale_.erase(it);
+}
+
+void Directory::MarkStale(const SessionKey& key, const WorkerId& worker) {
+  absl::MutexLock lock(&mu_);
+  stale_[worker].insert(key);
+  if (const std::optional<WorkerIndex> wi = IndexLocked(worker);
+      wi.has_value() && ClaimOfLocked(key, *wi) != nullptr && ClaimedByAnotherLocked(key, *wi)) {
+    WithdrawLocked(key, *wi);
+  }
+}
+
+void Directory::ClearStale(const SessionKey& key, const WorkerId& worker) {
+  absl::MutexLock lock(&mu_);
+  ClearStaleLocked(key, worker);
+}
+
+std::vector<std::pair<SessionKey, WorkerId>> Directory::TakeStaleCopies() {
+  absl::MutexLock lock(&mu_);
+  return std::exchange(stale_listed_, {});
+}
+
+size_t Directory::stale_copies() const {
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [w, keys] : stale_) n += keys.size();
+  return n;
 }
 
 std::optional<SessionLocation> Directory::FindSession(const SessionKey& key) const {

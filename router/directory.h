@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -84,14 +85,38 @@ class Directory {
   Directory(const Directory&) = delete;
   Directory& operator=(const Directory&) = delete;
 
-  // Replaces everything known about `worker` with `snapshot`.
+  // Replaces everything known about `worker` with `snapshot`, except that a
+  // stale copy (MarkStale) it lists is not taken while another worker holds
+  // the session: it is queued for TakeStaleCopies instead.
   void ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& snapshot);
   // Applies one cache event from `worker`'s stream.
   void ApplyEvent(const WorkerId& worker, const v1::CacheEvent& event);
   void ApplyLoad(const WorkerId& worker, const v1::WorkerLoad& load);
   // Forgets a worker (it went down or left the fleet): its sessions and pages
   // are no longer anywhere. Returns the sessions that were lost with it.
-  std::vector<SessionKey> RemoveWorker(const WorkerId& worker);
+  // `may_return`: the worker is unreachable, not gone, and may come back with
+  // its sessions (a hung process, a partition): each becomes a stale copy
+  // (MarkStale), which counts only if no other worker holds the session by
+  // then. Otherwise (it left the membership) nothing of it is kept.
+  std::vector<SessionKey> RemoveWorker(const WorkerId& worker, bool may_return = false);
+
+  // Stale copies: `worker`'s copy of the session is older than the session
+  // (a FULL_CONTEXT turn moved the session elsewhere while that worker could
+  // not be told to close its copy, or the worker was forgotten while it held
+  // the session). Until the copy is gone, no claim of it from a snapshot or a
+  // tier move wins over another worker's claim, so that calls never reach a
+  // conversation that has moved on; a snapshot of `worker` that lists it while
+  // another worker holds the session queues it for closing (TakeStaleCopies).
+  // A new placement on `worker`, its drop or export, a snapshot that no longer
+  // lists it, or ClearStale (the close was answered) ends the mark. MarkStale
+  // also withdraws the copy's claim if another worker claims the session.
+  void MarkStale(const SessionKey& key, const WorkerId& worker);
+  void ClearStale(const SessionKey& key, const WorkerId& worker);
+  // Stale copies that their workers listed again, for the caller to close;
+  // each is returned once per snapshot that listed it.
+  std::vector<std::pair<SessionKey, WorkerId>> TakeStaleCopies();
+  // Marks held: for tests and metrics.
+  size_t stale_copies() const;
 
   std::optional<SessionLocation> FindSession(const SessionKey& key) const;
   // A request on the session finished on `worker` with `tokens` in its context
@@ -214,9 +239,15 @@ class Directory {
   void RemovePagesLocked(absl::Span<const PageKey> keys, WorkerIndex w, uint8_t tier_bit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompactLogLocked(WorkerIndex w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops every session and page of `w` and frees its index.
-  void ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost_sessions)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops every session and page of `w` and frees its index. `held`, when not
+  // null, gets every session it claimed; `lost_sessions` those no other worker
+  // claims.
+  void ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* lost_sessions,
+                          std::vector<SessionKey>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether another worker than `w` claims the session (current or older).
+  bool ClaimedByAnotherLocked(const SessionKey& key, WorkerIndex w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool IsStaleLocked(const SessionKey& key, const WorkerId& w) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void ClearStaleLocked(const SessionKey& key, const WorkerId& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `entry.worker` holds the session now: its claim becomes the current one
   // (sessions_), an earlier claim by another worker waits in older_claims_.
   void ClaimLocked(const SessionKey& key, const SessionEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -258,6 +289,9 @@ class Directory {
   // every stream is delivered the current holder is the one worker that holds
   // it, whatever the interleaving: replicas converge. Usually empty.
   absl::flat_hash_map<SessionKey, std::vector<SessionEntry>> older_claims_ ABSL_GUARDED_BY(mu_);
+  // Stale copies (MarkStale) by worker name: a forgotten worker has no index.
+  absl::flat_hash_map<WorkerId, absl::flat_hash_set<SessionKey>> stale_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<SessionKey, WorkerId>> stale_listed_ ABSL_GUARDED_BY(mu_);  // for TakeStaleCopies
   PageTable pages_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WorkerId, WorkerIndex> index_ ABSL_GUARDED_BY(mu_);
   std::vector<WorkerState> workers_ ABSL_GUARDED_BY(mu_);  // by WorkerIndex

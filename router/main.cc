@@ -231,7 +231,10 @@ int Run() {
     http = std::make_unique<router::HttpGateway>(std::move(ho));
     (*process)->AddFrontend(http.get());  // started and stopped by Serve
   }
-  (*process)->SetCollectHook([&] { metrics.SetWorkers(pool.Workers()); });
+  (*process)->SetCollectHook([&] {
+    metrics.SetWorkers(pool.Workers());
+    metrics.SetStaleCopies(directory.stale_copies());
+  });
 
   // Readiness follows the pool: a router without enough healthy workers takes
   // no traffic.

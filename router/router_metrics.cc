@@ -46,7 +46,14 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                .Name("kvcache_router_dns_resolutions_total")
                .Help("DNS lookups of --worker_dns names by result (ok, empty, failed); empty and failed "
                      "ones keep the last good workers")
-               .Register(r)) {}
+               .Register(r)),
+      stale_copies_(
+          &prometheus::BuildGauge()
+               .Name("kvcache_router_stale_session_copies")
+               .Help("Copies of sessions that a FULL_CONTEXT turn moved elsewhere while their worker "
+                     "was out of reach, held back until they are closed")
+               .Register(r)
+               .Add({})) {}
 
 void RouterMetrics::SetWorkers(const std::vector<WorkerView>& workers) {
   absl::MutexLock lock(&mu_);

@@ -33,6 +33,8 @@ class RouterMetrics {
   void OnDnsResult(const char* result) { dns_.Add({{"result", result}}).Increment(); }
   // Mirrors worker health into kvcache_router_worker_up{worker}.
   void SetWorkers(const std::vector<WorkerView>& workers);
+  // Copies of sessions held back as stale (Directory::stale_copies).
+  void SetStaleCopies(size_t n) { stale_copies_->Set(static_cast<double>(n)); }
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -44,6 +46,7 @@ class RouterMetrics {
   prometheus::Counter* retries_;
   prometheus::Family<prometheus::Counter>& migrations_;
   prometheus::Family<prometheus::Counter>& dns_;
+  prometheus::Gauge* stale_copies_;
   absl::Mutex mu_;  // SetWorkers runs on the rebalancer and on scrapes
   absl::flat_hash_map<std::string, prometheus::Gauge*> up_series_ ABSL_GUARDED_BY(mu_);
 };

@@ -451,7 +451,10 @@ RouterService::RouterService(RouterOptions options, WorkerPool* pool, Directory*
     });
   }
   evacuator_ = std::thread([this] {
-    while (!stop_.WaitForNotificationWithTimeout(options_.evacuate_interval)) EvacuateDraining();
+    while (!stop_.WaitForNotificationWithTimeout(options_.evacuate_interval)) {
+      CloseListedStaleCopies();
+      EvacuateDraining();
+    }
   });
 }
 
@@ -652,19 +655,32 @@ void CallWorker(std::shared_ptr<grpc::Channel> channel, std::chrono::system_cloc
 void RouterService::CloseStaleCopy(const SessionKey& key, const WorkerId& worker) {
   auto channel = pool_->Channel(worker);
   if (channel == nullptr) return;  // gone with its worker
+  // Counted as a call, so that Shutdown waits for the answer that the
+  // directory is told.
+  if (!BeginCall()) return;
   v1::SessionRequest req;
   req.set_session_id(key.session_id);
   req.set_tenant(key.tenant);
   KV_LOG_INFO("session '{}' moved off worker {} by a FULL_CONTEXT turn; closing the copy there",
               key.session_id, worker);
   CallWorker<v1::SessionRequest, v1::CloseSessionResponse>(
-      std::move(channel), std::chrono::system_clock::now() + std::chrono::seconds(10),
+      std::move(channel), std::chrono::system_clock::now() + std::chrono::seconds(5),
       &v1::Worker::StubInterface::async_interface::CloseSession, std::move(req),
-      [id = key.session_id, worker](const grpc::Status& st, v1::CloseSessionResponse*) {
-        if (!st.ok() && st.error_code() != grpc::NOT_FOUND) {
-          KV_LOG_WARN("closing the stale copy of session '{}' on {} failed: {}", id, worker,
-                      st.error_message());
+      [this, key, worker](const grpc::Status& st, v1::CloseSessionResponse*) {
+        if (st.ok() || st.error_code() == grpc::NOT_FOUND) {
+          directory_->ClearStale(key, worker);
+        } else {
+          // Out of reach (hung, partitioned) or busy: the copy must not be
+          // taken for the session if the worker comes back with it; the
+          // directory holds it back and hands it to EvacuateDraining's loop
+          // to close again when the worker lists it.
+          directory_->MarkStale(key, worker);
+          KV_LOG_WARN(
+              "closing the stale copy of session '{}' on {} failed: {}; it is held back and closed "
+              "when the worker is back",
+              key.session_id, worker, st.error_message());
         }
+        EndCall();
       });
 }
 
@@ -966,6 +982,10 @@ void RouterService::DrainWorkerAsync(const std::string& worker, int32_t deadline
         }
         EndCall();
       });
+}
+
+void RouterService::CloseListedStaleCopies() {
+  for (auto& [key, worker] : directory_->TakeStaleCopies()) CloseStaleCopy(key, worker);
 }
 
 void RouterService::EvacuateDraining() {

@@ -65,7 +65,8 @@ struct RouterOptions {
   // How long an APPEND to a session on a draining worker waits for the session
   // to be migrated elsewhere before it is tried where it is.
   absl::Duration drain_move_wait = absl::Seconds(10);
-  // How often the router looks for draining workers to evacuate.
+  // How often the router looks for draining workers to evacuate, and for stale
+  // copies of sessions to close (Directory::TakeStaleCopies).
   absl::Duration evacuate_interval = absl::Milliseconds(250);
   // Rebalancing: every `rebalance_interval` (0 disables), move idle sessions off
   // a worker whose free device pages fell under `rebalance_low_free` of capacity
@@ -167,9 +168,13 @@ class RouterService final : public v1::KvCache::CallbackService {
                                   std::vector<BlockHash>* chain = nullptr);
   // Closes the copy of session `key` that `worker` still holds after a
   // FULL_CONTEXT request on it was served by another worker (round-robin or
-  // random placement, or a retry): a session lives on one worker. Fire and
-  // forget: a copy that is busy or gone stays as it is (logged).
+  // random placement, or a retry): a session lives on one worker. A close that
+  // fails marks the copy stale in the directory (Directory::MarkStale), which
+  // keeps it from being taken for the session and lists it again when the
+  // worker does; CloseListedStaleCopies then closes it.
   void CloseStaleCopy(const SessionKey& key, const WorkerId& worker);
+  // Closes the stale copies that workers listed again (Directory::TakeStaleCopies).
+  void CloseListedStaleCopies();
   void Rebalance();
   // Moves the sessions of workers that report `draining` (SIGTERM) elsewhere.
   void EvacuateDraining();

@@ -59,7 +59,8 @@ WorkerPool::WorkerPool(WorkerPoolOptions options, Directory* directory)
         }
       }
       for (const WorkerId& addr : forget) {
-        auto lost = directory_->RemoveWorker(addr);
+        // Unreachable, maybe not gone: what it holds may come back stale.
+        auto lost = directory_->RemoveWorker(addr, /*may_return=*/true);
         KV_LOG_WARN("worker {} unreachable for {}: forgetting it and {} sessions", addr,
                     absl::FormatDuration(options_.forget_after), lost.size());
       }

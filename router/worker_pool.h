@@ -7,7 +7,9 @@
 // stalls or skips a sequence number is cancelled and reopened; the reconnect
 // starts with a snapshot, which replaces what the directory knew of the worker.
 // A worker that stays unreachable longer than `forget_after` is removed from the
-// directory (its sessions are lost; the next FULL_CONTEXT request recomputes).
+// directory (its sessions are lost; the next FULL_CONTEXT request recomputes);
+// if it comes back with them, a copy that a turn recreated elsewhere meanwhile
+// is stale (Directory::RemoveWorker, may_return) and is closed, not used.
 //
 // Thread-safety: all public methods are thread-safe.
 #ifndef KVCACHE_ROUTER_WORKER_POOL_H_

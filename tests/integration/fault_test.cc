@@ -208,6 +208,68 @@ TEST_F(FaultTest, FrozenWorkerIsAvoidedThenRejoinsWithItsSessions) {
   EXPECT_EQ(testing::HealthCheck(router->channel(), "readiness").value_or(""), "SERVING");
 }
 
+// The router's kvcache_router_stale_session_copies, or -1 when it cannot be read.
+int StaleCopies(const testing::ServerUnderTest& router) {
+  auto body = testing::HttpGet(router.metrics_port(), "/metrics");
+  if (!body.ok()) return -1;
+  const std::string kName = "\nkvcache_router_stale_session_copies ";
+  const size_t at = body->find(kName);
+  if (at == std::string::npos) return -1;
+  return std::atoi(body->c_str() + at + kName.size());
+}
+
+// A worker frozen past --health_timeout and past the router's close of its
+// copy, while a FULL_CONTEXT turn moves its session to the other worker (what
+// the router's message tells a client to do), then thawed. Client view: the
+// next APPEND runs on the conversation the FULL_CONTEXT turn defined, on the
+// worker it ran on, token for token what a FULL_CONTEXT request of the whole
+// conversation gives, and the thawed worker no longer holds the old copy. Before
+// the fix the thawed worker's snapshot made its old copy the session again, and
+// the APPEND answered OK from the conversation without the second turn.
+TEST_F(FaultTest, AFrozenWorkersCopyOfAMovedSessionIsClosedNotServed) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  const std::string id = "moved";
+  std::vector<int32_t> conversation = Prompt(1, 40);
+  Reply first = Generate(stub.get(), Tokens(id, conversation, 4));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  const int frozen = first.final.worker_id() == "w0" ? 0 : 1;
+  const std::string alive = frozen == 0 ? "w1" : "w0";
+  conversation.insert(conversation.end(), first.tokens.begin(), first.tokens.end());
+
+  workers_[frozen]->process().Signal(SIGSTOP);
+  ASSERT_TRUE(PollUntil([&] { return RouterHealthOf(admin.get(), first.final.worker_id()) != "SERVING"; },
+                        absl::Seconds(20)));
+  const std::vector<int32_t> second_turn = Prompt(2, 20);
+  conversation.insert(conversation.end(), second_turn.begin(), second_turn.end());
+  Reply second = Generate(stub.get(), Tokens(id, conversation, 4));
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(second.final.worker_id(), alive);
+  conversation.insert(conversation.end(), second.tokens.begin(), second.tokens.end());
+  // The close of the frozen copy times out, and the router holds the copy back.
+  ASSERT_TRUE(PollUntil([&] { return StaleCopies(*router) == 1; }, absl::Seconds(30)))
+      << "stale copies: " << StaleCopies(*router);
+
+  workers_[frozen]->process().Signal(SIGCONT);
+  ASSERT_TRUE(PollUntil([&] { return StaleCopies(*router) == 0; }, absl::Seconds(30)))
+      << "the thawed worker's copy was not closed; stale copies: " << StaleCopies(*router);
+  EXPECT_EQ(WorkerSessions(workers_[frozen]->channel()).count(id), 0u);
+  EXPECT_EQ(RouterHealthOf(admin.get(), first.final.worker_id()), "SERVING");
+
+  const std::vector<int32_t> third_turn = Prompt(3, 10);
+  Reply third = Generate(stub.get(), Tokens(id, third_turn, 6, v1::APPEND));
+  ASSERT_TRUE(third.status.ok()) << third.status.error_message();
+  EXPECT_EQ(third.final.worker_id(), alive);
+  conversation.insert(conversation.end(), third_turn.begin(), third_turn.end());
+  Reply reference = Generate(stub.get(), Tokens("", conversation, 6));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  EXPECT_EQ(third.tokens, reference.tokens);
+  EXPECT_EQ(third.final.usage().prompt_tokens(), static_cast<int32_t>(conversation.size()));
+}
+
 // The router restarts (killed, a new one started) while the workers keep their
 // sessions. Client view: APPEND to every existing session through the new
 // router succeeds on the worker that held it, with its context from cache, and

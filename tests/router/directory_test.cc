@@ -128,6 +128,86 @@ TEST(DirectoryTest, SnapshotReplacesAndRemoveWorkerForgets) {
   EXPECT_FALSE(d.Load("a").has_value());
 }
 
+v1::WorkerSnapshot SnapshotOf(std::initializer_list<const char*> ids) {
+  v1::WorkerSnapshot snap;
+  for (const char* id : ids) {
+    auto* s = snap.add_sessions();
+    s->set_session_id(id);
+    s->set_tenant(kTenant);
+    s->set_tokens_cached(30);
+    s->set_state(v1::SESSION_IDLE);
+  }
+  return snap;
+}
+
+using StaleCopies = std::vector<std::pair<SessionKey, WorkerId>>;
+
+// A FULL_CONTEXT turn moved s1 from a to b while a hung, and the router's
+// close of a's copy failed. When a comes back, its snapshot must not make the
+// old conversation the session again (an APPEND would run on it and answer OK).
+TEST(DirectoryTest, AStaleCopyDoesNotWinWhenItsWorkerComesBack) {
+  Directory d;
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 40));
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 60));
+  d.MarkStale(K("s1"), "a");
+  EXPECT_EQ(Count(d, "a"), 0);  // its claim is withdrawn at once
+  d.ApplySnapshot("a", SnapshotOf({"s1", "s2"}));
+  ASSERT_TRUE(d.FindSession(K("s1")).has_value());
+  EXPECT_EQ(d.FindSession(K("s1"))->worker, "b");
+  EXPECT_EQ(d.FindSession(K("s2"))->worker, "a");
+  EXPECT_EQ(d.TakeStaleCopies(), (StaleCopies{{K("s1"), "a"}}));
+  EXPECT_TRUE(d.TakeStaleCopies().empty());
+  // Its tier moves do not claim it either; b's close leaves no session behind.
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_OFFLOADED, "s1"));
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "s1"));
+  EXPECT_FALSE(d.FindSession(K("s1")).has_value());
+  // Listed again by the next snapshot (the close failed again): queued again.
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 60));
+  d.ApplySnapshot("a", SnapshotOf({"s1", "s2"}));
+  EXPECT_EQ(d.FindSession(K("s1"))->worker, "b");
+  EXPECT_EQ(d.TakeStaleCopies(), (StaleCopies{{K("s1"), "a"}}));
+  EXPECT_EQ(d.stale_copies(), 1u);
+  d.ClearStale(K("s1"), "a");  // the close was answered
+  EXPECT_EQ(d.stale_copies(), 0u);
+}
+
+// A worker the router forgot (unreachable past --forget_after) comes back with
+// its sessions: those that a turn recreated elsewhere meanwhile are stale and
+// closed; the others are its own again.
+TEST(DirectoryTest, AForgottenWorkersSessionsComeBackOnlyWhereNobodyTookThemOver) {
+  Directory d;
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 40));
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s2", 40));
+  auto lost = d.RemoveWorker("a", /*may_return=*/true);
+  EXPECT_EQ(lost.size(), 2u);
+  EXPECT_EQ(d.stale_copies(), 2u);
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 60));
+  d.ApplySnapshot("a", SnapshotOf({"s1", "s2"}));
+  EXPECT_EQ(d.FindSession(K("s1"))->worker, "b");
+  EXPECT_EQ(d.FindSession(K("s2"))->worker, "a");
+  EXPECT_EQ(d.TakeStaleCopies(), (StaleCopies{{K("s1"), "a"}}));
+  EXPECT_EQ(d.stale_copies(), 1u);  // s2's mark ended: a holds it
+  // A worker that leaves the fleet leaves no marks behind.
+  d.RemoveWorker("a");
+  EXPECT_EQ(d.stale_copies(), 0u);
+}
+
+TEST(DirectoryTest, AStaleMarkEndsWithAPlacementADropOrASnapshotWithoutTheCopy) {
+  Directory d;
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 60));
+  d.MarkStale(K("s1"), "a");
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 70));  // a new turn there
+  EXPECT_EQ(d.stale_copies(), 0u);
+  EXPECT_EQ(d.FindSession(K("s1"))->worker, "a");
+  d.MarkStale(K("s1"), "b");
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "s1"));
+  EXPECT_EQ(d.stale_copies(), 0u);
+  d.MarkStale(K("s9"), "c");
+  d.ApplySnapshot("c", SnapshotOf({"s3"}));
+  EXPECT_EQ(d.stale_copies(), 0u);
+  EXPECT_TRUE(d.TakeStaleCopies().empty());
+}
+
 TEST(DirectoryTest, ReplicasFedTheSameStreamsAgree) {
   Directory r1, r2;
   std::vector<std::pair<std::string, v1::CacheEvent>> stream = {
