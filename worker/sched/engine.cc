@@ -221,7 +221,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     }
   }
   const uint64_t id = next_request_id_++;
-  live_.insert(id);
+  live_.emplace(id, request.deadline);
   if (!sid.empty()) {
     busy_.emplace(key, id);
     if (auto it = sessions_.find(key); it != sessions_.end()) it->second.last_used = absl::Now();
@@ -281,7 +281,7 @@ void Engine::Cancel(uint64_t request_id) {
 
 int Engine::CutRequests(const absl::Status& status) {
   absl::MutexLock lock(&mu_);
-  for (uint64_t id : live_) cancelled_.insert_or_assign(id, status);
+  for (const auto& [id, deadline] : live_) cancelled_.insert_or_assign(id, status);
   wake_.Signal();
   return static_cast<int>(live_.size());
 }
@@ -433,12 +433,25 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
     } else if (r.prepared) {
       auto it = sessions_.find(r.sid);
       if (it != sessions_.end()) {
+        SessionState& held = it->second;
         if (!revert) {
-          it->second.context = r.context;
-          it->second.last_reply = static_cast<int64_t>(r.result.output.size());
+          const int64_t before =
+              r.req.mode == RequestMode::kAppend
+                  ? static_cast<int64_t>(r.context.size() - r.req.input.size() - r.result.output.size())
+                  : static_cast<int64_t>(r.context.size() - r.result.output.size());
+          held.context = r.context;
+          held.last_reply = static_cast<int64_t>(r.result.output.size());
+          held.last_request = static_cast<int64_t>(held.context.size()) - std::max<int64_t>(before, 0);
+        } else {
+          held.last_reply = held.last_request = 0;  // it left the session as it was
         }
-        it->second.last_used = now;
+        held.last_used = now;
       }
+    } else if (!r.req.session_id.empty()) {
+      // Ended in the queue (cancelled, past its deadline, pushed out): the
+      // session is as it was, and this was its last request.
+      auto it = sessions_.find(kv::SessionKey(r.req.tenant, r.req.session_id));
+      if (it != sessions_.end()) it->second.last_reply = it->second.last_request = 0;
     }
   }
   r.observer->OnDone(status, r.result);
@@ -1075,8 +1088,12 @@ bool Engine::AwaitHolderLocked(const std::string& key, absl::Duration cancel_gra
   };
   // The cancel may come and the request end (its next step boundary) before
   // this thread runs again: ended_cancelled_ keeps what the wait must see.
+  // A holder past its deadline is as good as cancelled: its client has its
+  // DEADLINE_EXCEEDED already, and it leaves at the engine's next step.
   auto was_cancelled = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stopping_ || cancelled_.contains(id) || ended_cancelled_.contains(id);
+    auto live = live_.find(id);
+    return stopping_ || cancelled_.contains(id) || ended_cancelled_.contains(id) ||
+           (live != live_.end() && absl::Now() >= live->second);
   };
   auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return was_cancelled() || !holds(); };
   ++holder_waiters_;
@@ -1138,21 +1155,26 @@ absl::Status Engine::ForkSession(const std::string& id, const std::string& new_i
   const std::string key = kv::SessionKey(tenant, id);
   const std::string new_key = kv::SessionKey(tenant, new_id);
   std::vector<int32_t> context;
-  int64_t last_reply = 0;
+  int64_t last_reply = 0, last_request = 0;
   absl::Status st;
   {
     absl::MutexLock lock(&mu_);
     if (sessions_.contains(new_key) || busy_.contains(new_key)) {
       st = absl::AlreadyExistsError(absl::StrCat("session '", new_id, "' already exists"));
     } else if (st = CheckSessionQuota(tenant); st.ok()) {
-      context = sessions_.find(key)->second.context;
-      last_reply = sessions_.find(key)->second.last_reply;
+      const SessionState& from = sessions_.find(key)->second;
+      context = from.context;
+      last_reply = from.last_reply;
+      last_request = from.last_request;
     }
   }
   if (st.ok()) st = kv_->Fork(key, new_key);
   absl::MutexLock lock(&mu_);
   busy_.erase(key);
-  if (st.ok()) AddSessionLocked(new_key, SessionState{tenant, std::move(context), absl::Now(), last_reply});
+  if (st.ok()) {
+    AddSessionLocked(new_key,
+                     SessionState{tenant, std::move(context), absl::Now(), last_reply, last_request});
+  }
   return st;
 }
 
@@ -1234,6 +1256,7 @@ absl::StatusOr<SessionView> Engine::View(const std::string& id, const std::strin
   SessionView v;
   v.context_tokens = static_cast<int64_t>(it->second.context.size());
   v.last_reply_tokens = it->second.last_reply;
+  v.last_request_tokens = it->second.last_request;
   v.last_used = it->second.last_used;
   v.exporting = it->second.exports > 0;
   v.busy = busy_.contains(key);
@@ -1277,11 +1300,14 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
     }
     const int64_t last_reply =
         std::clamp<int64_t>(state.last_reply_tokens, 0, static_cast<int64_t>(context.size()));
+    // An exporter that did not say (an older one): the reply alone.
+    const int64_t last_request =
+        std::clamp<int64_t>(state.last_request_tokens, last_reply, static_cast<int64_t>(context.size()));
     // The idle TTL counts from the last request, wherever it ran.
     const absl::Time now = absl::Now();
     const absl::Time last_used =
         state.last_used == absl::InfinitePast() ? now : std::min(state.last_used, now);
-    AddSessionLocked(key, SessionState{name.tenant, std::move(context), last_used, last_reply});
+    AddSessionLocked(key, SessionState{name.tenant, std::move(context), last_used, last_reply, last_request});
     return absl::OkStatus();
   };
   if (absl::Status st = adopt(); !st.ok()) {

@@ -175,18 +175,20 @@ struct EngineLoad {
 
 // The engine's view of one named session.
 struct SessionView {
-  int64_t context_tokens = 0;     // see Engine::Context
-  int64_t last_reply_tokens = 0;  // of those, what the last request generated (the last ones)
-  absl::Time last_used;           // submit or end of the last request (or its import or fork)
-  bool exporting = false;         // an export or migration is running
-  bool busy = false;              // a request (or a session call) holds it
+  int64_t context_tokens = 0;       // see Engine::Context
+  int64_t last_reply_tokens = 0;    // of those, what the last request generated (the last ones)
+  int64_t last_request_tokens = 0;  // of those, what the last request added (input and reply)
+  absl::Time last_used;             // submit or end of the last request (or its import or fork)
+  bool exporting = false;           // an export or migration is running
+  bool busy = false;                // a request (or a session call) holds it
 };
 
 // What an exporter knew of a session beyond its pages (SessionChunk.Commit),
 // for Engine::FinishImport.
 struct ImportedState {
-  bool pinned = false;            // the exporter's pin
-  int64_t last_reply_tokens = 0;  // the context's last tokens that its last request generated
+  bool pinned = false;              // the exporter's pin
+  int64_t last_reply_tokens = 0;    // the context's last tokens that its last request generated
+  int64_t last_request_tokens = 0;  // the context's last tokens that its last request added
   // Its last request there; InfinitePast, or a time ahead of this clock: now.
   absl::Time last_used = absl::InfinitePast();
   // Over the tenant's pinned-pages quota here, import it unpinned (a drain's
@@ -398,20 +400,30 @@ class Engine {
     std::vector<int32_t> context;  // see Context()
     absl::Time last_used;
     int64_t last_reply = 0;  // tokens at the end of context that the last request generated
+    // Tokens at the end of context that the last request added: an APPEND's
+    // input and its reply (a FULL_CONTEXT request's reply). 0 after a request
+    // that left the session as it was. tokens_read = 0 drops them all.
+    int64_t last_request = 0;
     int exports = 0;
   };
   void AddSessionLocked(const std::string& key, SessionState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Tokens of `held`'s last reply that an APPEND request says its client did
-  // not read (GenerateRequest::tokens_read), dropped before its input.
+  // Tokens at the end of `held`'s context that an APPEND request says its
+  // client did not see (GenerateRequest::tokens_read), dropped before its
+  // input: the last reply's unread ones, or with tokens_read = 0 the whole last
+  // request, its input too. A client that read nothing of a reply cannot know
+  // whether its request reached the session (it may have been cut in the queue,
+  // or after tokens that were still on their way), and resends or replaces its
+  // message: either way the conversation it saw ends before that request.
   static int64_t UnreadTokens(const GenerateRequest& request, const SessionState& held) {
     if (request.mode != RequestMode::kAppend || request.tokens_read < 0) return 0;
-    return std::clamp<int64_t>(held.last_reply - request.tokens_read, 0,
-                               static_cast<int64_t>(held.context.size()));
+    const int64_t unread = request.tokens_read == 0 ? std::max(held.last_request, held.last_reply)
+                                                    : held.last_reply - request.tokens_read;
+    return std::clamp<int64_t>(unread, 0, static_cast<int64_t>(held.context.size()));
   }
   void EraseSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> tenant_sessions_ ABSL_GUARDED_BY(mu_);  // tenant -> sessions_
-  absl::flat_hash_set<uint64_t> live_ ABSL_GUARDED_BY(mu_);                     // submitted, not finished
+  absl::flat_hash_map<uint64_t, absl::Time> live_ ABSL_GUARDED_BY(mu_);  // submitted, not finished: deadline
   // Live requests to end at the next step boundary, with their status.
   absl::flat_hash_map<uint64_t, absl::Status> cancelled_ ABSL_GUARDED_BY(mu_);
   // Calls waiting in AwaitHolderLocked, and the requests that ended cancelled

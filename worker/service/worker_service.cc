@@ -30,12 +30,13 @@ class RefusedCall : public Reactor {
 };
 
 // What a Commit chunk carries of a session beyond its pages: the exporter's
-// `pinned`, and from `view` the last reply's length and the last request's time.
+// `pinned`, and from `view` the last reply's and request's lengths and the last request's time.
 void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
                     v1::SessionChunk::Commit* commit) {
   commit->set_pinned(pinned);
   if (!view.ok()) return;
   commit->set_last_reply_tokens(static_cast<int32_t>(view->last_reply_tokens));
+  commit->set_last_request_tokens(static_cast<int32_t>(view->last_request_tokens));
   commit->set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
 }
 
@@ -44,6 +45,7 @@ sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
   state.pinned = commit.pinned();
   state.unpin_over_quota = commit.unpin_over_quota();
   state.last_reply_tokens = commit.last_reply_tokens();
+  state.last_request_tokens = commit.last_request_tokens();
   if (commit.last_used_unix_ms() > 0) state.last_used = absl::FromUnixMillis(commit.last_used_unix_ms());
   return state;
 }

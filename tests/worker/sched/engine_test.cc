@@ -621,6 +621,117 @@ TEST_F(EngineTest, AppendWithTokensReadDropsTheUnreadEndOfTheLastReply) {
   EXPECT_EQ(d.tokens, Expected(seen, 2));
 }
 
+// A turn cut after the worker sent tokens that never reached the client (a
+// cancel or deadline while they were on their way): the client read none, so
+// it resends its message with tokens_read = 0, and the session continues from
+// before the cut turn, with the message once. Before, tokens_read = 0 dropped
+// only the cut reply and the message was there twice.
+TEST_F(EngineTest, AppendWithNoTokenReadUndoesTheCutRequestInputAndAll) {
+  Collector first;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 2);
+  Collector cut;
+  auto id = engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 50), &cut);
+  ASSERT_TRUE(id.ok()) << id.status();
+  runner_->WaitForEntered(s0 + 3);
+  engine_->Cancel(*id);
+  runner_->LimitSteps(-1);
+  cut.Wait();
+  EXPECT_EQ(cut.status.code(), absl::StatusCode::kCancelled);
+  ASSERT_GE(cut.tokens.size(), 1u) << "the cut turn must have sent tokens (that its client never read)";
+  EXPECT_EQ(engine_->View("s", "t")->last_request_tokens, 3 + static_cast<int64_t>(cut.tokens.size()));
+
+  GenerateRequest retry = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  retry.tokens_read = 0;
+  Collector c;
+  ASSERT_TRUE(engine_->Submit(retry, &c).ok());
+  c.Wait();
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  std::vector<int32_t> seen = Prompt(20);
+  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(c.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+  EXPECT_EQ(c.tokens, Expected(seen, 3));
+}
+
+// A turn cut in the queue, before it reached the session: it is still the
+// session's last request, with an empty reply, so tokens_read = 0 drops
+// nothing, and the reply before it, which the client read, stays. Before,
+// tokens_read = 0 dropped that reply.
+TEST_F(EngineTest, AppendWithNoTokenReadAfterARequestCutInTheQueueKeepsTheReplyBefore) {
+  EngineOptions o;
+  o.max_running = 1;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector first;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 1);
+  Collector running, queued;
+  ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
+  runner_->WaitForEntered(s0 + 2);  // "other" holds the only running slot
+  auto id = engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 5), &queued);
+  ASSERT_TRUE(id.ok()) << id.status();
+  engine_->Cancel(*id);
+  runner_->LimitSteps(-1);
+  queued.Wait();
+  EXPECT_EQ(queued.status.code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(queued.tokens.empty());
+  running.Wait();
+
+  GenerateRequest over = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  over.tokens_read = 1;  // of a reply of none
+  Collector refused;
+  EXPECT_EQ(engine_->Submit(over, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+  GenerateRequest retry = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  retry.tokens_read = 0;
+  Collector c;
+  ASSERT_TRUE(engine_->Submit(retry, &c).ok());
+  c.Wait();
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  std::vector<int32_t> seen = Prompt(20);
+  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(c.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+  EXPECT_EQ(c.tokens, Expected(seen, 3));
+}
+
+// A client whose turn ended DEADLINE_EXCEEDED sends the next one at once; the
+// engine thread has not yet seen the deadline (it is inside a step). The next
+// request waits for the late one to leave, as it would for a cancelled one,
+// instead of answering ABORTED after 100 ms.
+TEST_F(EngineTest, ARequestAfterItsPredecessorsDeadlineWaitsForItInsteadOfAborting) {
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 2);
+  Collector late;
+  GenerateRequest req = Req("s", RequestMode::kFullContext, Prompt(20), 50);
+  req.deadline = absl::Now() + absl::Milliseconds(30);
+  ASSERT_TRUE(engine_->Submit(req, &late).ok());
+  runner_->WaitForEntered(s0 + 3);
+  while (absl::Now() <= req.deadline) std::this_thread::yield();
+  Collector next;
+  absl::StatusOr<uint64_t> next_id;
+  std::atomic<bool> returned{false};
+  std::thread submit([&] {
+    next_id = engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 3), &next);
+    returned = true;
+  });
+  // Well past the 100 ms grace: without the wait it has answered ABORTED by now.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(returned) << next_id.status();
+  runner_->LimitSteps(-1);
+  submit.join();
+  ASSERT_TRUE(next_id.ok()) << next_id.status();
+  late.Wait();
+  EXPECT_EQ(late.status.code(), absl::StatusCode::kDeadlineExceeded);
+  next.Wait();
+  EXPECT_TRUE(next.status.ok()) << next.status;
+}
+
 // Submits labelled requests and notes the order in which they sample their first
 // token (observers run on the engine thread).
 class FirstTokenOrder {
