@@ -198,23 +198,6 @@ void DecodeQ6_K(const uint8_t* p, float* y) {
   }
 }
 
-absl::Status CheckRow(GgmlType type, int64_t n) {
-  const GgmlTypeTraits* t = GetTypeTraits(static_cast<uint32_t>(type));
-  if (t == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown ggml type ", static_cast<uint32_t>(type)));
-  }
-  if (!t->supported) {
-    return absl::UnimplementedError(absl::StrCat("tensor type ", t->name,
-                                                 " is not supported (supported: f32, f16, "
-                                                 "bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)"));
-  }
-  if (n < 0 || n % t->block_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("row of ", n, " elements is not a whole number of ",
-                                                   t->name, " blocks of ", t->block_size));
-  }
-  return absl::OkStatus();
-}
-
 // ---- Quantisers (round to nearest; ggml's reference rules for the 32-blocks). ----
 
 void QuantizeQ4_0(const float* x, uint8_t* p) {
@@ -443,6 +426,23 @@ const BlockCodec* CodecFor(GgmlType type) {
 }
 
 }  // namespace
+
+absl::Status CheckRow(GgmlType type, int64_t n) {
+  const GgmlTypeTraits* t = GetTypeTraits(static_cast<uint32_t>(type));
+  if (t == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown ggml type ", static_cast<uint32_t>(type)));
+  }
+  if (!t->supported) {
+    return absl::UnimplementedError(absl::StrCat("tensor type ", t->name,
+                                                 " is not supported (supported: f32, f16, "
+                                                 "bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)"));
+  }
+  if (n < 0 || n % t->block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("row of ", n, " elements is not a whole number of ",
+                                                   t->name, " blocks of ", t->block_size));
+  }
+  return absl::OkStatus();
+}
 
 const GgmlTypeTraits* GetTypeTraits(uint32_t raw) {
   for (const TraitsEntry& e : kTraits) {

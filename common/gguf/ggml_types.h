@@ -119,6 +119,11 @@ static_assert(sizeof(BlockQ4_K) == 144, "ggml layout");
 static_assert(sizeof(BlockQ5_K) == 176, "ggml layout");
 static_assert(sizeof(BlockQ6_K) == 210, "ggml layout");
 
+// OK when DequantizeRow decodes rows of `n` elements of `type`: UNIMPLEMENTED
+// (naming the types it decodes) for a type it cannot decode, INVALID_ARGUMENT
+// for an unknown type or when n is not a whole number of blocks.
+absl::Status CheckRow(GgmlType type, int64_t n);
+
 // Decodes `n` elements of `type` at `src` into `dst` (float). `src` need not
 // be aligned.
 // REQUIRES: src holds RowBytes(type, n) bytes, dst holds n floats.

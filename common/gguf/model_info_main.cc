@@ -24,6 +24,8 @@
 #include "common/tokenizer/tokenizer.h"
 #include "worker/backend/cpu/matmul.h"
 #include "worker/kv/kv_shape.h"
+#include "worker/model/llama_model.h"
+#include "worker/model/rope.h"
 
 ABSL_FLAG(std::string, model, "", "GGUF model file (default: $KVCACHE_MODEL or the set-up cache)");
 ABSL_FLAG(std::string, tokenize, "", "text to tokenise with the model's tokenizer");
@@ -130,7 +132,9 @@ int main(int argc, char** argv) {
     const char* route = type == GgmlType::kF32 ? "f32 FMA kernel (norm weights are f32 too)"
                         : kvcache::cpu::IsIntegerDotType(type)
                             ? "integer dot with 8-bit activations, re-laid in 16-row groups at load"
-                            : "dequantised to f32 per call (slow path)";
+                        : kvcache::gguf::TypeTraits(type).supported
+                            ? "dequantised to f32 per call (slow path)"
+                            : "NOT SUPPORTED: no kernel decodes it (the worker refuses the file)";
     printf("  %-8s %4d tensors %12lld bytes  %s\n", name.c_str(), e.count, static_cast<long long>(e.bytes),
            route);
   }
@@ -208,6 +212,19 @@ int main(int argc, char** argv) {
   printf("chat template:     %s\n", chat.ok() ? kvcache::tok::ChatTemplate::KindName(chat->kind())
                                               : std::string(chat.status().message()).c_str());
 
+  // What the worker does with the file at start: its weights (names, shapes,
+  // types), RoPE and tokenizer, each of which it refuses the file over.
+  absl::Status loads = tok.status();
+  if (loads.ok()) {
+    auto again = kvcache::gguf::OpenModelFile(path);
+    auto model = again.ok() ? kvcache::model::LlamaModel::FromFile(std::move(*again))
+                            : absl::StatusOr<std::unique_ptr<kvcache::model::LlamaModel>>(again.status());
+    loads = model.ok() ? kvcache::model::RopeParamsFor((*model)->hparams(), (*model)->rope_freqs()).status()
+                       : model.status();
+  }
+  printf("worker:            %s\n",
+         loads.ok() ? "loads this file" : absl::StrCat("refuses this file: ", loads.ToString()).c_str());
+
   const std::string text = absl::GetFlag(FLAGS_tokenize);
   if (!text.empty()) {
     if (!tok.ok()) return Fail(tok.status());
@@ -219,5 +236,5 @@ int main(int argc, char** argv) {
       printf("  %6d  '%s'\n", id, Escape((*tok)->TokenToPiece(id, true).value()).c_str());
     }
   }
-  return 0;
+  return loads.ok() ? 0 : 1;
 }

@@ -183,6 +183,10 @@ absl::StatusOr<std::string> BuildTinyLlama(const TinyLlamaOptions& o) {
     for (const auto& [suffix, t] : o.type_overrides) {
       if (absl::EndsWith(name, suffix)) type = t;
     }
+    if (!TypeTraits(type).supported) {
+      KVCACHE_ASSIGN_OR_RETURN(const int64_t row_bytes, RowBytes(type, ne0));
+      return w.AddTensor(name, type, {ne0, ne1}, std::string(static_cast<size_t>(row_bytes * ne1), '\0'));
+    }
     return w.AddTensorFromFloats(name, type, {ne0, ne1}, random(ne0 * ne1));
   };
   // Shapes in ggml order [ne0 = input features, ne1 = output features].

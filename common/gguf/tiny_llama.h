@@ -46,7 +46,9 @@ struct TinyLlamaOptions {
   GgmlType weight_type = GgmlType::kF32;
   // Per-matrix exceptions: a matrix whose name ends with `first` (e.g.
   // "attn_v.weight") takes type `second`, as llama.cpp's mixed quantisations do
-  // (Q4_K_M keeps V and FFN-down in Q6_K).
+  // (Q4_K_M keeps V and FFN-down in Q6_K). A type this library cannot
+  // quantise (Q2_K, Q3_K, the IQ types) is written as zero blocks: a file for
+  // tests of what refuses it.
   std::vector<std::pair<std::string, GgmlType>> type_overrides;
   float weight_scale = 0.05f;  // weights ~ uniform(-scale, scale)
   uint64_t seed = 1;

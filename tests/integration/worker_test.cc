@@ -1139,6 +1139,31 @@ TEST_F(WorkerTest, WorkerAndModelInfoRefuseTheSameBadBudgetFlags) {
   EXPECT_THAT(out, HasSubstr("--page_tokens=32 --kv_dtype=bf16"));
 }
 
+// A weight type no kernel decodes (Q3_K: llama.cpp's Q2_K and Q3_K_S files hold
+// it): the worker refuses the file at start, and kvcache-model-info marks the
+// type and exits 1 with the same reason. The worker used to start, say it was
+// ready, and fail every request with INTERNAL.
+TEST_F(WorkerTest, WorkerAndModelInfoRefuseAWeightTypeNoKernelDecodes) {
+  gguf::TinyLlamaOptions o;
+  o.n_embd = 256;  // a whole K-quant super-block per row
+  o.n_ff = 512;
+  o.type_overrides = {{"ffn_down.weight", gguf::GgmlType::kQ3_K}};
+  const std::string path = ::testing::TempDir() + "/kvcache_worker_test_q3_k.gguf";
+  ASSERT_TRUE(gguf::WriteTinyLlama(o, path).ok());
+  const std::string reason = "tensor blk.0.ffn_down.weight: tensor type q3_K is not supported";
+  auto [code, out] = testing::RunToExit(testing::BinaryPath("worker/kvcache-worker") +
+                                        " --allow_unauthenticated --model=" + path);
+  EXPECT_NE(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("UNIMPLEMENTED: " + reason));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+  auto [info_code, info] =
+      testing::RunToExit(testing::BinaryPath("common/gguf/kvcache-model-info") + " --model=" + path);
+  EXPECT_EQ(info_code, 1) << info;
+  EXPECT_THAT(info, HasSubstr("NOT SUPPORTED"));
+  EXPECT_THAT(info, HasSubstr("worker:            refuses this file: UNIMPLEMENTED: " + reason));
+  std::remove(path.c_str());
+}
+
 // KV budgets given that the worker's memory limit cannot hold
 // (--memory_limit_bytes, else the container's cgroup limit) stop it at start
 // with the sum spelled out, instead of the OOM killer ending it, and its

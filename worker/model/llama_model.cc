@@ -20,6 +20,11 @@ absl::StatusOr<WeightView> Matrix(const gguf::GgufFile& f, const std::string& na
     return absl::InvalidArgumentError(
         absl::StrFormat("tensor %s has shape %s, want [%d, %d]", name, t->ShapeString(), cols, rows));
   }
+  // A type no kernel decodes (Q2_K, Q3_K, the IQ and ternary types) is refused
+  // here, at start, not by every request's first step.
+  if (absl::Status st = gguf::CheckRow(t->type, cols); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("tensor ", name, ": ", st.message()));
+  }
   return WeightView{t->type, t->data, rows, cols};
 }
 

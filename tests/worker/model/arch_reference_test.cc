@@ -208,5 +208,25 @@ TEST(ArchitectureTest, OthersAreRefusedNamingWhatIsSupported) {
   EXPECT_NE(h.status().message().find("llama, qwen2, qwen3"), std::string::npos) << h.status();
 }
 
+// A weight type no kernel decodes (Q3_K here: llama.cpp's Q3_K_S and Q2_K files
+// hold it) is refused when the model loads, naming the tensor and the types
+// that work, not by every request's first step (INTERNAL, on a worker that
+// said it was ready).
+TEST(ArchitectureTest, AWeightTypeNoKernelDecodesIsRefusedAtLoad) {
+  gguf::TinyLlamaOptions o;
+  o.n_embd = 256;  // a whole K-quant super-block per row
+  o.n_ff = 512;
+  o.type_overrides = {{"ffn_down.weight", gguf::GgmlType::kQ3_K}};
+  auto bytes = gguf::BuildTinyLlama(o);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto file = gguf::GgufFile::OpenFromBuffer(*bytes);
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto model = model::LlamaModel::FromFile(std::move(*file));
+  ASSERT_EQ(model.status().code(), absl::StatusCode::kUnimplemented) << model.status();
+  EXPECT_NE(model.status().message().find("blk.0.ffn_down.weight"), std::string::npos) << model.status();
+  EXPECT_NE(model.status().message().find("q3_K"), std::string::npos) << model.status();
+  EXPECT_NE(model.status().message().find("q6_K"), std::string::npos) << model.status();
+}
+
 }  // namespace
 }  // namespace kvcache
