@@ -107,11 +107,15 @@ class ChatTemplate {
   absl::StatusOr<std::string> RenderAppend(absl::Span<const ChatMessage> messages, bool add_generation_prompt,
                                            ContentSpans* content_spans = nullptr) const;
 
+  // The text that ends an assistant turn in this template (<|im_end|>,
+  // <|eot_id|>, EOS): what RenderAppend takes the session to hold before its
+  // text, and what a reply that stopped without it (max_tokens, a stop string,
+  // a cancel) is closed with before an APPEND chat turn.
+  std::string EndOfTurn() const;
+
  private:
   ChatTemplate(Kind kind, std::string default_system, std::string bos, std::string eos)
       : kind_(kind), default_system_(std::move(default_system)), bos_(std::move(bos)), eos_(std::move(eos)) {}
-  // The text that ends an assistant turn in this template.
-  std::string EndOfTurn() const;
 
   Kind kind_;
   std::string default_system_;

@@ -22,6 +22,9 @@
 #include "common/gguf/gguf_reader.h"
 #include "common/gguf/model_path.h"
 #include "common/gguf/tiny_llama.h"
+#include "common/input_tokens.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcache/v1/worker.grpc.pb.h"
@@ -1386,6 +1389,46 @@ TEST_F(WorkerTest, RealVocabulariesServeMultiTurnChat) {
     Turn r2 = chat_turn("twin", v1::APPEND, false, "And of Germany?");
     EXPECT_EQ(r1.tokens, t1.tokens);
     EXPECT_EQ(r2.tokens, t2.tokens);
+
+    // Turn 1 was cut by max_tokens, without its end-of-turn token: the APPEND
+    // turn closed it first, so that the session holds what the template renders
+    // for the whole conversation (turn 1's prompt, the reply, the end of turn,
+    // turn 2), which a FULL_CONTEXT request of those tokens shows. It used to
+    // run without the end of turn, one token shorter, on malformed chat.
+    auto file = gguf::GgufFile::Open(path);
+    ASSERT_TRUE(file.ok()) << file.status();
+    auto tokenizer = tok::Tokenizer::FromGguf(**file);
+    auto chat_template = tok::ChatTemplate::FromGguf(**file);
+    ASSERT_TRUE(tokenizer.ok() && chat_template.ok());
+    auto chat_of = [&](bool with_system, const std::string& text) {
+      v1::Input input;
+      if (with_system) {
+        auto* sys = input.mutable_chat()->add_messages();
+        sys->set_role("system");
+        sys->set_content("You answer in one short sentence.");
+      }
+      auto* m = input.mutable_chat()->add_messages();
+      m->set_role("user");
+      m->set_content(text);
+      return input;
+    };
+    auto p1 = TokenizeInput(chat_of(system, "What is the capital of France? Réponds en français."), false,
+                            **tokenizer, &*chat_template);
+    auto p2 = TokenizeInput(chat_of(false, "And of Germany?"), true, **tokenizer, &*chat_template);
+    ASSERT_TRUE(p1.ok() && p2.ok());
+    tok::EncodeOptions special;
+    special.add_special = false;
+    special.parse_special = true;
+    std::vector<int32_t> whole = *p1;
+    whole.insert(whole.end(), t1.tokens.begin(), t1.tokens.end());
+    for (int32_t id : (*tokenizer)->Encode(chat_template->EndOfTurn(), special)) whole.push_back(id);
+    whole.insert(whole.end(), p2->begin(), p2->end());
+    v1::GenerateRequest full = testing::TokensRequest("", whole, 6);
+    full.mutable_sampling()->set_ignore_eos(true);
+    Turn f = Generate(stub.get(), full);
+    ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+    EXPECT_EQ(u2.prompt_tokens(), f.final.usage().prompt_tokens());
+    EXPECT_EQ(t2.tokens, f.tokens);
     std::remove(path.c_str());
   }
 }

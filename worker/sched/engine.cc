@@ -64,6 +64,7 @@ struct Engine::Request {
   bool decoding = false;            // the prompt is in the cache; pending holds the sampled token
   bool created_session = false;     // Prepare created the (named) session for this request
   bool had_session = false;         // the engine knew the session before this request (see Finish)
+  int64_t closed_turn = 0;          // close_turn tokens Prepare put before the input
   std::vector<int32_t> context;     // every token of the conversation so far
   std::vector<int32_t> pending;     // tokens of `context` without K/V yet, in order
   int64_t prefix_restored = 0;      // of the cached tokens attached before it started, from tier 1
@@ -171,7 +172,8 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
                                                        held.last_reply,
                                                        " tokens of the last reply of session '", sid, "'"));
       }
-      context += static_cast<int64_t>(held.context.size()) - UnreadTokens(request, held);
+      context += static_cast<int64_t>(held.context.size()) - UnreadTokens(request, held) +
+                 static_cast<int64_t>(request.close_turn.size());
     }
   }
   if (context >= options_.max_context) {
@@ -303,14 +305,19 @@ bool Engine::Prepare(Request& r) {
   }
   std::vector<int32_t> known;  // the context the engine holds for the session
   bool exists = false;
-  int64_t unread = 0;  // tokens of its last reply that the client says it did not read
+  int64_t unread = 0;       // tokens of its last reply that the client says it did not read
+  bool reply_open = false;  // what is kept ends inside a reply that stopped without its end of turn
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(r.sid);
     if (it != sessions_.end()) {
+      const SessionState& held = it->second;
       exists = true;
-      known = it->second.context;
-      unread = UnreadTokens(q, it->second);
+      known = held.context;
+      unread = UnreadTokens(q, held);
+      // tokens_read = 0 goes back to before the last request; another value
+      // keeps part of the last reply, cut short.
+      reply_open = q.tokens_read == 0 ? held.reply_open_before : unread > 0 || held.reply_open;
     }
   }
   r.had_session = exists;
@@ -321,6 +328,10 @@ bool Engine::Prepare(Request& r) {
     }
     r.context = std::move(known);
     r.context.resize(r.context.size() - static_cast<size_t>(unread));
+    if (reply_open && !r.context.empty() && !IsEndOfGeneration(r.context.back())) {
+      r.context.insert(r.context.end(), q.close_turn.begin(), q.close_turn.end());
+      r.closed_turn = static_cast<int64_t>(q.close_turn.size());
+    }
     r.context.insert(r.context.end(), q.input.begin(), q.input.end());
   } else {
     r.context = q.input;
@@ -435,15 +446,17 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
       if (it != sessions_.end()) {
         SessionState& held = it->second;
         if (!revert) {
-          const int64_t before =
-              r.req.mode == RequestMode::kAppend
-                  ? static_cast<int64_t>(r.context.size() - r.req.input.size() - r.result.output.size())
-                  : static_cast<int64_t>(r.context.size() - r.result.output.size());
+          const bool append = r.req.mode == RequestMode::kAppend;
+          const int64_t added = static_cast<int64_t>(r.result.output.size()) +
+                                (append ? static_cast<int64_t>(r.req.input.size()) + r.closed_turn : 0);
           held.context = r.context;
           held.last_reply = static_cast<int64_t>(r.result.output.size());
-          held.last_request = static_cast<int64_t>(held.context.size()) - std::max<int64_t>(before, 0);
+          held.last_request = std::min(added, static_cast<int64_t>(held.context.size()));
+          held.reply_open_before = append && held.reply_open;
+          held.reply_open = !r.result.output.empty() && !IsEndOfGeneration(held.context.back());
         } else {
           held.last_reply = held.last_request = 0;  // it left the session as it was
+          held.reply_open_before = held.reply_open;
         }
         held.last_used = now;
       }
@@ -451,7 +464,10 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
       // Ended in the queue (cancelled, past its deadline, pushed out): the
       // session is as it was, and this was its last request.
       auto it = sessions_.find(kv::SessionKey(r.req.tenant, r.req.session_id));
-      if (it != sessions_.end()) it->second.last_reply = it->second.last_request = 0;
+      if (it != sessions_.end()) {
+        it->second.last_reply = it->second.last_request = 0;
+        it->second.reply_open_before = it->second.reply_open;
+      }
     }
   }
   r.observer->OnDone(status, r.result);
@@ -1154,27 +1170,22 @@ absl::Status Engine::ForkSession(const std::string& id, const std::string& new_i
   KVCACHE_RETURN_IF_ERROR(Reserve(id, tenant));
   const std::string key = kv::SessionKey(tenant, id);
   const std::string new_key = kv::SessionKey(tenant, new_id);
-  std::vector<int32_t> context;
-  int64_t last_reply = 0, last_request = 0;
+  SessionState copy;  // the conversation and what its last request was
   absl::Status st;
   {
     absl::MutexLock lock(&mu_);
     if (sessions_.contains(new_key) || busy_.contains(new_key)) {
       st = absl::AlreadyExistsError(absl::StrCat("session '", new_id, "' already exists"));
     } else if (st = CheckSessionQuota(tenant); st.ok()) {
-      const SessionState& from = sessions_.find(key)->second;
-      context = from.context;
-      last_reply = from.last_reply;
-      last_request = from.last_request;
+      copy = sessions_.find(key)->second;
+      copy.last_used = absl::Now();
+      copy.exports = 0;
     }
   }
   if (st.ok()) st = kv_->Fork(key, new_key);
   absl::MutexLock lock(&mu_);
   busy_.erase(key);
-  if (st.ok()) {
-    AddSessionLocked(new_key,
-                     SessionState{tenant, std::move(context), absl::Now(), last_reply, last_request});
-  }
+  if (st.ok()) AddSessionLocked(new_key, std::move(copy));
   return st;
 }
 
@@ -1307,7 +1318,9 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
     const absl::Time now = absl::Now();
     const absl::Time last_used =
         state.last_used == absl::InfinitePast() ? now : std::min(state.last_used, now);
-    AddSessionLocked(key, SessionState{name.tenant, std::move(context), last_used, last_reply, last_request});
+    SessionState held{name.tenant, std::move(context), last_used, last_reply, last_request};
+    held.reply_open = last_reply > 0 && !IsEndOfGeneration(held.context.back());
+    AddSessionLocked(key, std::move(held));
     return absl::OkStatus();
   };
   if (absl::Status st = adopt(); !st.ok()) {

@@ -114,6 +114,13 @@ struct GenerateRequest {
   // APPEND: tokens of the session's last reply the client read; the rest of
   // that reply is dropped before the input is appended. -1: keep it all.
   int64_t tokens_read = -1;
+  // APPEND of chat messages: the template's end-of-turn tokens
+  // (ChatTemplate::EndOfTurn). They go before the input when the session's
+  // context ends inside an assistant reply that stopped without them (cut by
+  // max_tokens, a stop string or a cancel), as the template closes every
+  // assistant turn: the conversation is then the one a FULL_CONTEXT request of
+  // the same messages renders.
+  std::vector<int32_t> close_turn;
 };
 
 struct GenerateResult {
@@ -341,6 +348,11 @@ class Engine {
   // True when the sampled token's K/V would need more tier-0 pages than the tier
   // has (the request can never step again on this worker).
   bool OutgrowsTier0(const Request& r) const;
+  // One of the vocabulary's end-of-generation tokens (EOS, EOT, <|im_end|>, ...).
+  bool IsEndOfGeneration(int32_t token) const {
+    const std::vector<int32_t>& eog = tokenizer_->eog_ids();
+    return std::find(eog.begin(), eog.end(), token) != eog.end();
+  }
   // BeginStep for up to `budget` of the request's pending tokens, after checking
   // that the cache still holds every token the engine expects it to; what it lost
   // is queued for recompute first (added to `recomputed`).
@@ -405,6 +417,11 @@ class Engine {
     // that left the session as it was. tokens_read = 0 drops them all.
     int64_t last_request = 0;
     int exports = 0;
+    // The context ends inside an assistant reply that stopped without an
+    // end-of-generation token (GenerateRequest::close_turn); and so it did
+    // before the last request (for tokens_read = 0).
+    bool reply_open = false;
+    bool reply_open_before = false;
   };
   void AddSessionLocked(const std::string& key, SessionState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tokens at the end of `held`'s context that an APPEND request says its

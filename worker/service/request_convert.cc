@@ -45,6 +45,12 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
   auto tokens = TokenizeInput(request.input(), append, tokenizer, chat_template);
   if (!tokens.ok()) return tokens.status();
   out.input = std::move(*tokens);
+  if (append && request.input().has_chat() && chat_template != nullptr) {
+    tok::EncodeOptions encode;
+    encode.add_special = false;
+    encode.parse_special = true;
+    out.close_turn = tokenizer.Encode(chat_template->EndOfTurn(), encode);
+  }
 
   const v1::SamplingParams& s = request.sampling();
   out.sampling.temperature = s.temperature();

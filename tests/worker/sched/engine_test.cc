@@ -732,6 +732,52 @@ TEST_F(EngineTest, ARequestAfterItsPredecessorsDeadlineWaitsForItInsteadOfAborti
   EXPECT_TRUE(next.status.ok()) << next.status;
 }
 
+// An APPEND chat turn after a reply that stopped without an end-of-generation
+// token (here every reply: max_tokens cuts it) closes that reply with the
+// template's end-of-turn tokens first, as a FULL_CONTEXT request of the same
+// messages renders it; tokens_read = 0 goes back to before the cut reply's
+// request and closes the reply before it again. Input without close_turn (raw
+// tokens or text) is appended as it is.
+TEST_F(EngineTest, AnAppendChatTurnClosesAReplyCutShort) {
+  const std::vector<int32_t> close = {Prompt(2, 5)[0], Prompt(2, 5)[1]};  // stands in for <|im_end|>
+  Collector first;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
+  first.Wait();
+  ASSERT_EQ(first.result.finish, FinishReason::kLength);
+  GenerateRequest turn = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  turn.close_turn = close;
+  Collector second;
+  ASSERT_TRUE(engine_->Submit(turn, &second).ok());
+  second.Wait();
+  ASSERT_TRUE(second.status.ok()) << second.status;
+  std::vector<int32_t> seen = Prompt(20);
+  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+  seen.insert(seen.end(), close.begin(), close.end());
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(second.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+  EXPECT_EQ(second.tokens, Expected(seen, 3));
+  EXPECT_EQ(engine_->View("s", "t")->last_request_tokens, 2 + 3 + 3);
+
+  // The client read none of the second reply: back to before its request, whose
+  // resent turn closes the first reply again.
+  turn.tokens_read = 0;
+  Collector again;
+  ASSERT_TRUE(engine_->Submit(turn, &again).ok());
+  again.Wait();
+  ASSERT_TRUE(again.status.ok()) << again.status;
+  EXPECT_EQ(again.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+  EXPECT_EQ(again.tokens, Expected(seen, 3));
+
+  // Raw input continues the reply as it stands.
+  Collector raw;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 2), &raw).ok());
+  raw.Wait();
+  ASSERT_TRUE(raw.status.ok()) << raw.status;
+  seen.insert(seen.end(), again.tokens.begin(), again.tokens.end());
+  for (int32_t t : Prompt(2, 9)) seen.push_back(t);
+  EXPECT_EQ(raw.tokens, Expected(seen, 2));
+}
+
 // Submits labelled requests and notes the order in which they sample their first
 // token (observers run on the engine thread).
 class FirstTokenOrder {
