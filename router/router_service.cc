@@ -300,6 +300,11 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     if (st.error_code() == grpc::RESOURCE_EXHAUSTED) no_room_now_ = st;
     if (st.ok()) return Finish(st);
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
+    // Past the client's deadline the client has its DEADLINE_EXCEEDED, whatever
+    // ended the worker call (it carries the same deadline, and its timer, or the
+    // worker's, can end it before the client's call ends): a timeout, not a
+    // lost worker or session.
+    if (PastDeadline()) return Finish(grpc::Status(grpc::DEADLINE_EXCEEDED, "deadline passed"));
     const bool first_token_sent = !emitted_.empty();
     const bool lost_midstream =
         emitted_.size() > continued_from_ || (first_token_sent && st.error_code() == grpc::UNAVAILABLE);
@@ -370,6 +375,12 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     NextAttempt();
   }
 
+  // The client's deadline has passed, or is less than 100 ms away (see Finish).
+  bool PastDeadline() const {
+    constexpr auto kDeadlineSlack = std::chrono::milliseconds(100);
+    return std::chrono::system_clock::now() + kDeadlineSlack >= deadline_;
+  }
+
   // The proxy's last call: answers the client and lets go of the object and of
   // the service.
   void Finish(const grpc::Status& st) {
@@ -379,9 +390,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     // which can be a moment before this copy of it (the wire carries the time
     // left, rounded up, and it counts from the call's arrival): hence the slack
     // (a clean-clone CI run counted one such timeout CANCELLED without it).
-    constexpr auto kDeadlineSlack = std::chrono::milliseconds(100);
-    const bool timed_out = st.error_code() == grpc::CANCELLED && client_gone_.load() &&
-                           std::chrono::system_clock::now() + kDeadlineSlack >= deadline_;
+    const bool timed_out = st.error_code() == grpc::CANCELLED && client_gone_.load() && PastDeadline();
     router_->metrics_->OnRequestDone(timed_out ? CodeName(grpc::Status(grpc::DEADLINE_EXCEEDED, ""))
                                                : CodeName(st));
     Close(st);
