@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
+#include "common/gguf/llama_hparams.h"
 #include "common/gguf/model_path.h"
 #include "common/init.h"
 #include "common/logging.h"
@@ -194,6 +195,13 @@ int Run() {
   po.credentials = *creds;
   po.cluster_token = cluster_token;
   po.channel_args = options->keepalive.ChannelArgs();
+  // Workers that serve another model take no requests (WorkerPoolOptions::model_id).
+  if (auto hp = gguf::LoadLlamaHparams(**file); hp.ok()) {
+    po.model_id = gguf::ModelId(**file, *hp);
+    KV_LOG_INFO("model {}: workers serving another model get no requests", po.model_id);
+  } else {
+    KV_LOG_WARN("--model {}: {}; workers' models are not checked", model_path, hp.status().ToString());
+  }
   router::WorkerPool pool(po, &directory);
   if (!workers.empty()) pool.SetAddresses(workers);
   for (const auto& name : dns) {

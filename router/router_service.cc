@@ -858,8 +858,11 @@ absl::StatusOr<v1::ListWorkersResponse> RouterService::ListWorkers() const {
     v1::WorkerInfo* info = out.add_workers();
     info->set_worker_id(w.worker_id);
     info->set_address(w.address);
-    info->set_health(!w.connected ? "DOWN"
-                                  : (w.draining ? "DRAINING" : (w.healthy ? "SERVING" : "NOT_SERVING")));
+    info->set_health(!w.connected    ? "DOWN"
+                     : w.wrong_model ? "WRONG_MODEL"
+                     : w.draining    ? "DRAINING"
+                     : w.healthy     ? "SERVING"
+                                     : "NOT_SERVING");
     *info->mutable_load() = w.load;
     info->set_sessions(static_cast<int32_t>(directory_->SessionsOn(w.address).size()));
     info->set_model_id(w.model_id);

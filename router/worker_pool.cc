@@ -24,6 +24,7 @@ struct WorkerPool::Worker {
   int64_t load_reports = 0;  // load reports received (snapshots included)
   bool connected = false;
   bool suspect = false;
+  bool wrong_model = false;  // its snapshot named another model than options_.model_id
   bool admin_draining = false;
   absl::Time last_message = absl::InfinitePast();
   absl::Time disconnected_since = absl::Now();
@@ -270,6 +271,14 @@ void WorkerPool::Watch(Worker* w) {
       if (ev.has_snapshot()) {
         w->worker_id = ev.snapshot().worker_id();
         w->model_id = ev.snapshot().model_id();
+        const bool wrong = !options_.model_id.empty() && w->model_id != options_.model_id;
+        if (wrong && !w->wrong_model) {
+          KV_LOG_ERROR("worker {} serves model {}, not this router's {} (--model): it gets no requests",
+                       w->address, w->model_id, options_.model_id);
+        } else if (!wrong && w->wrong_model) {
+          KV_LOG_INFO("worker {} serves this router's model now", w->address);
+        }
+        w->wrong_model = wrong;
         w->kv_shape = ev.snapshot().kv_shape();
         w->load = ev.snapshot().load();
         ++w->load_reports;
@@ -301,7 +310,8 @@ WorkerView WorkerPool::ViewLocked(const Worker& w) const {
   v.draining = w.draining();
   v.admin_draining = w.admin_draining;
   v.departed = w.departed;
-  v.healthy = w.connected && !w.suspect && !v.draining;
+  v.wrong_model = w.wrong_model;
+  v.healthy = w.connected && !w.suspect && !v.draining && !w.wrong_model;
   v.load = w.load;
   v.load_reports = w.load_reports;
   v.model_id = w.model_id;

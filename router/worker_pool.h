@@ -43,6 +43,11 @@ struct WorkerPoolOptions {
   grpc::ChannelArguments channel_args;                    // of every channel to a worker (keepalive)
   // Told the result ("ok", "empty", "failed") of every DNS lookup.
   std::function<void(const char* result)> on_dns_result;
+  // The model this router tokenises with (gguf::ModelId of its --model file).
+  // A worker that reports another takes no requests (a rollout to a new model
+  // half done, a wrong image): its replies would not be this model's, and its
+  // pages never match this router's prefix hashes. Empty: no check.
+  std::string model_id;
 };
 
 // What placement and admin calls see of one worker.
@@ -54,6 +59,7 @@ struct WorkerView {
   bool draining = false;        // takes no new work (it announced a drain, or an admin started one)
   bool admin_draining = false;  // the drain came through this router's admin API
   bool departed = false;        // left the DNS answer; kept while it drains or holds sessions
+  bool wrong_model = false;     // reports another model than WorkerPoolOptions::model_id
   v1::WorkerLoad load;
   // Load reports received from it so far: one taken after a given moment is a
   // later count (see RouterService::Rebalance).

@@ -1,9 +1,12 @@
 #include "common/gguf/llama_hparams.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 
@@ -131,6 +134,21 @@ absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& f) {
   h.tied_embeddings = f.FindTensor("output.weight") == nullptr;
   h.has_rope_freqs = f.FindTensor("rope_freqs.weight") != nullptr;
   return h;
+}
+
+std::string ModelId(const GgufFile& f, const LlamaHparams& hp) {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  for (const auto& t : f.tensors()) {
+    XXH3_64bits_update(st, t.name.data(), t.name.size());
+    XXH3_64bits_update(st, &t.type, sizeof(t.type));
+    XXH3_64bits_update(st, t.ne.data(), sizeof(t.ne));
+    XXH3_64bits_update(st, t.data, static_cast<size_t>(std::min<int64_t>(t.size_bytes, 4096)));
+  }
+  for (const auto& [key, value] : f.metadata()) XXH3_64bits_update(st, key.data(), key.size());
+  const uint64_t digest = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return absl::StrFormat("%s@%016x", hp.name.empty() ? hp.architecture : hp.name, digest);
 }
 
 }  // namespace gguf

@@ -69,6 +69,12 @@ struct LlamaHparams {
 // an architecture outside kSupportedArchitectures.
 absl::StatusOr<LlamaHparams> LoadLlamaHparams(const GgufFile& file);
 
+// The id a worker reports for the model in `file` (WorkerSnapshot.model_id): its
+// name (or architecture) plus a digest of every tensor's name, type, shape and
+// first bytes, and the metadata keys. Cheap (no full-file hash at start-up) yet
+// different for any two real checkpoints. Routers compare it with their own.
+std::string ModelId(const GgufFile& file, const LlamaHparams& hp);
+
 }  // namespace gguf
 }  // namespace kvcache
 

@@ -35,6 +35,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/gguf/gguf_reader.h"
+#include "common/gguf/llama_hparams.h"
 #include "common/gguf/tiny_llama.h"
 #include "common/status.h"
 #include "common/stream_writer.h"
@@ -173,6 +175,12 @@ class FakeWorker final : public v1::Worker::CallbackService {
     ev.mutable_event()->set_target_worker(to);
     EmitLocked(std::move(ev));
   }
+  // The model id its snapshots report (a router places only on workers of
+  // its own model). Before the router connects.
+  void set_model_id(std::string id) {
+    absl::MutexLock lock(&mu_);
+    model_id_ = std::move(id);
+  }
   // A load report with draining = true: how a worker that got SIGTERM tells
   // its routers (WatchHub::CurrentLoad).
   void AnnounceDraining() {
@@ -217,7 +225,7 @@ class FakeWorker final : public v1::Worker::CallbackService {
     v1::WatchEvent ev;
     v1::WorkerSnapshot* snap = ev.mutable_snapshot();
     snap->set_worker_id(worker_id_);
-    snap->set_model_id("tiny-llama-fake");
+    snap->set_model_id(model_id_);
     v1::KvShape* shape = snap->mutable_kv_shape();
     shape->set_layers(2);
     shape->set_kv_heads(2);
@@ -406,6 +414,7 @@ class FakeWorker final : public v1::Worker::CallbackService {
   }
 
   const std::string worker_id_;
+  std::string model_id_ ABSL_GUARDED_BY(mu_) = "tiny-llama-fake";
   const std::vector<int32_t> tokens_;
   std::string address_;  // set once by Start
   std::unique_ptr<grpc::Server> server_;
@@ -457,10 +466,16 @@ class RouterDrainRaceTest : public ::testing::Test {
     model_ =
         new std::string(absl::StrCat(::testing::TempDir(), "/kvcache_drain_race_test_", getpid(), ".gguf"));
     ASSERT_TRUE(gguf::WriteTinyLlama(gguf::TinyLlamaOptions(), *model_).ok());
+    auto file = gguf::GgufFile::Open(*model_);
+    ASSERT_TRUE(file.ok()) << file.status();
+    auto hp = gguf::LoadLlamaHparams(**file);
+    ASSERT_TRUE(hp.ok()) << hp.status();
+    model_id_ = new std::string(gguf::ModelId(**file, *hp));
   }
   static void TearDownTestSuite() {
     std::remove(model_->c_str());
     delete model_;
+    delete model_id_;
   }
 
   void SetUp() override {
@@ -470,6 +485,8 @@ class RouterDrainRaceTest : public ::testing::Test {
     auto b = FakeWorker::Start("fake-b", kTokensB);
     ASSERT_TRUE(b.ok()) << b.status();
     b_ = std::move(*b);
+    a_->set_model_id(*model_id_);
+    b_->set_model_id(*model_id_);
     auto find = [this](const std::string& address) -> FakeWorker* {
       if (address == a_->address()) return a_.get();
       if (address == b_->address()) return b_.get();
@@ -549,6 +566,7 @@ class RouterDrainRaceTest : public ::testing::Test {
     return grpc::Status(grpc::NOT_FOUND, absl::StrCat("session '", kSession, "' not found"));
   }
 
+  static std::string* model_id_;  // gguf::ModelId of model_: what the fakes report
   static std::string* model_;
   std::unique_ptr<FakeWorker> a_;
   std::unique_ptr<FakeWorker> b_;
@@ -558,6 +576,7 @@ class RouterDrainRaceTest : public ::testing::Test {
 };
 
 std::string* RouterDrainRaceTest::model_ = nullptr;
+std::string* RouterDrainRaceTest::model_id_ = nullptr;
 
 // The session moves (here: B's stream says it holds it; A's has not yet said
 // it let go, the order a real migration's two streams often arrive in) while

@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -84,6 +85,47 @@ class RouterTest : public ::testing::Test {
 };
 
 std::string* RouterTest::model_ = nullptr;
+
+// A worker that serves another model than the router's --model (a rollout to a
+// new model half done, a wrong image) takes no requests: ListWorkers says
+// WRONG_MODEL with its model id, readiness does not count it, and every new
+// session goes to the worker of the router's model. The router used to place
+// sessions there and return that model's output as OK.
+TEST_F(RouterTest, AWorkerServingAnotherModelGetsNoRequests) {
+  StartWorkers(1);
+  const std::string other_model = ::testing::TempDir() + "/kvcache_router_test_other.gguf";
+  gguf::TinyLlamaOptions o;
+  o.n_ctx = 2048;
+  o.seed = 7;  // other weights: another checkpoint of the same shape
+  ASSERT_TRUE(gguf::WriteTinyLlama(o, other_model).ok());
+  auto other = testing::ServerUnderTest::Start(
+      testing::BinaryPath("worker/kvcache-worker"),
+      {"--model=" + other_model, "--worker_id=other", "--threads=1", "--load_report_interval=100ms"});
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto router = testing::ServerUnderTest::Start(
+      testing::BinaryPath("router/kvcache-router"),
+      {"--workers=" + workers_[0]->grpc_address() + "," + (*other)->grpc_address(), "--model=" + *model_,
+       "--health_timeout=2s", "--rebalance_interval=0s", "--min_ready_workers=1"});
+  ASSERT_TRUE(router.ok()) << router.status();
+  auto admin = v1::KvCacheAdmin::NewStub((*router)->admin_channel());
+  std::map<std::string, std::string> health;
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
+    health.clear();
+    for (const auto& w : resp.workers()) health[w.worker_id()] = w.health() + " " + w.model_id();
+    return health.size() == 2 && absl::StartsWith(health["other"], "WRONG_MODEL");
+  })) << health.size();
+  EXPECT_TRUE(absl::StartsWith(health["w0"], "SERVING")) << health["w0"];
+  auto stub = v1::KvCache::NewStub((*router)->channel());
+  for (int s = 0; s < 6; ++s) {
+    Reply r = Generate(stub.get(), testing::TextRequest("m-" + std::to_string(s), "hello there", 2));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.final.worker_id(), "w0");
+  }
+  std::remove(other_model.c_str());
+}
 
 TEST_F(RouterTest, EveryTurnOfASessionLandsOnTheSameWorker) {
   StartWorkers(2);

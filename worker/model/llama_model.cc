@@ -1,7 +1,5 @@
 #include "worker/model/llama_model.h"
 
-#include <xxhash.h>
-
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -104,21 +102,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromFile(std::unique_ptr
   }
   m->weight_bytes_ += Bytes(m->output_);
 
-  // Model id: the name plus a digest of every tensor's name, type, shape and
-  // first bytes, and the metadata keys. Cheap (no full-file hash at start-up)
-  // yet different for any two real checkpoints.
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
-  for (const auto& t : f.tensors()) {
-    XXH3_64bits_update(st, t.name.data(), t.name.size());
-    XXH3_64bits_update(st, &t.type, sizeof(t.type));
-    XXH3_64bits_update(st, t.ne.data(), sizeof(t.ne));
-    XXH3_64bits_update(st, t.data, static_cast<size_t>(std::min<int64_t>(t.size_bytes, 4096)));
-  }
-  for (const auto& [key, value] : f.metadata()) XXH3_64bits_update(st, key.data(), key.size());
-  const uint64_t digest = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  m->model_id_ = absl::StrFormat("%s@%016x", hp.name.empty() ? hp.architecture : hp.name, digest);
+  m->model_id_ = gguf::ModelId(f, hp);
   m->file_ = std::move(file);
   return m;
 }
