@@ -25,6 +25,7 @@ struct WorkerPool::Worker {
   bool connected = false;
   bool suspect = false;
   bool wrong_model = false;  // its snapshot named another model than options_.model_id
+  std::string refusal;       // why it last refused this router's Watch (logged once), if it did
   bool admin_draining = false;
   absl::Time last_message = absl::InfinitePast();
   absl::Time disconnected_since = absl::Now();
@@ -255,10 +256,12 @@ void WorkerPool::Watch(Worker* w) {
     auto reader = stub->Watch(&ctx, req);
     v1::WatchEvent ev;
     WatchIngest ingest(directory_, w->address);  // a new stream: sequence 1, a snapshot first
+    bool gap = false;
     while (reader->Read(&ev)) {
       absl::StatusOr<WatchIngest::Applied> applied = ingest.Ingest(&ev);
       if (!applied.ok()) {
         KV_LOG_WARN("worker {}: {}", w->address, std::string(applied.status().message()));
+        gap = true;
         break;
       }
       if (*applied == WatchIngest::Applied::kSnapshotPart) continue;
@@ -287,7 +290,9 @@ void WorkerPool::Watch(Worker* w) {
         ++w->load_reports;
       }
     }
-    ctx.TryCancel();
+    // Cancelled only when this side ends it: a cancel after the stream ended
+    // would hide the worker's status (a refusal, say) behind CANCELLED.
+    if (gap) ctx.TryCancel();
     grpc::Status st = reader->Finish();
     {
       absl::MutexLock lock(&mu_);
@@ -296,6 +301,17 @@ void WorkerPool::Watch(Worker* w) {
         KV_LOG_WARN("worker {} watch ended: {}", w->address, st.error_message());
         w->connected = false;
         w->disconnected_since = absl::Now();
+        w->refusal.clear();
+      } else if ((st.error_code() == grpc::UNAUTHENTICATED || st.error_code() == grpc::PERMISSION_DENIED) &&
+                 st.error_message() != w->refusal) {
+        // Retried every reconnect_backoff: said once, or the operator sees no
+        // reason for a worker that stays DOWN.
+        w->refusal = st.error_message();
+        KV_LOG_ERROR(
+            "worker {} refuses this router ({}: {}); check that both use the same "
+            "--cluster_token_file, or TLS certificates of one CA",
+            w->address, st.error_code() == grpc::UNAUTHENTICATED ? "UNAUTHENTICATED" : "PERMISSION_DENIED",
+            st.error_message());
       }
     }
     w->stop.WaitForNotificationWithTimeout(options_.reconnect_backoff);
