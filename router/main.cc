@@ -261,6 +261,7 @@ int Run() {
   });
   absl::Status served = (*process)->Serve({&service, &admin}, [&](absl::Time) {
     stop_readiness.Notify();
+    service.RefuseNewCalls();
     pool.Stop();
   });
   // Serve runs the hook above only once it has started; when it fails to start

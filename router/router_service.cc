@@ -482,6 +482,11 @@ void RouterService::Shutdown() {
   executor_.Shutdown();
 }
 
+void RouterService::RefuseNewCalls() {
+  absl::MutexLock lock(&mu_);
+  shutting_down_ = true;
+}
+
 bool RouterService::BeginCall() {
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return false;

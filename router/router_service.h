@@ -96,6 +96,10 @@ class RouterService final : public v1::KvCache::CallbackService {
   // Ends the rebalancer and the evacuator, refuses new calls (UNAVAILABLE),
   // waits until every call in flight has answered, and joins the executor.
   void Shutdown();
+  // From now on new calls get UNAVAILABLE "router is shutting down"; calls in
+  // flight go on. For the start of a shutdown, before the workers are let go
+  // (a call would otherwise find no worker and say so).
+  void RefuseNewCalls();
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
                                                            const v1::GenerateRequest* request) override;
