@@ -238,7 +238,11 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTemplateText(absl::string_view ji
   };
   if (has(kImStart) && has(kImEnd)) {
     if (has("<think>") && has("last_query_index")) return make(Kind::kQwen3);
-    return make(Kind::kChatMl, ExtractDefaultSystem(jinja));
+    // Another reasoning template in ChatML's tokens (QwQ, Bielik v3, SmolLM3,
+    // Nemotron): its generation prompt or system block differs from ChatML's
+    // (QwQ's prompt ends '<think>\n'), and rendering it as ChatML would give the
+    // model a prompt it was not trained on. Unrecognised, not guessed.
+    if (!has("<think>")) return make(Kind::kChatMl, ExtractDefaultSystem(jinja));
   }
   if (has("'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
           "'<|eot_id|>'")) {

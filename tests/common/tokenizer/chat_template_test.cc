@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/common/gguf/reference_data.h"
+#include "tests/common/tokenizer/llamacpp_vocab.h"
 
 namespace kvcache {
 namespace tok {
@@ -258,6 +260,35 @@ TEST(ChatTemplateJinjaTest, ContentSpansOnRealTemplates) {
     }
   }
   EXPECT_GE(checked, 60);
+}
+
+// Reasoning templates written in ChatML's tokens, from llama.cpp's
+// models/templates: their prompts are not ChatML's (QwQ's generation prompt ends
+// '<think>\n', SmolLM3 writes a metadata system block), so they are refused,
+// not rendered as ChatML; Qwen 2.5's and Qwen 3's are still recognised.
+TEST(ChatTemplateTest, ReasoningTemplatesInChatMlTokensAreNotTakenForChatMl) {
+  auto kind_of = [](const std::string& file) -> absl::StatusOr<ChatTemplate::Kind> {
+    const std::string path = testing::LlamaCppSourceDir() + "/models/templates/" + file;
+    auto jinja = testing::ReadFileBytes(path);
+    if (!jinja.ok())
+      return absl::Status(jinja.status().code(),
+                          std::string(jinja.status().message()) + testing::kLlamaCppVocabHint);
+    KVCACHE_ASSIGN_OR_RETURN(ChatTemplate t, ChatTemplate::FromTemplateText(*jinja));
+    return t.kind();
+  };
+  for (const char* file :
+       {"Qwen-QwQ-32B.jinja", "Bielik-11B-v3.0-Instruct.jinja", "HuggingFaceTB-SmolLM3-3B.jinja",
+        "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", "LFM2.5-8B-A1B.jinja"}) {
+    auto kind = kind_of(file);
+    ASSERT_NE(kind.status().code(), absl::StatusCode::kNotFound) << kind.status();
+    EXPECT_EQ(kind.status().code(), absl::StatusCode::kFailedPrecondition) << file;
+  }
+  auto qwen25 = kind_of("Qwen-Qwen2.5-7B-Instruct.jinja");
+  ASSERT_TRUE(qwen25.ok()) << qwen25.status();
+  EXPECT_EQ(*qwen25, ChatTemplate::Kind::kChatMl);
+  auto qwen3 = kind_of("Qwen-Qwen3-0.6B.jinja");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.status();
+  EXPECT_EQ(*qwen3, ChatTemplate::Kind::kQwen3);
 }
 
 TEST(ChatTemplateTest, AppendContinuations) {
