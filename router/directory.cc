@@ -506,10 +506,6 @@ void Directory::ClearStaleLocked(const SessionKey& key, const WorkerId& w) {
 void Directory::MarkStale(const SessionKey& key, const WorkerId& worker) {
   absl::MutexLock lock(&mu_);
   stale_[worker].insert(key);
-  if (const std::optional<WorkerIndex> wi = IndexLocked(worker);
-      wi.has_value() && ClaimOfLocked(key, *wi) != nullptr && ClaimedByAnotherLocked(key, *wi)) {
-    WithdrawLocked(key, *wi);
-  }
 }
 
 void Directory::ClearStale(const SessionKey& key, const WorkerId& worker) {

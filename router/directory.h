@@ -108,8 +108,8 @@ class Directory {
   // conversation that has moved on; a snapshot of `worker` that lists it while
   // another worker holds the session queues it for closing (TakeStaleCopies).
   // A new placement on `worker`, its drop or export, a snapshot that no longer
-  // lists it, or ClearStale (the close was answered) ends the mark. MarkStale
-  // also withdraws the copy's claim if another worker claims the session.
+  // lists it, or ClearStale (the close was answered, or a FULL_CONTEXT turn was
+  // sent to that worker, which makes its copy current) ends the mark.
   void MarkStale(const SessionKey& key, const WorkerId& worker);
   void ClearStale(const SessionKey& key, const WorkerId& worker);
   // Stale copies that their workers listed again, for the caller to close;

@@ -215,6 +215,9 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         }
       }
       router_->ledger_.SessionDispatched(key, placement_.worker, creates_session_);
+      // This turn defines the session on its worker: a copy held back there
+      // is current again (it may be reused without a placement event).
+      if (!append_) router_->directory_->ClearStale(key, placement_.worker);
     }
     call->Start();  // last: its callbacks may run at once, on other threads
   }
@@ -683,16 +686,19 @@ void RouterService::CloseStaleCopy(const SessionKey& key, const WorkerId& worker
       [this, key, worker](const grpc::Status& st, v1::CloseSessionResponse*) {
         if (st.ok() || st.error_code() == grpc::NOT_FOUND) {
           directory_->ClearStale(key, worker);
-        } else {
-          // Out of reach (hung, partitioned) or busy: the copy must not be
-          // taken for the session if the worker comes back with it; the
-          // directory holds it back and hands it to EvacuateDraining's loop
-          // to close again when the worker lists it.
+        } else if (st.error_code() == grpc::UNAVAILABLE || st.error_code() == grpc::DEADLINE_EXCEEDED) {
+          // Out of reach (hung, partitioned): the copy must not be taken for
+          // the session if the worker comes back with it; the directory holds
+          // it back and lists it for CloseListedStaleCopies when the worker
+          // does.
           directory_->MarkStale(key, worker);
           KV_LOG_WARN(
               "closing the stale copy of session '{}' on {} failed: {}; it is held back and closed "
               "when the worker is back",
               key.session_id, worker, st.error_message());
+        } else {
+          KV_LOG_WARN("closing the stale copy of session '{}' on {} failed: {}", key.session_id, worker,
+                      st.error_message());
         }
         EndCall();
       });

@@ -429,7 +429,8 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
       (void)kv_->CloseSession(r.sid);
     } else if (kv_->GetSession(r.sid).ok()) {
       (void)kv_->MarkIdle(r.sid);
-      if (r.req.pin && status.ok()) (void)kv_->PinSession(r.sid);
+      // Pinned once it holds what the request sent: a cancel after tokens too.
+      if (r.req.pin && !failed_silent) (void)kv_->PinSession(r.sid);
     }
   }
   {

@@ -778,6 +778,28 @@ TEST_F(EngineTest, AnAppendChatTurnClosesAReplyCutShort) {
   EXPECT_EQ(raw.tokens, Expected(seen, 2));
 }
 
+// "Stop generating" on a request that asked to pin its session: the session
+// keeps the tokens sent, and is pinned as a completed request's would be. It
+// used to be left unpinned.
+TEST_F(EngineTest, APinningRequestCancelledAfterTokensStillPinsItsSession) {
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 2);
+  GenerateRequest req = Req("s", RequestMode::kFullContext, Prompt(20), 50);
+  req.pin = true;
+  Collector c;
+  auto id = engine_->Submit(req, &c);
+  ASSERT_TRUE(id.ok()) << id.status();
+  runner_->WaitForEntered(s0 + 3);
+  engine_->Cancel(*id);
+  runner_->LimitSteps(-1);
+  c.Wait();
+  EXPECT_EQ(c.status.code(), absl::StatusCode::kCancelled);
+  ASSERT_GE(c.tokens.size(), 1u);
+  auto info = kv_->GetSession(kv::SessionKey("t", "s"));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->user_pinned);
+}
+
 // Submits labelled requests and notes the order in which they sample their first
 // token (observers run on the engine thread).
 class FirstTokenOrder {
