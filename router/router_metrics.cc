@@ -50,8 +50,8 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
       stale_copies_(
           &prometheus::BuildGauge()
                .Name("kvcache_router_stale_session_copies")
-               .Help("Copies of sessions that a FULL_CONTEXT turn moved elsewhere while their worker "
-                     "was out of reach, held back until they are closed")
+               .Help("Session copies held back: ones a FULL_CONTEXT turn moved off a worker out of reach, "
+                     "and the sessions of workers forgotten as unreachable")
                .Register(r)
                .Add({})) {}
 
