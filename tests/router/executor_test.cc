@@ -81,8 +81,10 @@ TEST(ExecutorTest, ReusesAnIdleThread) {
     done.WaitForNotification();
   }
   // A task may be scheduled before the thread that ran the previous one is
-  // back waiting (it then starts another), but not one per task.
-  EXPECT_LE(ex.threads(), 8);
+  // back waiting (it then starts another), but not one per task. How often that
+  // race is lost depends on the machine's load: a clean-clone CI run, tests
+  // running two at a time on two cores, started 10 threads (the bound was 8).
+  EXPECT_LE(ex.threads(), 25);
 }
 
 TEST(ExecutorTest, RefusesPastItsQueueBound) {
