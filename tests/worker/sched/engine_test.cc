@@ -73,6 +73,22 @@ class EngineTest : public ::testing::Test {
     return id;
   }
 
+  // Resends turn 2 (Prompt(3, 7)) to session "s" with tokens_read = 0, and
+  // expects it to continue turn 1 (Prompt(20) and `first`'s reply) with it once.
+  void ExpectRetryWithNoTokenReadContinues(const Collector& first) {
+    GenerateRequest retry = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+    retry.tokens_read = 0;
+    Collector c;
+    ASSERT_TRUE(engine_->Submit(retry, &c).ok());
+    c.Wait();
+    ASSERT_TRUE(c.status.ok()) << c.status;
+    std::vector<int32_t> seen = Prompt(20);
+    seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+    for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+    EXPECT_EQ(c.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+    EXPECT_EQ(c.tokens, Expected(seen, 3));
+  }
+
   // A fresh engine whose steps hold one decode and two pages of prompt (33
   // tokens, no step-time target): with a request held in a step
   // (SubmitHeldInItsThirdStep), the order of prompts shows step by step.
@@ -644,17 +660,7 @@ TEST_F(EngineTest, AppendWithNoTokenReadUndoesTheCutRequestInputAndAll) {
   ASSERT_GE(cut.tokens.size(), 1u) << "the cut turn must have sent tokens (that its client never read)";
   EXPECT_EQ(engine_->View("s", "t")->last_request_tokens, 3 + static_cast<int64_t>(cut.tokens.size()));
 
-  GenerateRequest retry = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
-  retry.tokens_read = 0;
-  Collector c;
-  ASSERT_TRUE(engine_->Submit(retry, &c).ok());
-  c.Wait();
-  ASSERT_TRUE(c.status.ok()) << c.status;
-  std::vector<int32_t> seen = Prompt(20);
-  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
-  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
-  EXPECT_EQ(c.result.prompt_tokens, static_cast<int64_t>(seen.size()));
-  EXPECT_EQ(c.tokens, Expected(seen, 3));
+  ExpectRetryWithNoTokenReadContinues(first);
 }
 
 // A turn cut in the queue, before it reached the session: it is still the
@@ -687,17 +693,7 @@ TEST_F(EngineTest, AppendWithNoTokenReadAfterARequestCutInTheQueueKeepsTheReplyB
   over.tokens_read = 1;  // of a reply of none
   Collector refused;
   EXPECT_EQ(engine_->Submit(over, &refused).status().code(), absl::StatusCode::kInvalidArgument);
-  GenerateRequest retry = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
-  retry.tokens_read = 0;
-  Collector c;
-  ASSERT_TRUE(engine_->Submit(retry, &c).ok());
-  c.Wait();
-  ASSERT_TRUE(c.status.ok()) << c.status;
-  std::vector<int32_t> seen = Prompt(20);
-  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
-  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
-  EXPECT_EQ(c.result.prompt_tokens, static_cast<int64_t>(seen.size()));
-  EXPECT_EQ(c.tokens, Expected(seen, 3));
+  ExpectRetryWithNoTokenReadContinues(first);
 }
 
 // A client whose turn ended DEADLINE_EXCEEDED sends the next one at once; the
