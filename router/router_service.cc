@@ -73,6 +73,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     auto principal = router_->auth_->Authenticate(context, /*need_admin=*/false);
     if (!principal.ok()) return Finish(ToGrpcStatus(principal.status()));
     request_.set_tenant(principal->tenant);
+    request_.set_continued_tokens(0);  // the router's to set (Attempt)
     append_ = request_.mode() == v1::APPEND;
     if (append_ && request_.session_id().empty()) {
       return Finish(grpc::Status(grpc::INVALID_ARGUMENT, "APPEND mode needs a session_id"));
@@ -172,10 +173,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       input.insert(input.end(), emitted_.begin(), emitted_.end());
       req.mutable_input()->mutable_tokens()->mutable_ids()->Assign(input.begin(), input.end());
       req.set_mode(v1::FULL_CONTEXT);
-      const int32_t max = request_.sampling().max_tokens();
-      if (max > 0)
-        req.mutable_sampling()->set_max_tokens(
-            std::max<int32_t>(1, max - static_cast<int32_t>(emitted_.size())));
+      // The worker counts them against max_tokens, samples past them (a seed
+      // gives the uninterrupted stream's tokens) and matches stop strings
+      // across them.
+      req.set_continued_tokens(static_cast<int32_t>(emitted_.size()));
     }
     continued_from_ = emitted_.size();
 

@@ -374,6 +374,46 @@ TEST_F(RouterTest, WorkerKilledMidStreamFullContextCompletesElsewhere) {
   EXPECT_GE(r.final.usage().cached_tokens(), kTokens) << "the conversation was recomputed, not continued";
 }
 
+// The same with a seeded, sampled stream that takes the server's default
+// max_tokens: the continuation gives the uninterrupted stream's tokens and
+// stops at the default. Before, the survivor started the seed's sequence
+// again (tokens differed from the cut on, with OK) and counted the default
+// afresh (up to twice as many tokens).
+TEST_F(RouterTest, AStreamContinuedElsewhereKeepsItsSeedLimitAndStopStrings) {
+  constexpr int kDefault = 1200;
+  StartWorkers(2, {"--default_max_tokens=" + std::to_string(kDefault)});
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  v1::GenerateRequest req = Text("seeded", "tell me a long story about the sea", 0);
+  req.mutable_sampling()->set_temperature(0.9f);
+  req.mutable_sampling()->set_seed(7);
+  req.mutable_sampling()->set_ignore_eos(true);
+  // The uninterrupted stream, on one worker directly.
+  v1::GenerateRequest ref_req = req;
+  ref_req.set_session_id("");
+  auto direct = v1::Worker::NewStub(workers_[0]->channel());
+  const Reply ref = Generate(direct.get(), ref_req);
+  ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+  ASSERT_EQ(ref.tokens.size(), static_cast<size_t>(kDefault));
+
+  testing::PartialStream stream(stub.get(), req);
+  ASSERT_TRUE(stream.ReadTokens(40));
+  grpc::ClientContext c;
+  v1::SessionRequest sr;
+  sr.set_session_id("seeded");
+  v1::SessionInfo info;
+  ASSERT_TRUE(stub->GetSession(&c, sr, &info).ok());
+  const int victim = info.worker_id() == "w0" ? 0 : 1;
+  workers_[victim]->process().Signal(SIGKILL);
+  const Reply& got = stream.Finish();
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.final.worker_id(), victim == 0 ? "w1" : "w0") << "the kill landed after the stream ended";
+  EXPECT_EQ(got.tokens, ref.tokens) << "the seeded stream changed where it was continued";
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(got.final.usage().generated_tokens(), kDefault);
+}
+
 // A worker that vanishes without closing its connections (its node lost power,
 // a partition) behind a stream: the router's keepalive pings go unanswered, it
 // closes the connection, and the stream continues on the other worker, instead

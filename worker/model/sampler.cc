@@ -10,6 +10,7 @@
 #endif
 
 #include "absl/strings/str_cat.h"
+#include "xxhash.h"
 
 namespace kvcache::model {
 
@@ -64,9 +65,13 @@ int32_t Argmax(absl::Span<const float> v) {
   return 0;  // every value NaN
 }
 
-Sampler::Sampler(const SamplingConfig& config) : config_(config), rng_(config.seed) {}
+Sampler::Sampler(const SamplingConfig& config) : config_(config) {}
 
-double Sampler::Uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
+double Sampler::Uniform() const {
+  unsigned char bytes[8];  // the index, little-endian on every host
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<unsigned char>(index_ >> (8 * i));
+  return static_cast<double>(XXH64(bytes, sizeof(bytes), config_.seed) >> 11) * 0x1.0p-53;
+}
 
 namespace {
 
@@ -137,6 +142,12 @@ double SoftmaxWeights(absl::Span<const float> logits, float max, float inv_t, fl
 }
 
 int32_t Sampler::Sample(absl::Span<const float> logits) {
+  const int32_t token = Pick(logits);
+  ++index_;  // every token has its place, drawn or not
+  return token;
+}
+
+int32_t Sampler::Pick(absl::Span<const float> logits) {
   if (config_.temperature == 0.0f || config_.top_k == 1) return Argmax(logits);
   const int32_t top = Argmax(logits);
   const float max_logit = logits[top];

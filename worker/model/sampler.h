@@ -6,7 +6,6 @@
 #define KVCACHE_WORKER_MODEL_SAMPLER_H_
 
 #include <cstdint>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -37,14 +36,22 @@ class Sampler {
   // candidates by logit (descending, lowest id on ties). NaN logits are never
   // chosen.
   int32_t Sample(absl::Span<const float> logits);
+  // Passes over the next `n` tokens without sampling them: tokens generated
+  // before (a stream continued on another worker). Sampling then goes on as if
+  // they had been sampled here.
+  void Skip(int64_t n) { index_ += static_cast<uint64_t>(n); }
 
  private:
-  // Uniform in [0, 1) from 53 bits of the generator: identical on every platform
-  // (std::uniform_real_distribution is implementation-defined).
-  double Uniform();
+  // Sample without moving to the next token.
+  int32_t Pick(absl::Span<const float> logits);
+  // The draw of the current token: uniform in [0, 1) from 53 bits of xxHash64
+  // of (seed, token index), identical on every platform. A token's draw depends
+  // on the seed and its place in the output alone (not on the draws before it),
+  // which Skip needs.
+  double Uniform() const;
 
   SamplingConfig config_;
-  std::mt19937_64 rng_;
+  uint64_t index_ = 0;  // of the token being sampled, in the request's output
   // Scratch, reused: candidate token ids, their unnormalised probabilities in
   // that order, and every token's by id.
   std::vector<int32_t> ids_;

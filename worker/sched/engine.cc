@@ -45,7 +45,14 @@ struct Engine::Request {
         stop(tokenizer->eog_ids(), req.stop_token_ids, req.stop, max_tokens, req.ignore_eos),
         detok(tokenizer),
         tokenizer(tokenizer),
-        submitted(absl::Now()) {}
+        submitted(absl::Now()),
+        nothing_left(req.continued > 0 && req.continued >= max_tokens) {
+    // A continued stream's tokens so far, as if this request had generated them.
+    for (size_t i = req.input.size() - static_cast<size_t>(req.continued); i < req.input.size(); ++i) {
+      sampler.Skip(1);
+      (void)stop.Add(req.input[i], detok.Add(req.input[i]).value_or(""));
+    }
+  }
 
   const uint64_t id;
   GenerateRequest req;
@@ -55,6 +62,9 @@ struct Engine::Request {
   tok::StreamingDetokenizer detok;
   const tok::Tokenizer* tokenizer;
   const absl::Time submitted;
+  // A continued stream that had reached max_tokens (its worker was lost before
+  // the final message): it ends at its first token, without it.
+  const bool nothing_left;
 
   std::string sid;
   bool ephemeral = false;
@@ -140,6 +150,11 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   if (request.mode == RequestMode::kAppend && request.session_id.empty()) {
     return absl::InvalidArgumentError("APPEND needs a session_id");
+  }
+  if (request.continued < 0 || request.continued > static_cast<int64_t>(request.input.size()) ||
+      (request.continued > 0 && request.mode == RequestMode::kAppend)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("continued ", request.continued, " tokens must be within a FULL_CONTEXT input"));
   }
   const int max_tokens = request.max_tokens == 0 ? options_.default_max_tokens : request.max_tokens;
 
@@ -448,13 +463,15 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
         SessionState& held = it->second;
         if (!revert) {
           const bool append = r.req.mode == RequestMode::kAppend;
-          const int64_t added = static_cast<int64_t>(r.result.output.size()) +
-                                (append ? static_cast<int64_t>(r.req.input.size()) + r.closed_turn : 0);
+          // A continued stream's reply began on the worker it came from.
+          const int64_t reply = static_cast<int64_t>(r.result.output.size()) + r.req.continued;
+          const int64_t added =
+              reply + (append ? static_cast<int64_t>(r.req.input.size()) + r.closed_turn : 0);
           held.context = r.context;
-          held.last_reply = static_cast<int64_t>(r.result.output.size());
+          held.last_reply = std::min(reply, static_cast<int64_t>(held.context.size()));
           held.last_request = std::min(added, static_cast<int64_t>(held.context.size()));
           held.reply_open_before = append && held.reply_open;
-          held.reply_open = !r.result.output.empty() && !IsEndOfGeneration(held.context.back());
+          held.reply_open = reply > 0 && !IsEndOfGeneration(held.context.back());
         } else {
           held.last_reply = held.last_request = 0;  // it left the session as it was
           held.reply_open_before = held.reply_open;
@@ -808,6 +825,10 @@ bool Engine::Step() {
     }
     if (forward_end > r.req.deadline) {
       Finish(r, absl::DeadlineExceededError("deadline passed before generation ended"), std::nullopt);
+      continue;
+    }
+    if (r.nothing_left) {
+      Finish(r, absl::OkStatus(), FinishReason::kLength);
       continue;
     }
     const int32_t token = sampled[i];

@@ -121,6 +121,13 @@ struct GenerateRequest {
   // assistant turn: the conversation is then the one a FULL_CONTEXT request of
   // the same messages renders.
   std::vector<int32_t> close_turn;
+  // FULL_CONTEXT only: the input's last `continued` tokens are this request's
+  // own output, streamed by a worker that was lost or drained (a router
+  // continuing the stream here). They count against max_tokens and in the
+  // session's last reply, the sampler draws past them, and they prime the stop
+  // strings and the detokenizer: the stream goes on as the uninterrupted one
+  // would. REQUIRES: 0 <= continued <= input.size().
+  int64_t continued = 0;
 };
 
 struct GenerateResult {

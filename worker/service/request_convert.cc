@@ -86,6 +86,15 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
     }
     if (out.mode == sched::RequestMode::kAppend) out.tokens_read = request.tokens_read();
   }
+  if (request.continued_tokens() != 0) {
+    if (append || request.continued_tokens() < 0 ||
+        request.continued_tokens() > static_cast<int64_t>(out.input.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("continued_tokens ", request.continued_tokens(),
+                                                     " must be within the ", out.input.size(),
+                                                     " input tokens of a FULL_CONTEXT request"));
+    }
+    out.continued = request.continued_tokens();
+  }
   return out;
 }
 

@@ -696,6 +696,96 @@ TEST_F(EngineTest, AppendWithNoTokenReadAfterARequestCutInTheQueueKeepsTheReplyB
   ExpectRetryWithNoTokenReadContinues(first);
 }
 
+// Collects each token's text delta too.
+class PieceCollector : public Collector {
+ public:
+  void OnToken(int32_t id, absl::string_view text) override {
+    Collector::OnToken(id, text);
+    pieces.emplace_back(text);
+  }
+  std::vector<std::string> pieces;
+};
+
+// A stream continued on another worker (GenerateRequest::continued: the
+// router resends the prompt and the tokens already streamed) goes on as the
+// uninterrupted one: a seeded sampling sequence, max_tokens, a stop string
+// across the cut, and text that resumes where the client's left off (random
+// byte tokens split characters). Before, the sampler started its sequence
+// again, max_tokens counted afresh and the stop string was missed.
+TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
+  auto seeded = [&](const std::string& session, std::vector<int32_t> input, int max_tokens) {
+    GenerateRequest r = Req(session, RequestMode::kFullContext, std::move(input), max_tokens);
+    r.sampling = model::SamplingConfig{1.0f, 0, 1.0f, 42};
+    r.ignore_eos = true;
+    return r;
+  };
+  auto run = [&](const GenerateRequest& r, PieceCollector* c) {
+    ASSERT_TRUE(engine_->Submit(r, c).ok());
+    c->Wait();
+    ASSERT_TRUE(c->status.ok()) << c->status;
+  };
+  const std::vector<int32_t> prompt = Prompt(20);
+  PieceCollector whole;
+  run(seeded("", prompt, 40), &whole);
+  ASSERT_EQ(whole.tokens.size(), 40u);
+
+  for (int k : {1, 17, 39, 40}) {
+    SCOPED_TRACE(k);
+    std::vector<int32_t> input = prompt;
+    input.insert(input.end(), whole.tokens.begin(), whole.tokens.begin() + k);
+    GenerateRequest r = seeded("c" + std::to_string(k), input, 40);
+    r.continued = k;
+    PieceCollector rest;
+    run(r, &rest);
+    EXPECT_EQ(rest.result.finish, FinishReason::kLength);
+    EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.tokens.begin() + k, whole.tokens.end()));
+    std::string text;
+    for (int i = 0; i < k; ++i) text += whole.pieces[i];
+    EXPECT_EQ(text + rest.text_, whole.text_) << "a character the cut split is lost or repeated";
+    // The session's last reply is the whole stream (tokens_read counts in it).
+    EXPECT_EQ(engine_->View("c" + std::to_string(k), "t")->last_reply_tokens, 40);
+  }
+
+  // A stop string made of the texts of two tokens, cut between them: the first
+  // pair whose text first occurs where they are.
+  std::vector<size_t> ends;  // ends[i]: bytes of text after token i
+  for (const std::string& piece : whole.pieces)
+    ends.push_back((ends.empty() ? 0 : ends.back()) + piece.size());
+  int k = 0;
+  for (int i = 10; i < 40 && k == 0; ++i) {
+    const std::string both = whole.pieces[i - 1] + whole.pieces[i];
+    if (!whole.pieces[i - 1].empty() && !whole.pieces[i].empty() &&
+        whole.text_.find(both) + both.size() == ends[i]) {
+      k = i;
+    }
+  }
+  ASSERT_GT(k, 0) << "no two adjacent tokens with text in this seed's output";
+  GenerateRequest stop = seeded("", prompt, 40);
+  stop.stop = {whole.pieces[k - 1] + whole.pieces[k]};
+  PieceCollector stopped;
+  run(stop, &stopped);
+  ASSERT_EQ(stopped.result.finish, FinishReason::kStopString);
+  ASSERT_EQ(stopped.tokens.size(), static_cast<size_t>(k + 1));
+  std::vector<int32_t> input = prompt;
+  input.insert(input.end(), whole.tokens.begin(), whole.tokens.begin() + k);
+  stop.input = input;
+  stop.continued = k;
+  PieceCollector rest;
+  run(stop, &rest);
+  EXPECT_EQ(rest.result.finish, FinishReason::kStopString);
+  EXPECT_EQ(rest.tokens, std::vector<int32_t>{whole.tokens[k]});
+
+  // Out of range, or with APPEND: refused.
+  GenerateRequest bad = seeded("", prompt, 4);
+  bad.continued = 21;
+  PieceCollector refused;
+  EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = seeded("c1", prompt, 4);
+  bad.mode = RequestMode::kAppend;
+  bad.continued = 1;
+  EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // A client whose turn ended DEADLINE_EXCEEDED sends the next one at once; the
 // engine thread has not yet seen the deadline (it is inside a step). The next
 // request waits for the late one to leave, as it would for a cancelled one,
