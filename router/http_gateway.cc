@@ -5,6 +5,7 @@
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
+#include <event2/http_struct.h>
 #include <event2/keyvalq_struct.h>
 #include <event2/listener.h>
 #include <netdb.h>
@@ -273,6 +274,13 @@ class HttpGateway::Exchange final : public Pending, public grpc::ClientReadReact
     evkeyvalq* headers = evhttp_request_get_output_headers(req());
     evhttp_add_header(headers, "Content-Type", "text/event-stream");
     evhttp_add_header(headers, "Cache-Control", "no-cache");
+    if (req()->major == 1 && req()->minor == 0) {
+      // HTTP/1.0 has no chunked encoding: the stream ends with the connection.
+      // For a keep-alive client evhttp would announce Content-Length: 0 and
+      // then send the events past it, on a connection kept open.
+      evhttp_remove_header(evhttp_request_get_input_headers(req()), "Connection");
+      evhttp_add_header(headers, "Connection", "close");
+    }
     evhttp_send_reply_start(req(), 200, "OK");
     if (meta_.endpoint == openai::Endpoint::kChatCompletions)
       SendEvent(openai::ChunkJson(meta_, "", /*with_role=*/true, nullptr, include_usage_));
@@ -629,21 +637,26 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
   const size_t size = evbuffer_get_length(input);
   const char* body = size == 0 ? "" : reinterpret_cast<const char*>(evbuffer_pullup(input, -1));
   // Forwarded as is: the router reads it exactly as it reads gRPC metadata.
+  // Refused here, before the router sees the call: counted as it counts those.
+  auto refuse = [&](const absl::Status& status, absl::string_view code = "") {
+    if (options_.on_refused) options_.on_refused(status.code());
+    SendError(req, status, code);
+  };
   const char* authorization = Header(req, "Authorization");
   if (authorization != nullptr && !std::all_of(authorization, authorization + std::strlen(authorization),
                                                [](char c) { return c >= 0x20 && c < 0x7f; })) {
-    return SendError(req, absl::UnauthenticatedError("malformed Authorization header"));
+    return refuse(absl::UnauthenticatedError("malformed Authorization header"));
   }
   if (options_.auth != nullptr) {
     absl::StatusOr<Principal> who = options_.auth->Authenticate(
         authorization == nullptr ? std::nullopt : std::optional<absl::string_view>(authorization),
         /*need_admin=*/false);
-    if (!who.ok()) return SendError(req, who.status());
+    if (!who.ok()) return refuse(who.status());
   }
   const char* session = Header(req, "x-session-id");
   absl::StatusOr<openai::ParsedRequest> parsed =
       openai::ParseRequest(endpoint, absl::string_view(body, size), session == nullptr ? "" : session);
-  if (!parsed.ok()) return SendError(req, parsed.status());
+  if (!parsed.ok()) return refuse(parsed.status());
 
   openai::ResponseMeta meta;
   meta.endpoint = endpoint;
@@ -654,7 +667,7 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
     absl::Status st = absl::NotFoundError(
         absl::StrCat("The model '", meta.model,
                      "' does not exist (served: ", absl::StrJoin(options_.model_names, ", "), ")"));
-    return SendError(req, st, "model_not_found");
+    return refuse(st, "model_not_found");
   }
   meta.id = openai::NewResponseId(endpoint, rng_(), rng_());
   // Without a seed, sampling is random per request, as OpenAI's is (the wire's
@@ -666,9 +679,9 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
   if (const char* t = Header(req, "x-request-timeout-ms"); t != nullptr) {
     int64_t ms = 0;
     if (!absl::SimpleAtoi(t, &ms) || ms <= 0 || ms > kMaxRequestTimeoutMs) {
-      return SendError(req, absl::InvalidArgumentError(absl::StrCat(
-                                "x-request-timeout-ms must be a whole number of milliseconds in [1, ",
-                                kMaxRequestTimeoutMs, "] (24 hours), got '", t, "'")));
+      return refuse(absl::InvalidArgumentError(
+          absl::StrCat("x-request-timeout-ms must be a whole number of milliseconds in [1, ",
+                       kMaxRequestTimeoutMs, "] (24 hours), got '", t, "'")));
     }
     timeout = absl::Milliseconds(ms);
   }

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -66,6 +67,11 @@ struct HttpGatewayOptions {
   // whatever it sent, and learns nothing of the served models or of what its
   // body lacks. The router checks the forwarded call again.
   const Authenticator* auth = nullptr;
+  // Called (loop thread) with the status of each completion request the
+  // gateway refuses itself (authentication, the body, the model, its headers)
+  // before any gRPC call: the router's kvcache_router_requests_total counts
+  // them as it counts the calls it refuses.
+  std::function<void(absl::StatusCode)> on_refused;
 };
 
 class HttpGateway final : public ServerProcess::Frontend {

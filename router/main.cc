@@ -236,6 +236,9 @@ int Run() {
     }
     ho.request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
     ho.auth = auth.get();
+    ho.on_refused = [&metrics](absl::StatusCode code) {
+      metrics.OnRequestDone(absl::StatusCodeToString(code));
+    };
     http = std::make_unique<router::HttpGateway>(std::move(ho));
     (*process)->AddFrontend(http.get());  // started and stopped by Serve
   }

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -228,6 +229,14 @@ absl::Status RefuseUnsupported(const Json& body) {
       return FieldError(field, "is not supported");
     }
   }
+  // Without tools there is no call to force: only the values that ask for none.
+  for (const char* field : {"tool_choice", "function_call"}) {
+    if (const Json* v = Member(body, field);
+        v != nullptr &&
+        !(v->is_string() && (v->get<std::string>() == "none" || v->get<std::string>() == "auto"))) {
+      return FieldError(field, "is not supported (there are no tools: only \"none\" or \"auto\")");
+    }
+  }
   if (const Json* v = Member(body, "suffix"); v != nullptr && !(v->is_string() && v->empty())) {
     return FieldError("suffix", "is not supported");
   }
@@ -250,8 +259,11 @@ absl::Status ParseSampling(const Json& body, v1::SamplingParams* s) {
   s->set_temperature(static_cast<float>(temperature));
   if (const Json* v = Member(body, "top_p")) {
     KVCACHE_ASSIGN_OR_RETURN(double top_p, Number(*v, "top_p"));
-    if (!(top_p > 0 && top_p <= 1)) return FieldError("top_p", "must be in (0, 1]");
-    s->set_top_p(static_cast<float>(top_p));
+    if (!(top_p >= 0 && top_p <= 1)) return FieldError("top_p", "must be in [0, 1]");
+    // OpenAI's 0 keeps the most likely token alone, as does the smallest
+    // positive float (the wire's 0 means no cut, and so would a value that
+    // rounds to it).
+    s->set_top_p(std::max(static_cast<float>(top_p), std::numeric_limits<float>::min()));
   }
   if (const Json* v = Member(body, "top_k")) {  // vLLM's extension; -1 and 0 disable it
     KVCACHE_ASSIGN_OR_RETURN(int64_t top_k, Integer(*v, "top_k"));
@@ -439,12 +451,21 @@ int HttpStatusFor(absl::StatusCode code) {
   }
 }
 
+bool IsContextTooLong(const absl::Status& status) {
+  // The worker's refusals (Engine::Submit): over --max_context or the model's
+  // context, INVALID_ARGUMENT; more than tier 0 holds, OUT_OF_RANGE.
+  return status.code() == absl::StatusCode::kOutOfRange ||
+         (status.code() == absl::StatusCode::kInvalidArgument &&
+          absl::StrContains(status.message(), "tokens leaves no room under the"));
+}
+
 std::string ErrorJson(const absl::Status& status, absl::string_view code) {
   const std::string param = ParamOf(status);
   OJson e;
   e["message"] = std::string(status.message());
   e["type"] = ErrorType(HttpStatusFor(status.code()));
   e["param"] = param.empty() ? OJson(nullptr) : OJson(param);
+  if (code.empty() && IsContextTooLong(status)) code = "context_length_exceeded";  // what clients look for
   e["code"] =
       code.empty() ? absl::AsciiStrToLower(absl::StatusCodeToString(status.code())) : std::string(code);
   return Dump(OJson{{"error", std::move(e)}});

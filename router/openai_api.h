@@ -75,8 +75,13 @@ std::string ParamOf(const absl::Status& status);
 // 499 CANCELLED; 503 UNAVAILABLE; 504 DEADLINE_EXCEEDED; 500 otherwise.
 int HttpStatusFor(absl::StatusCode code);
 
+// A worker's refusal of a context longer than it serves (its --max_context,
+// the model's context length, or its tier 0).
+bool IsContextTooLong(const absl::Status& status);
+
 // OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
-// `code` defaults to the lower-case name of the status code.
+// `code` defaults to "context_length_exceeded" for IsContextTooLong (the code
+// OpenAI's clients and vLLM's use), else the lower-case name of the status code.
 std::string ErrorJson(const absl::Status& status, absl::string_view code = "");
 
 // "stop" for EOS, a stop token or a stop string; "length" for max_tokens or a

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -190,6 +191,20 @@ class RawClient {
     connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   }
   ~RawClient() { Close(); }
+  bool Send(const std::string& bytes) {
+    return connected_ &&
+           send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+  }
+  // Reads until the server closes the connection; false if the read times out.
+  bool ReadToEnd() {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n == 0) return true;
+      if (n < 0) return false;
+      received_.append(buf, static_cast<size_t>(n));
+    }
+  }
   bool Post(const std::string& path, const std::string& body) {
     const std::string req =
         absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n",
@@ -378,6 +393,82 @@ TEST_F(HttpGatewayTest, ThousandsOfIdleConnectionsAndHundredsOfStreamsOnFewThrea
   idle.clear();
   streams.clear();
   event_base_free(base);
+}
+
+// An HTTP/1.0 client that asks for keep-alive and a stream: HTTP/1.0 has no
+// chunked encoding, so the stream ends with the connection, which the headers
+// say. Before, the reply announced Content-Length: 0 and the events followed
+// it on a connection kept open: curl --http1.0 printed nothing.
+TEST_F(HttpGatewayTest, AnHttp10StreamEndsWithItsConnection) {
+  RawClient client(port_);
+  const std::string body = StreamBody(3, 5);
+  ASSERT_TRUE(client.Send(absl::StrCat("POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\n",
+                                       "Content-Type: application/json\r\nContent-Length: ", body.size(),
+                                       "\r\n\r\n", body)));
+  ASSERT_TRUE(client.ReadToEnd()) << "the connection stayed open after the stream: " << client.received();
+  const std::string& got = client.received();
+  const std::string head = got.substr(0, got.find("\r\n\r\n"));
+  EXPECT_THAT(head, HasSubstr("200"));
+  EXPECT_THAT(head, Not(HasSubstr("Content-Length")));
+  EXPECT_THAT(head, HasSubstr("Connection: close"));
+  EXPECT_EQ(Count(got, "data: {"), 5 + 1) << got;  // five tokens and the usage
+  EXPECT_THAT(got, HasSubstr("data: [DONE]"));
+}
+
+// The router's kvcache_router_requests_total{code=...}, or -1.
+double RequestsWithCode(int metrics_port, const std::string& code) {
+  auto body = testing::HttpGet(metrics_port, "/metrics");
+  if (!body.ok()) return -1;
+  const std::string name = absl::StrCat("kvcache_router_requests_total{code=\"", code, "\"} ");
+  const size_t at = body->find(name);
+  if (at == std::string::npos) return 0;
+  return std::atof(body->c_str() + at + name.size());
+}
+
+// What the gateway refuses itself counts in kvcache_router_requests_total as
+// the same call over gRPC does (it counted nothing), a context too long says
+// so in the code OpenAI's clients look for, and requests OpenAI takes (top_p
+// 0) or refuses (a forced tool call) get the same answer here.
+TEST_F(HttpGatewayTest, RefusalsAreCountedAndSpeakOpenAi) {
+  const int metrics = router_->metrics_port();
+  const double unauthenticated = RequestsWithCode(metrics, "UNAUTHENTICATED");
+  const double invalid = RequestsWithCode(metrics, "INVALID_ARGUMENT");
+  const double not_found = RequestsWithCode(metrics, "NOT_FOUND");
+  EXPECT_EQ(HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [5]})",
+                      {{"Authorization", "Bearer not-a-token-of-this-router"}})
+                .status,
+            401);
+  EXPECT_EQ(HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [5], "temperature": 5})").status, 400);
+  HttpResult forced =
+      HttpFetch(port_, "POST", "/v1/chat/completions",
+                R"({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"})");
+  EXPECT_EQ(forced.status, 400) << forced.body;
+  EXPECT_EQ(Json::parse(forced.body)["error"]["param"], "tool_choice");
+  EXPECT_EQ(HttpFetch(port_, "POST", "/v1/completions", R"({"model": "gpt-4", "prompt": [5]})").status, 404);
+  EXPECT_EQ(RequestsWithCode(metrics, "UNAUTHENTICATED"), unauthenticated + 1);
+  EXPECT_EQ(RequestsWithCode(metrics, "INVALID_ARGUMENT"), invalid + 2);
+  EXPECT_EQ(RequestsWithCode(metrics, "NOT_FOUND"), not_found + 1);
+
+  // top_p 0 keeps the most likely token: the greedy reply, whatever the seed.
+  HttpResult greedy =
+      HttpFetch(port_, "POST", "/v1/completions",
+                R"({"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": true})");
+  ASSERT_EQ(greedy.status, 200) << greedy.body;
+  for (const char* top_p : {"0", "5e-324"}) {
+    HttpResult cut = HttpFetch(port_, "POST", "/v1/completions",
+                               absl::StrCat(R"({"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 1, )",
+                                            R"("seed": 11, "ignore_eos": true, "top_p": )", top_p, "}"));
+    ASSERT_EQ(cut.status, 200) << top_p << ": " << cut.body;
+    EXPECT_EQ(Json::parse(cut.body)["choices"][0]["text"], Json::parse(greedy.body)["choices"][0]["text"])
+        << top_p;
+  }
+
+  // Over the model's 1,024-token context.
+  Json ids = Json::array();
+  for (int i = 0; i < 1100; ++i) ids.push_back(100 + i % 200);
+  HttpResult too_long = HttpFetch(port_, "POST", "/v1/completions", Json{{"prompt", ids}}.dump());
+  EXPECT_EQ(too_long.status, 400) << too_long.body;
+  EXPECT_EQ(Json::parse(too_long.body)["error"]["code"], "context_length_exceeded") << too_long.body;
 }
 
 }  // namespace

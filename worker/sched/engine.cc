@@ -192,6 +192,8 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     }
   }
   if (context >= options_.max_context) {
+    // The router's HTTP API knows this refusal by its words
+    // (openai::IsContextTooLong): keep "tokens leaves no room under the".
     return absl::InvalidArgumentError(absl::StrCat(
         "context of ", context, " tokens leaves no room under the ", options_.max_context, "-token limit"));
   }
