@@ -376,13 +376,16 @@ int Run() {
     // within --shutdown_deadline.
     service.BeginDrain();
     const absl::Duration left = deadline - absl::Now();
+    // Kept for the server's own stop after this: the health Watch streams end
+    // OK (ServerProcess::Serve), not cancelled at a deadline already passed.
+    const absl::Time sessions_deadline = deadline - std::min(absl::Seconds(1), left / 10);
     service.FinishOrCutStreams(std::min(left * 2 / 3, so.drain_deadline), left / 3);
     // Only a router that watches us can move the sessions.
     if (hub.subscribers() == 0) {
       const size_t left = (*engine)->Sessions().size();
       if (left > 0)
         KV_LOG_WARN("shutting down with {} sessions and no router to move them: they end here", left);
-    } else if (!(*engine)->WaitNoSessions(deadline - absl::Now())) {
+    } else if (!(*engine)->WaitNoSessions(sessions_deadline - absl::Now())) {
       KV_LOG_WARN("shutting down with {} sessions still here (no router moved them in time)",
                   (*engine)->Sessions().size());
     }

@@ -26,6 +26,7 @@
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "kvcache/v1/worker.grpc.pb.h"
 #include "tests/common/gguf/reference_data.h"
@@ -305,6 +306,50 @@ TEST_F(WorkerTest, DrainingWorkerRefusesSessionChangesAndServesReadsAndClose) {
   }
   auto status = w->process().Wait(absl::Seconds(30));
   ASSERT_TRUE(status.ok()) << "the drained worker did not exit";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+  wctx.TryCancel();
+  watch->Finish();
+}
+
+// SIGTERM with a session that no router moves away (one watches, so the
+// worker waits for it): the health Watch streams of "" and liveness turn
+// NOT_SERVING when the server stops and end OK before the process exits.
+// Before, the wait for the sessions took the whole --shutdown_deadline and the
+// server's stop then cancelled the Watch streams (UNAVAILABLE).
+TEST_F(WorkerTest, HealthWatchesEndOkWhenTheSessionsCannotLeave) {
+  auto w = StartWorker({"--shutdown_deadline=3s"});
+  ASSERT_NE(w, nullptr);
+  auto stub = v1::Worker::NewStub(w->channel());
+  ASSERT_TRUE(Generate(stub.get(), Text("stays", "a conversation no router moves", 3)).status.ok());
+  grpc::ClientContext wctx;
+  auto watch = stub->Watch(&wctx, v1::WatchRequest());
+  v1::WatchEvent ev;
+  ASSERT_TRUE(watch->Read(&ev));  // subscribed: a router that could move the session
+  auto health = grpc::health::v1::Health::NewStub(w->channel());
+  struct HealthWatch {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderInterface<grpc::health::v1::HealthCheckResponse>> reader;
+  };
+  HealthWatch watches[2];
+  const char* services[2] = {"", "liveness"};
+  for (int i = 0; i < 2; ++i) {
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(services[i]);
+    watches[i].reader = health->Watch(&watches[i].ctx, req);
+    grpc::health::v1::HealthCheckResponse r;
+    ASSERT_TRUE(watches[i].reader->Read(&r));
+    EXPECT_EQ(r.status(), grpc::health::v1::HealthCheckResponse::SERVING) << services[i];
+  }
+  w->process().Signal(SIGTERM);
+  for (int i = 0; i < 2; ++i) {
+    grpc::health::v1::HealthCheckResponse r, last;
+    while (watches[i].reader->Read(&r)) last = r;
+    EXPECT_EQ(last.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING) << services[i];
+    const grpc::Status end = watches[i].reader->Finish();
+    EXPECT_TRUE(end.ok()) << "'" << services[i] << "': " << end.error_code() << " " << end.error_message();
+  }
+  auto status = w->process().Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.ok()) << "the worker did not exit";
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
   wctx.TryCancel();
   watch->Finish();
