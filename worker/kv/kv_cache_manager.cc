@@ -223,8 +223,18 @@ absl::StatusOr<StepReservation> KvCacheManager::BeginStep(const std::string& id,
   }
   const int64_t add = PagesFor(len + n) - static_cast<int64_t>(s->pages.size());
   const PageLoc tail = len % P() != 0 ? s->pages[len / P()] : PageLoc{};
-  const bool cow = n > 0 && tail.tier == 0 && (pool_[0].ref(tail.id) > 1 || pool_[0].cached(tail.id));
-  if (absl::Status st = MakeRoom(add + (cow ? 1 : 0), s, &r.preempted); !st.ok()) {
+  bool cow = n > 0 && tail.tier == 0 && (pool_[0].ref(tail.id) > 1 || pool_[0].cached(tail.id));
+  absl::Status room = MakeRoom(add + (cow ? 1 : 0), s, &r.preempted);
+  if (!room.ok() && cow && pool_[0].ref(tail.id) == 1) {
+    // Only the prefix cache shares the tail page (the session was cut back
+    // inside it, e.g. a FULL_CONTEXT turn that edits the last message): with
+    // no page for the copy, the cache gives the page up and the step writes in
+    // place. The step used to fail, also with nothing else on the worker.
+    UnindexDevicePageLocked(tail.id);
+    cow = false;
+    room = MakeRoom(add, s, &r.preempted);
+  }
+  if (absl::Status st = room; !st.ok()) {
     s->in_step = false;
     return absl::ResourceExhaustedError(
         absl::StrCat("BeginStep of ", QuoteSession(id), " for ", n, " tokens: ", st.message()));

@@ -314,6 +314,8 @@ class KvCacheManager {
   // there already; appends `h` to `stored` when it was added.
   void IndexDevicePageLocked(PageId page, const BlockHash& h, std::vector<BlockHash>* stored)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes cached tier-0 `page` out of the prefix index (announced at once).
+  void UnindexDevicePageLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Emits kPrefixStored/kPrefixRemoved for `hashes` in `tier` (nothing when empty).
   void EmitPrefixLocked(KvEventType type, int tier, std::vector<BlockHash> hashes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -19,6 +19,13 @@ void KvCacheManager::IndexDevicePageLocked(PageId page, const BlockHash& h, std:
   stored->push_back(h);
 }
 
+void KvCacheManager::UnindexDevicePageLocked(PageId page) {
+  assert(pool_[0].cached(page));
+  prefix_index_.erase(page_hash_[page]);
+  pool_[0].SetCached(page, false);
+  EmitPrefixLocked(KvEventType::kPrefixRemoved, 0, {page_hash_[page]});
+}
+
 void KvCacheManager::IndexHostPageLocked(PageId page, const BlockHash& h, std::vector<BlockHash>* stored) {
   if (host_indexed_[page] || !host_index_.emplace(h, page).second) return;
   host_page_hash_[page] = h;

@@ -283,6 +283,37 @@ TEST(KvCacheManagerTest, TruncateThenAppendCopiesASharedTail) {
   EXPECT_INVARIANTS(*m);
 }
 
+// A session cut back inside a page that only the prefix cache shares with it,
+// on a full tier 0: no page is left for the copy, so the cache gives the page
+// up and the append writes in place. It used to fail RESOURCE_EXHAUSTED on a
+// worker with nothing else in it (a FULL_CONTEXT turn editing the last message
+// of a conversation that had filled tier 0).
+TEST(KvCacheManagerTest, AppendOnAFullTierTakesACachedTailPageBack) {
+  auto m = MakeManager(4, 0);
+  ASSERT_OK(m->CreateSession("a", "t"));
+  ASSERT_OK(AppendWithKv(*m, "a", Seq(1, 16)));  // 4 full pages, all cached
+  EXPECT_EQ(m->LookupPrefix("t", Seq(1, 16)), 16);
+  ASSERT_OK(m->Truncate("a", 14));
+  const PageId tail = m->GetSession("a")->page_ids[3];
+  ASSERT_OK(AppendWithKv(*m, "a", Seq(900, 2)));
+  EXPECT_EQ(m->GetSession("a")->page_ids[3], tail) << "written in place";
+  ASSERT_OK(VerifyKv(*m, "a"));
+  EXPECT_EQ(m->LookupPrefix("t", Seq(1, 16)), 12) << "the page's old content is no longer offered";
+  EXPECT_INVARIANTS(*m);
+
+  // With a page free, the cached page is copied and stays offered.
+  auto roomy = MakeManager(5, 0);
+  ASSERT_OK(roomy->CreateSession("a", "t"));
+  ASSERT_OK(AppendWithKv(*roomy, "a", Seq(1, 16)));
+  ASSERT_OK(roomy->Truncate("a", 14));
+  const PageId cached = roomy->GetSession("a")->page_ids[3];
+  ASSERT_OK(AppendWithKv(*roomy, "a", Seq(900, 2)));
+  EXPECT_NE(roomy->GetSession("a")->page_ids[3], cached);
+  ASSERT_OK(VerifyKv(*roomy, "a"));
+  EXPECT_EQ(roomy->LookupPrefix("t", Seq(1, 16)), 16);
+  EXPECT_INVARIANTS(*roomy);
+}
+
 TEST(KvCacheManagerTest, SlidingWindowReleasesDeadPages) {
   auto m = MakeManager(16, 0, /*window=*/6);
   ASSERT_OK(m->CreateSession("a", "t"));
