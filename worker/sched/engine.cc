@@ -101,6 +101,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options, mo
       options.default_max_tokens < 1 || options.max_tokens_per_request < 1) {
     return absl::InvalidArgumentError("engine limits must be positive");
   }
+  if (options.default_max_tokens > options.max_tokens_per_request) {
+    // The operator's cap holds for requests that leave max_tokens to the server.
+    KV_LOG_WARN("default max_tokens {} is above the per-request limit {}; using {}",
+                options.default_max_tokens, options.max_tokens_per_request, options.max_tokens_per_request);
+    options.default_max_tokens = options.max_tokens_per_request;
+  }
   options.max_batch_tokens = std::min(options.max_batch_tokens, runner->max_batch_tokens());
   const int64_t model_ctx = runner->hparams().n_ctx_train;
   if (model_ctx > 0) options.max_context = std::min(options.max_context, model_ctx);
@@ -198,7 +204,9 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
         "context of ", context, " tokens leaves no room under the ", options_.max_context, "-token limit"));
   }
   // The whole context must fit in tier 0 at once (attention reads it there).
-  const int64_t pages = (context + 1 + page_tokens_ - 1) / page_tokens_;
+  // Its first token needs no page of its own: it ends the request when its K/V
+  // would not fit (OutgrowsTier0), with FINISH_REASON_CONTEXT_FULL.
+  const int64_t pages = (context + page_tokens_ - 1) / page_tokens_;
   // Never, on this worker: OUT_OF_RANGE, not the RESOURCE_EXHAUSTED of a full
   // moment (which clients retry).
   if (pages > kv_->tier_capacity_pages(0)) {

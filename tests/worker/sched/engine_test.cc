@@ -311,11 +311,38 @@ TEST_F(EngineTest, BadRequestsAreRefusedUpFront) {
   EXPECT_FALSE(c.done.HasBeenNotified());
 }
 
+// A prompt that fills tier 0 exactly is served: its first token needs no page
+// and ends it (CONTEXT_FULL). It used to be refused OUT_OF_RANGE, one token
+// short of the boundary, with a page count one too many.
 TEST_F(EngineTest, PromptLargerThanTier0IsOutOfRange) {
-  Build(/*tier0_pages=*/4, /*tier1_pages=*/4);
+  Build(/*tier0_pages=*/4, /*tier1_pages=*/4);  // 64 tokens of 16-token pages
   Collector c;
   EXPECT_EQ(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(100), 3), &c).status().code(),
             absl::StatusCode::kOutOfRange);
+  absl::Status over = engine_->Submit(Req("", RequestMode::kFullContext, Prompt(65), 3), &c).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(over.message(), ::testing::HasSubstr("needs 5 KV pages"));
+  Collector full;
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(64), 3), &full).ok());
+  full.Wait();
+  ASSERT_TRUE(full.status.ok()) << full.status;
+  EXPECT_EQ(full.result.finish, FinishReason::kContextFull);
+  EXPECT_EQ(full.tokens, Expected(Prompt(64), 1));
+}
+
+// A request that leaves max_tokens to the server gets no more than the
+// per-request limit, whatever the default says.
+TEST_F(EngineTest, TheDefaultMaxTokensObeysThePerRequestLimit) {
+  EngineOptions o;
+  o.default_max_tokens = 256;
+  o.max_tokens_per_request = 5;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector c;
+  ASSERT_TRUE(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(10), 0), &c).ok());
+  c.Wait();
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  EXPECT_EQ(c.result.finish, FinishReason::kLength);
+  EXPECT_EQ(c.tokens.size(), 5u);
 }
 
 // A request alone whose context outgrows tier 0 ends as at --max_context: OK,
