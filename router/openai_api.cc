@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -452,11 +451,9 @@ int HttpStatusFor(absl::StatusCode code) {
 }
 
 bool IsContextTooLong(const absl::Status& status) {
-  // The worker's refusals (Engine::Submit): over --max_context or the model's
-  // context, INVALID_ARGUMENT; more than tier 0 holds, OUT_OF_RANGE.
-  return status.code() == absl::StatusCode::kOutOfRange ||
-         (status.code() == absl::StatusCode::kInvalidArgument &&
-          absl::StrContains(status.message(), "tokens leaves no room under the"));
+  // What a worker answers a context over its --max_context, the model's
+  // context or its tier 0 (worker.proto), and a router when every worker did.
+  return status.code() == absl::StatusCode::kOutOfRange;
 }
 
 std::string ErrorJson(const absl::Status& status, absl::string_view code) {

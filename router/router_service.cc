@@ -34,7 +34,7 @@ std::chrono::system_clock::time_point DeadlineFor(const grpc::CallbackServerCont
 }
 
 bool Retryable(grpc::StatusCode code) {
-  // OUT_OF_RANGE: a context larger than that worker's tier 0 (another may hold more).
+  // OUT_OF_RANGE: a context over that worker's limits (another may hold more).
   return code == grpc::RESOURCE_EXHAUSTED || code == grpc::UNAVAILABLE || code == grpc::OUT_OF_RANGE;
 }
 

@@ -146,7 +146,7 @@ TEST_F(PublicApiErrorsTest, GenerateRejectsEveryBadRequestWithItsCode) {
       {"stop token id over the vocabulary",
        [](auto& r) { r.mutable_sampling()->add_stop_token_ids(1 << 30); }, grpc::INVALID_ARGUMENT},
       {"context over --max_context", [](auto& r) { r.mutable_input()->set_text(std::string(3000, 'x')); },
-       grpc::INVALID_ARGUMENT},
+       grpc::OUT_OF_RANGE},
       {"max_tokens negative", [](auto& r) { r.mutable_sampling()->set_max_tokens(-1); },
        grpc::INVALID_ARGUMENT},
       {"max_tokens over --max_tokens_per_request", [](auto& r) { r.mutable_sampling()->set_max_tokens(101); },

@@ -55,10 +55,12 @@ class RouterTest : public ::testing::Test {
     delete model_;
   }
 
+  // Adds n workers, named w0, w1, ... in the order of all calls.
   void StartWorkers(int n, std::vector<std::string> extra = {}) {
     for (int i = 0; i < n; ++i) {
-      std::vector<std::string> args = {"--model=" + *model_, "--worker_id=w" + std::to_string(i),
-                                       "--threads=1", "--load_report_interval=100ms"};
+      std::vector<std::string> args = {"--model=" + *model_,
+                                       "--worker_id=w" + std::to_string(workers_.size()), "--threads=1",
+                                       "--load_report_interval=100ms"};
       args.insert(args.end(), extra.begin(), extra.end());
       auto w = testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"), args);
       ASSERT_TRUE(w.ok()) << w.status();
@@ -720,6 +722,29 @@ TEST_F(RouterTest, RequestOnASessionInFlightGoesToItsWorkerAndIsAborted) {
   first.Cancel();
   first.Finish();
   EXPECT_EQ(HoldersOf(workers_, "race"), 1);
+}
+
+// A FULL_CONTEXT request over one worker's --max_context is retried on a
+// worker with a longer one (OUT_OF_RANGE, as a context over its tier 0). It
+// was INVALID_ARGUMENT, which the router passed on: every request the short
+// worker was picked for failed.
+TEST_F(RouterTest, AContextOverOneWorkersLimitIsServedByAnother) {
+  StartWorkers(1, {"--max_context=256"});
+  StartWorkers(1);
+  auto router = StartRouter({"--placement=round_robin"});
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 400; ++i) prompt.push_back(5 + i % 200);
+  for (int i = 0; i < 4; ++i) {  // round robin: the short worker is first for two of them
+    Reply r = Generate(stub.get(), testing::TokensRequest("long" + std::to_string(i), prompt, 2));
+    ASSERT_TRUE(r.status.ok()) << i << ": " << r.status.error_message();
+    EXPECT_EQ(r.final.worker_id(), "w1") << i;
+  }
+  // No worker holds it: OUT_OF_RANGE.
+  prompt.resize(2100);
+  Reply none = Generate(stub.get(), testing::TokensRequest("", prompt, 2));
+  EXPECT_EQ(none.status.error_code(), grpc::OUT_OF_RANGE) << none.status.error_message();
 }
 
 TEST_F(RouterTest, RoundRobinMovesASessionAndClosesTheCopyItLeaves) {

@@ -161,7 +161,7 @@ TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {
       grpc::INVALID_ARGUMENT);
   add(
       "context too long", [](auto& r) { r.mutable_input()->set_text(std::string(3000, 'x')); },
-      grpc::INVALID_ARGUMENT);
+      grpc::OUT_OF_RANGE);
   add(
       "max_tokens huge", [](auto& r) { r.mutable_sampling()->set_max_tokens(1000000); },
       grpc::INVALID_ARGUMENT);

@@ -198,10 +198,10 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     }
   }
   if (context >= options_.max_context) {
-    // The router's HTTP API knows this refusal by its words
-    // (openai::IsContextTooLong): keep "tokens leaves no room under the".
-    return absl::InvalidArgumentError(absl::StrCat(
-        "context of ", context, " tokens leaves no room under the ", options_.max_context, "-token limit"));
+    // OUT_OF_RANGE, as a context over tier 0: never here, but a worker with a
+    // longer --max_context may take it (a router tries the next one).
+    return absl::OutOfRangeError(absl::StrCat("context of ", context, " tokens leaves no room under the ",
+                                              options_.max_context, "-token limit"));
   }
   // The whole context must fit in tier 0 at once (attention reads it there).
   // Its first token needs no page of its own: it ends the request when its K/V

@@ -293,7 +293,7 @@ TEST_F(EngineTest, BadRequestsAreRefusedUpFront) {
   EXPECT_EQ(engine_->Submit(Req("", RequestMode::kAppend, Prompt(3), 3), &c).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(600), 3), &c).status().code(),
-            absl::StatusCode::kInvalidArgument);  // over the 512-token model context
+            absl::StatusCode::kOutOfRange);  // over the 512-token model context
   EXPECT_EQ(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(3), -1), &c).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine_->Submit(Req("", RequestMode::kFullContext, Prompt(3), 100000), &c).status().code(),
