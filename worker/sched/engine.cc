@@ -80,6 +80,11 @@ struct Engine::Request {
   int64_t prefix_restored = 0;      // of the cached tokens attached before it started, from tier 1
   int64_t admitted_at_prefill = 0;  // its tenant's tenant_prefilled_ when it was admitted
   int64_t prefilled = 0;            // prompt tokens computed for it (its own part of that count)
+  // Context positions [0, reached) had their K/V computed, or taken from the
+  // cache, for this request at least once: computing one of them again is a
+  // recompute (pressure took it), and finding it in the cache again is no new
+  // cached token.
+  int64_t reached = 0;
   GenerateResult result;
 };
 
@@ -411,6 +416,7 @@ bool Engine::Prepare(Request& r) {
   r.pending.assign(r.context.begin() + cached, r.context.end());
   r.result.session_id = q.session_id;
   r.result.cached_tokens = cached;
+  r.reached = cached;
   r.result.prompt_tokens = static_cast<int64_t>(r.context.size());
   return true;
 }
@@ -514,7 +520,7 @@ bool Engine::OutgrowsTier0(const Request& r) const {
   return !info.ok() || pages - info->first_live_page > capacity;
 }
 
-absl::StatusOr<kv::StepReservation> Engine::Reserve(Request& r, int budget, int64_t* recomputed) {
+absl::StatusOr<kv::StepReservation> Engine::Reserve(Request& r, int budget) {
   // The engine is the authority on a request's context; the cache holds K/V for
   // a prefix of it. Pressure (a running session preempted without tier-1 room,
   // tier-1 pages dropped, a corrupt page on restore) can shorten that prefix
@@ -542,12 +548,11 @@ absl::StatusOr<kv::StepReservation> Engine::Reserve(Request& r, int budget, int6
       return absl::InternalError(absl::StrCat("session '", r.req.session_id, "': the KV cache holds ", held,
                                               " tokens where the engine expects ", expected));
     }
-    KVCACHE_ASSIGN_OR_RETURN(const int64_t lost, Resync(r, held));
-    *recomputed += lost;
+    KVCACHE_RETURN_IF_ERROR(Resync(r, held));
   }
 }
 
-absl::StatusOr<int64_t> Engine::Resync(Request& r, int64_t held) {
+absl::Status Engine::Resync(Request& r, int64_t held) {
   const int64_t expected = static_cast<int64_t>(r.context.size() - r.pending.size());
   KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, kv_->GetTokens(r.sid));
   // What the cache kept must be a prefix of the context (it only ever stores what
@@ -560,12 +565,11 @@ absl::StatusOr<int64_t> Engine::Resync(Request& r, int64_t held) {
                expected);
   r.pending.assign(r.context.begin() + static_cast<std::ptrdiff_t>(keep), r.context.end());
   r.decoding = false;  // a prefill again until the pending tokens are in the cache
-  if (!r.started) {
+  if (!r.started) {    // what it lost before its first step was never its own
     r.result.cached_tokens = std::min<int64_t>(r.result.cached_tokens, static_cast<int64_t>(keep));
+    r.reached = std::min<int64_t>(r.reached, static_cast<int64_t>(keep));
   }
-  const int64_t lost = expected - static_cast<int64_t>(keep);
-  r.result.recomputed_tokens += lost;
-  return lost;
+  return absl::OkStatus();
 }
 
 int64_t Engine::JoinCachedPrefix(Request& r) {
@@ -583,7 +587,11 @@ int64_t Engine::JoinCachedPrefix(Request& r) {
       kv_->AttachPrefix(r.sid, absl::MakeConstSpan(r.context.data(), r.context.size() - 1), &restored);
   if (!hit.ok() || *hit == 0) return 0;
   r.pending.erase(r.pending.begin(), r.pending.begin() + *hit);
-  r.result.cached_tokens += *hit;
+  // Positions it had reached were lost under pressure and are found again: not
+  // new cached tokens (nor recomputed ones).
+  const int64_t again = std::clamp<int64_t>(r.reached - pos, 0, *hit);
+  r.result.cached_tokens += *hit - again;
+  r.reached = std::max(r.reached, pos + *hit);
   if (r.started) {
     r.result.restored_tokens += restored;
   } else {
@@ -734,13 +742,17 @@ bool Engine::Step() {
           }
         }
       }
-      absl::StatusOr<kv::StepReservation> res = Reserve(r, limit, &recomputed);
+      absl::StatusOr<kv::StepReservation> res = Reserve(r, limit);
       if (!res.ok()) {
         if (res.status().code() == absl::StatusCode::kResourceExhausted) continue;  // wait for room
         Finish(r, res.status(), std::nullopt);
         continue;
       }
       const int n = static_cast<int>(res->num_new_tokens);
+      const int64_t again = std::clamp<int64_t>(r.reached - res->first_pos, 0, n);  // pressure took them
+      recomputed += again;
+      r.result.recomputed_tokens += again;
+      r.reached = std::max(r.reached, res->first_pos + n);
       if (!r.started) {
         r.started = true;
         r.result.queue_time = absl::Now() - r.submitted;

@@ -362,11 +362,11 @@ class Engine {
   }
   // BeginStep for up to `budget` of the request's pending tokens, after checking
   // that the cache still holds every token the engine expects it to; what it lost
-  // is queued for recompute first (added to `recomputed`).
-  absl::StatusOr<kv::StepReservation> Reserve(Request& r, int budget, int64_t* recomputed);
+  // is queued for recompute first.
+  absl::StatusOr<kv::StepReservation> Reserve(Request& r, int budget);
   // Re-derives the request's pending tokens from what the cache holds (`held`
-  // tokens, a prefix of its context). Returns the tokens to compute again.
-  absl::StatusOr<int64_t> Resync(Request& r, int64_t held);
+  // tokens, a prefix of its context).
+  absl::Status Resync(Request& r, int64_t held);
   void Finish(Request& r, absl::Status status, std::optional<FinishReason> reason);
   // NOT_FOUND naming `id` unless `key` is a known session.
   absl::Status CheckKnown(const std::string& key, const std::string& id) const

@@ -36,6 +36,9 @@ struct RunLog {
   std::vector<Outcome> outcomes;
   int64_t recomputed_tokens = 0;
   int64_t preemptions = 0;
+  // The engine's step statistics, added up (what the worker's metrics count).
+  int64_t step_prefill_tokens = 0;
+  int64_t step_recomputed_tokens = 0;
 };
 
 constexpr int kTurns = 4;
@@ -46,6 +49,12 @@ constexpr int kMaxTokens = 6;
 // the whole history with FULL_CONTEXT, as a stateless client does.
 RunLog RunWorkload(Engine* engine, kv::KvCacheManager* kv, int sessions, const model::SamplingConfig& base) {
   RunLog log;
+  absl::Mutex mu;
+  engine->SetStepCallback([&](const StepStats& s) {
+    absl::MutexLock lock(&mu);
+    log.step_prefill_tokens += s.prefill_tokens;
+    log.step_recomputed_tokens += s.recomputed_tokens;
+  });
   std::vector<std::string> ids;
   std::vector<std::vector<int32_t>> history;  // what each client has seen
   for (int i = 0; i < sessions; ++i) {
@@ -99,6 +108,7 @@ RunLog RunWorkload(Engine* engine, kv::KvCacheManager* kv, int sessions, const m
     EXPECT_TRUE(inv.ok()) << "after turn " << turn << ": " << inv;
   }
   log.preemptions = kv->GetStats().preemptions;
+  engine->SetStepCallback(nullptr);
   for (const std::string& id : ids) {
     absl::Status st = engine->CloseSession(id, "t");
     EXPECT_TRUE(st.ok()) << id << ": " << st;
@@ -147,6 +157,21 @@ TEST_P(EnginePressureTest, EveryReplyMatchesARoomyEngine) {
     EXPECT_EQ(g.result.prompt_tokens, w.result.prompt_tokens) << got.names[i];
   }
   EXPECT_EQ(mismatches, 0);
+  // Usage adds up: of each prompt, cached tokens and tokens computed the first
+  // time; every token the engine prefilled is one of those, a recompute, or
+  // the next token of a decode that a preemption turned into a prefill (at most
+  // one a preemption). Under preemption a request used to count what it found
+  // in the cache again as cached a second time (cached > prompt) and as
+  // recomputed (more recomputed tokens than the engine prefilled).
+  int64_t computed_first = 0;
+  for (size_t i = 0; i < got.outcomes.size(); ++i) {
+    const GenerateResult& r = got.outcomes[i].result;
+    EXPECT_LE(r.cached_tokens, r.prompt_tokens) << got.names[i];
+    computed_first += r.prompt_tokens - r.cached_tokens;
+  }
+  EXPECT_EQ(got.step_recomputed_tokens, got.recomputed_tokens);
+  EXPECT_GE(got.step_prefill_tokens, computed_first + got.recomputed_tokens);
+  EXPECT_LE(got.step_prefill_tokens, computed_first + got.recomputed_tokens + got.preemptions);
   std::printf(
       "tier1=%d pages, %d sessions, seed %d: %zu requests, %lld tokens recomputed, %lld preemptions\n",
       tier1_pages, sessions, seed, got.outcomes.size(), static_cast<long long>(got.recomputed_tokens),
