@@ -284,6 +284,13 @@ void WorkerPool::Watch(Worker* w) {
         w->wrong_model = wrong;
         w->kv_shape = ev.snapshot().kv_shape();
         w->load = ev.snapshot().load();
+        if (!w->load.draining()) {
+          // A drain never ends in the process that began it: a new stream's
+          // snapshot that is not draining comes from a new process at this
+          // address (a restart, a rescheduled pod), which takes work again.
+          w->admin_draining = false;
+          w->refused_draining = false;
+        }
         ++w->load_reports;
       } else if (ev.has_load()) {
         w->load = ev.load();

@@ -837,6 +837,72 @@ TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
   }
 }
 
+// A worker that drained and exited comes back at the same address (a
+// restarted process, a rescheduled pod with the same name): it takes work
+// again, after an admin drain and after a SIGTERM that cut a stream. Before,
+// the router kept it DRAINING for as long as the router ran.
+TEST_F(RouterTest, AWorkerBackAfterADrainTakesWorkAgain) {
+  StartWorkers(2, {"--drain_deadline=0s", "--shutdown_deadline=5s"});
+  auto router = StartRouter({"--placement=round_robin"});
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  auto restart = [&](int i) {
+    const std::string address = workers_[i]->grpc_address();
+    ASSERT_TRUE(workers_[i]->process().Wait(absl::Seconds(30)).ok()) << "w" << i << " did not exit";
+    auto w = testing::ServerUnderTest::Start(
+        testing::BinaryPath("worker/kvcache-worker"),
+        {"--model=" + *model_, "--worker_id=w" + std::to_string(i), "--threads=1",
+         "--load_report_interval=100ms", "--listen=" + address});
+    ASSERT_TRUE(w.ok()) << w.status();
+    workers_[i] = std::move(*w);
+  };
+  auto serving = [&](const std::string& id) {
+    return testing::WaitUntil([&] {
+      grpc::ClientContext ctx;
+      v1::ListWorkersResponse resp;
+      if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
+      for (const auto& w : resp.workers()) {
+        if (w.worker_id() == id) return w.health() == "SERVING";
+      }
+      return false;
+    });
+  };
+  auto lands_on = [&](const std::string& id) {
+    for (int s = 0; s < 4; ++s) {  // round robin: two of them at least
+      Reply r = Generate(stub.get(), Text("", "hello " + std::to_string(s), 2));
+      if (r.status.ok() && r.final.worker_id() == id) return true;
+    }
+    return false;
+  };
+
+  // An admin drain.
+  {
+    grpc::ClientContext ctx;
+    v1::DrainWorkerRequest dr;
+    dr.set_worker("w1");
+    v1::DrainResponse resp;
+    ASSERT_TRUE(admin->DrainWorker(&ctx, dr, &resp).ok());
+  }
+  restart(1);
+  EXPECT_TRUE(serving("w1")) << "still DRAINING after an admin drain";
+  EXPECT_TRUE(lands_on("w1"));
+
+  // SIGTERM while a stream runs there: the stream is cut and continues on w0.
+  Reply placed = Generate(stub.get(), Text("long", "a long story", 1));
+  ASSERT_TRUE(placed.status.ok()) << placed.status.error_message();
+  const int holder = placed.final.worker_id() == "w0" ? 0 : 1;
+  testing::PartialStream stream(stub.get(), Text("long", "a long story", 1500));
+  ASSERT_TRUE(stream.ReadTokens(2));
+  workers_[holder]->process().Signal(SIGTERM);
+  const Reply& got = stream.Finish();
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  restart(holder);
+  const std::string id = "w" + std::to_string(holder);
+  EXPECT_TRUE(serving(id)) << "still DRAINING after a drain that cut a stream";
+  EXPECT_TRUE(lands_on(id));
+}
+
 TEST_F(RouterTest, SigtermedWorkerHandsItsSessionsOver) {
   // Kubernetes stops a pod with SIGTERM: the worker turns NOT_SERVING and
   // announces the drain on Watch, the router migrates its sessions to the other
