@@ -45,12 +45,17 @@ struct Engine::Request {
         stop(tokenizer->eog_ids(), req.stop_token_ids, req.stop, max_tokens, req.ignore_eos),
         detok(tokenizer),
         tokenizer(tokenizer),
-        submitted(absl::Now()),
-        nothing_left(req.continued > 0 && req.continued >= max_tokens) {
+        submitted(absl::Now()) {
     // A continued stream's tokens so far, as if this request had generated them.
+    using R = model::StopCriteria::Reason;
     for (size_t i = req.input.size() - static_cast<size_t>(req.continued); i < req.input.size(); ++i) {
       sampler.Skip(1);
-      (void)stop.Add(req.input[i], detok.Add(req.input[i]).value_or(""));
+      const R reason = stop.Add(req.input[i], detok.Add(req.input[i]).value_or(""));
+      if (reason == R::kNone) continue;
+      ended = reason == R::kStopString ? FinishReason::kStopString
+              : reason == R::kLength   ? FinishReason::kLength
+                                       : FinishReason::kStop;
+      break;
     }
   }
 
@@ -62,9 +67,10 @@ struct Engine::Request {
   tok::StreamingDetokenizer detok;
   const tok::Tokenizer* tokenizer;
   const absl::Time submitted;
-  // A continued stream that had reached max_tokens (its worker was lost before
-  // the final message): it ends at its first token, without it.
-  const bool nothing_left;
+  // Set when a continued stream had ended already (its worker was lost between
+  // its last token and the final message: max_tokens reached, EOS, a stop): it
+  // ends so at its first token, without it.
+  std::optional<FinishReason> ended;
 
   std::string sid;
   bool ephemeral = false;
@@ -849,8 +855,8 @@ bool Engine::Step() {
       Finish(r, absl::DeadlineExceededError("deadline passed before generation ended"), std::nullopt);
       continue;
     }
-    if (r.nothing_left) {
-      Finish(r, absl::OkStatus(), FinishReason::kLength);
+    if (r.ended.has_value()) {
+      Finish(r, absl::OkStatus(), *r.ended);
       continue;
     }
     const int32_t token = sampled[i];

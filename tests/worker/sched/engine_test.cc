@@ -802,6 +802,25 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
   EXPECT_EQ(rest.result.finish, FinishReason::kStopString);
   EXPECT_EQ(rest.tokens, std::vector<int32_t>{whole.tokens[k]});
 
+  // A stream whose continued tokens ended it already (its worker was lost
+  // before the final message) ends at once, as it would have: here the stop
+  // string, and EOS. It used to generate on.
+  input.push_back(whole.tokens[k]);
+  stop.input = input;
+  stop.continued = k + 1;
+  PieceCollector none;
+  run(stop, &none);
+  EXPECT_EQ(none.result.finish, FinishReason::kStopString);
+  EXPECT_TRUE(none.tokens.empty());
+  GenerateRequest eos = seeded("", prompt, 40);
+  eos.ignore_eos = false;
+  eos.input.push_back(tokenizer_->eos_id());
+  eos.continued = 1;
+  PieceCollector after_eos;
+  run(eos, &after_eos);
+  EXPECT_EQ(after_eos.result.finish, FinishReason::kStop);
+  EXPECT_TRUE(after_eos.tokens.empty());
+
   // Out of range, or with APPEND: refused.
   GenerateRequest bad = seeded("", prompt, 4);
   bad.continued = 21;
