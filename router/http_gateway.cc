@@ -147,12 +147,14 @@ class HttpGateway::Pending {
     released_ = true;
     if (detached_) {  // evhttp freed the connection and left the request to us
       evhttp_request_free(req_);
+      gateway_->ReplyDone();
       return;
     }
     evhttp_connection_set_closecb(evcon_, nullptr, nullptr);
     StopWatching();
     if (client_gone_) {
       evhttp_connection_free(evcon_);  // frees the request too
+      gateway_->ReplyDone();
       return;
     }
     respond(req_);
@@ -506,8 +508,13 @@ void HttpGateway::Stop() {
         +[](int* live) { return *live == 0; }, &live_calls_));
   }
   // Every call's last task is queued ahead of this one.
-  Post([this] { event_base_loopbreak(base_); });
+  Post([this] { BreakWhenSent(); });
   loop_.join();
+  // The in-process channel goes before the server it reaches (ServerProcess
+  // stops and destroys that server next).
+  health_stub_.reset();
+  stub_.reset();
+  channel_.reset();
   evhttp_free(http_);  // closes the idle connections
   event_free(wake_event_);
   event_base_free(base_);
@@ -583,7 +590,29 @@ void HttpGateway::OnRequestCallback(evhttp_request* req, void* self) {
   static_cast<HttpGateway*>(self)->OnRequest(req);
 }
 
+void HttpGateway::OnReplySent(evhttp_request*, void* self) { static_cast<HttpGateway*>(self)->ReplyDone(); }
+
+void HttpGateway::ReplyDone() {
+  --unsent_;
+  if (break_when_sent_ && unsent_ <= 0) event_base_loopbreak(base_);
+}
+
+void HttpGateway::BreakWhenSent() {
+  if (unsent_ <= 0) {
+    event_base_loopbreak(base_);
+    return;
+  }
+  // Replies answered but still in evhttp's buffers (a stream's last events,
+  // written by the tasks before this one) go out first, within a bound for
+  // clients that stopped reading.
+  break_when_sent_ = true;
+  const timeval bound = {1, 0};
+  event_base_loopexit(base_, &bound);
+}
+
 void HttpGateway::OnRequest(evhttp_request* req) {
+  ++unsent_;
+  evhttp_request_set_on_complete_cb(req, &HttpGateway::OnReplySent, this);
   // Tokens leave as they come: no waiting for a full segment.
   evhttp_connection* evcon = evhttp_request_get_connection(req);
   const int one = 1;

@@ -111,6 +111,12 @@ class HttpGateway final : public ServerProcess::Frontend {
   void HandleGenerate(evhttp_request* req, bool chat);
   static void OnRequestCallback(evhttp_request* req, void* self);
   static void OnWake(int fd, short what, void* self);
+  // evhttp sent the whole reply of a request (its last byte left).
+  static void OnReplySent(evhttp_request* req, void* self);
+  // A request leaves unsent_: sent (OnReplySent), or dropped with its client.
+  void ReplyDone();
+  // Leaves the loop once every reply was sent (or at the stop's bound).
+  void BreakWhenSent();
 
   const HttpGatewayOptions options_;
   const int64_t created_;  // Unix seconds, for /v1/models
@@ -128,6 +134,12 @@ class HttpGateway final : public ServerProcess::Frontend {
 
   // Loop thread only.
   bool stopping_ = false;
+  // Requests whose reply evhttp has not finished sending (OnReplySent), or
+  // dropped with their client (Pending): Stop leaves the loop when none is
+  // left, so that a stream's last events reach its client. One whose
+  // connection fails while its reply is written counts until the stop's bound.
+  int64_t unsent_ = 0;
+  bool break_when_sent_ = false;
   absl::flat_hash_set<Exchange*> exchanges_;
   std::mt19937_64 rng_{std::random_device{}()};
 
