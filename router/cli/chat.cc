@@ -37,6 +37,10 @@ ChatResult RunChat(const ChatOptions& options, const GenerateFn& generate, std::
   }
   // FULL_CONTEXT until the server holds the session; APPEND afterwards.
   bool server_has_session = options.resume;
+  // Tokens of the last reply this client read when that reply was cut (an
+  // error or a cancel after tokens): the next APPEND says so (tokens_read), so
+  // that the server drops any it sent that never arrived.
+  int cut_reply_read = -1;
   const char* dim_on = options.color ? "\033[2m" : "";
   const char* dim_off = options.color ? "\033[0m" : "";
 
@@ -57,6 +61,8 @@ ChatResult RunChat(const ChatOptions& options, const GenerateFn& generate, std::
       v1::ChatMessages* chat = req.mutable_input()->mutable_chat();
       if (!append) {
         for (const auto& m : history) *chat->add_messages() = m;
+      } else if (cut_reply_read >= 0) {
+        req.set_tokens_read(cut_reply_read);
       }
       AddMessage(chat, "user", text);
       return req;
@@ -77,24 +83,39 @@ ChatResult RunChat(const ChatOptions& options, const GenerateFn& generate, std::
       final = generate(build(append), on_token, &tokens_seen);
     }
     if (!reply.empty()) out << "\n" << std::flush;
+    auto keep_turn = [&] {
+      v1::ChatMessage user;
+      user.set_role("user");
+      user.set_content(text);
+      history.push_back(user);
+      v1::ChatMessage assistant;
+      assistant.set_role("assistant");
+      assistant.set_content(reply);
+      history.push_back(assistant);
+    };
     if (!final.ok()) {
-      ++result.failed_turns;
-      err << "error: " << absl::StatusCodeToString(final.status().code()) << ": " << final.status().message()
-          << "\n";
-      // A partial reply leaves the server's context unknown: resend it all next time.
-      if (tokens_seen > 0) server_has_session = false;
+      if (final.status().code() == absl::StatusCode::kCancelled && tokens_seen > 0) {
+        err << dim_on << "[stopped]" << dim_off << "\n";  // "stop generating" (Ctrl-C): not a failure
+      } else {
+        ++result.failed_turns;
+        err << "error: " << absl::StatusCodeToString(final.status().code()) << ": "
+            << final.status().message() << "\n";
+      }
+      if (tokens_seen > 0) {
+        // The user saw part of a reply, and the session keeps what was sent
+        // (common.proto, GenerateRequest): the conversation goes on from what
+        // was read, in the session or, if it is lost, in the resent history.
+        ++result.turns;
+        keep_turn();
+        server_has_session = true;
+        cut_reply_read = tokens_seen;
+      }
       continue;
     }
     ++result.turns;
-    v1::ChatMessage user;
-    user.set_role("user");
-    user.set_content(text);
-    history.push_back(user);
-    v1::ChatMessage assistant;
-    assistant.set_role("assistant");
-    assistant.set_content(reply);
-    history.push_back(assistant);
+    keep_turn();
     server_has_session = true;
+    cut_reply_read = -1;
     err << dim_on << StatusLine(*final) << dim_off << "\n" << std::flush;
   }
   return result;

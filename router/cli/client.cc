@@ -92,6 +92,10 @@ absl::StatusOr<v1::GenerateResponse::Final> Client::Generate(
     const std::function<void(const v1::GenerateResponse::Token&)>& on_token, int* tokens_seen) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
+  {
+    absl::MutexLock lock(&mu_);
+    generating_ = &ctx;
+  }
   auto reader = router_ != nullptr ? router_->Generate(&ctx, request) : worker_->Generate(&ctx, request);
   v1::GenerateResponse msg;
   v1::GenerateResponse::Final final;
@@ -108,9 +112,20 @@ absl::StatusOr<v1::GenerateResponse::Final> Client::Generate(
     }
   }
   absl::Status st = FromGrpcStatus(reader->Finish());
+  {
+    absl::MutexLock lock(&mu_);
+    generating_ = nullptr;
+  }
   if (!st.ok()) return st;
   if (!have_final) return absl::InternalError("the stream ended without a final message");
   return final;
+}
+
+bool Client::CancelGenerate() {
+  absl::MutexLock lock(&mu_);
+  if (generating_ == nullptr) return false;
+  generating_->TryCancel();
+  return true;
 }
 
 absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id) {

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/router.grpc.pb.h"
@@ -58,6 +59,9 @@ class Client {
   absl::StatusOr<v1::GenerateResponse::Final> Generate(
       const v1::GenerateRequest& request,
       const std::function<void(const v1::GenerateResponse::Token&)>& on_token, int* tokens_seen = nullptr);
+  // Cancels the Generate call running now, if any; it then returns CANCELLED
+  // (a chat's "stop generating", from another thread). Returns whether one ran.
+  bool CancelGenerate();
 
   absl::StatusOr<v1::SessionInfo> GetSession(const std::string& session_id);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
@@ -83,6 +87,8 @@ class Client {
   std::unique_ptr<v1::KvCache::Stub> router_;
   std::unique_ptr<v1::KvCacheAdmin::Stub> admin_;
   std::unique_ptr<v1::Worker::Stub> worker_;
+  absl::Mutex mu_;
+  grpc::ClientContext* generating_ ABSL_GUARDED_BY(mu_) = nullptr;  // the running Generate call's
 };
 
 }  // namespace kvcache::cli

@@ -2,7 +2,10 @@
 // and run the multi-round QA benchmark, against a kvcache router (or one worker).
 //
 // Exit codes: 0 success; 1 usage error (bad subcommand or flag); 2 the router or
-// worker cannot be reached; 3 a call failed (the server's status is printed).
+// worker cannot be reached; 3 a call failed (the server's status is printed);
+// 130 a chat ended by Ctrl-C at its prompt.
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,6 +14,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -23,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "router/cli/chat.h"
 #include "router/cli/client.h"
@@ -85,13 +90,15 @@ constexpr char kName[] = "kvcache-cli";
 constexpr int kExitUsage = 1;
 constexpr int kExitUnreachable = 2;
 constexpr int kExitCallFailed = 3;
+constexpr int kExitInterrupted = 130;  // 128 + SIGINT, as a shell reports it
 
 constexpr char kUsage[] = R"(kvcache-cli: talk to a kvcache router (or one worker).
 
 usage: kvcache-cli [flags] SUBCOMMAND [flags]
 
 subcommands:
-  chat        interactive multi-turn chat on stdin (/quit ends it)
+  chat        interactive multi-turn chat on stdin (/quit or end of input ends it; Ctrl-C stops a
+              reply, and at the prompt ends the chat)
               --session --system --max_tokens --temperature --top_p --top_k --seed --resume --keep_session
   generate    one request: --prompt=TEXT [--chat --system=...] [--session --mode=append], text then usage
   sessions    list sessions; --session=ID shows one; --close=ID closes one
@@ -165,7 +172,33 @@ int RunChatCommand(Client& client) {
   GenerateFn generate = [&client](const v1::GenerateRequest& req,
                                   const std::function<void(const v1::GenerateResponse::Token&)>& on_token,
                                   int* tokens_seen) { return client.Generate(req, on_token, tokens_seen); };
+  // Ctrl-C (SIGINT, blocked in every thread: Main) stops the reply being
+  // generated, and the chat goes on; at the prompt it ends the chat, closing
+  // the session as the end of input does.
+  const bool close_at_exit = !named && !absl::GetFlag(FLAGS_keep_session);
+  absl::Mutex mu;
+  bool done = false;
+  std::thread interrupts([&client, &o, &mu, &done, close_at_exit] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&set, &sig) != 0) continue;
+      absl::MutexLock lock(&mu);
+      if (done) return;
+      if (client.CancelGenerate()) continue;
+      std::cerr << "\n";
+      if (close_at_exit) (void)client.CloseSession(o.session_id);
+      std::_Exit(kExitInterrupted);
+    }
+  });
   ChatResult result = RunChat(o, generate, std::cin, std::cout, std::cerr);
+  {
+    absl::MutexLock lock(&mu);
+    done = true;
+  }
+  interrupts.detach();  // blocked in sigwait until the process ends
   // A session named on the command line is the user's to keep; a random one is
   // not reachable again, so it is closed unless asked otherwise.
   if (result.turns > 0 && !named && !absl::GetFlag(FLAGS_keep_session)) {
@@ -338,6 +371,14 @@ int Main(int argc, char** argv) {
   if (command == "bench") return RunBench(rest);
   if (command == "workers" && *target != Target::kRouter) return UsageError("workers needs --target=router");
 
+  if (command == "chat") {
+    // Before any thread starts: a chat's Ctrl-C goes to its own thread
+    // (RunChatCommand), in every thread gRPC starts too.
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  }
   auto client = Client::Connect(ClientOptionsFromFlags(*target));
   if (!client.ok()) {
     std::fprintf(stderr, "%s: %s\n", kName, std::string(client.status().message()).c_str());

@@ -17,6 +17,7 @@ using ::testing::HasSubstr;
 struct FakeServer {
   std::vector<v1::GenerateRequest> requests;
   std::vector<absl::Status> fail;  // consumed front first; OK = answer
+  int cut_after = 0;               // tokens streamed before a failure (the first one only)
 
   GenerateFn Fn() {
     return [this](const v1::GenerateRequest& req,
@@ -26,7 +27,16 @@ struct FakeServer {
       if (!fail.empty()) {
         absl::Status st = fail.front();
         fail.erase(fail.begin());
-        if (!st.ok()) return st;
+        if (!st.ok()) {
+          for (int i = 0; i < cut_after; ++i) {
+            v1::GenerateResponse::Token t;
+            t.set_text("part");
+            on_token(t);
+            if (tokens_seen != nullptr) *tokens_seen = i + 1;
+          }
+          cut_after = 0;
+          return st;
+        }
       }
       v1::GenerateResponse::Token t;
       t.set_text("ok");
@@ -106,6 +116,48 @@ TEST(CliChatTest, OtherErrorsFailTheTurnAndTheChatGoesOn) {
   ASSERT_EQ(server.requests[1].input().chat().messages_size(), 2);
   EXPECT_EQ(server.requests[1].input().chat().messages(1).content(), "again");
   EXPECT_THAT(err.str(), HasSubstr("error: INVALID_ARGUMENT: bad"));
+}
+
+// A reply cut after tokens (a deadline, or Ctrl-C's cancel) stays in the
+// conversation as the user saw it: the next APPEND says how much was read
+// (tokens_read), and a resend after a lost session carries the cut turn.
+// Before, the next turn resent the history without it, as FULL_CONTEXT, and
+// the model forgot what the user had been shown.
+TEST(CliChatTest, AReplyCutAfterTokensStaysInTheConversation) {
+  FakeServer server;
+  server.fail = {absl::DeadlineExceededError("deadline")};
+  server.cut_after = 3;
+  std::istringstream in("hello\nsecond\nthird\n");
+  std::ostringstream out, err;
+  ChatResult r = RunChat(Options(), server.Fn(), in, out, err);
+  EXPECT_EQ(r.failed_turns, 1);
+  ASSERT_EQ(server.requests.size(), 3u);
+  EXPECT_EQ(server.requests[1].mode(), v1::APPEND);
+  EXPECT_EQ(server.requests[1].tokens_read(), 3);
+  EXPECT_EQ(server.requests[1].input().chat().messages(0).content(), "second");
+  // A turn answered in full reads all of it: no tokens_read after it.
+  EXPECT_EQ(server.requests[2].mode(), v1::APPEND);
+  EXPECT_FALSE(server.requests[2].has_tokens_read());
+
+  // A cancel after tokens ("stop generating") is no failure; the session is
+  // lost before the next turn, which resends every turn the user saw.
+  FakeServer again;
+  again.fail = {absl::CancelledError("stopped"), absl::NotFoundError("session s1 not found")};
+  again.cut_after = 2;
+  std::istringstream in2("hello\nsecond\n");
+  std::ostringstream out2, err2;
+  ChatResult r2 = RunChat(Options(), again.Fn(), in2, out2, err2);
+  EXPECT_EQ(r2.failed_turns, 0);
+  EXPECT_EQ(r2.turns, 2);
+  ASSERT_EQ(again.requests.size(), 3u);
+  EXPECT_EQ(again.requests[1].tokens_read(), 2);
+  const auto& resent = again.requests[2];
+  EXPECT_EQ(resent.mode(), v1::FULL_CONTEXT);
+  ASSERT_EQ(resent.input().chat().messages_size(), 4);
+  EXPECT_EQ(resent.input().chat().messages(1).content(), "hello");
+  EXPECT_EQ(resent.input().chat().messages(2).content(), "partpart");
+  EXPECT_EQ(resent.input().chat().messages(3).content(), "second");
+  EXPECT_THAT(err2.str(), HasSubstr("[stopped]"));
 }
 
 TEST(CliChatTest, ResumeAppendsFromTheFirstTurn) {
