@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "common/gguf/llama_hparams.h"
@@ -139,12 +140,22 @@ int Run() {
     DieWith(kName, absl::InvalidArgumentError("--session_lookup_wait and --drain_move_wait must be >= 0"));
   }
   for (const auto& a : workers) {
-    if (a.rfind(':') == std::string::npos) {
-      DieWith(kName, absl::InvalidArgumentError(absl::StrCat("worker address '", a, "' needs host:port")));
+    // host:port, the port 1..65535; an IPv6 host in brackets ([::1]:50051).
+    const size_t colon = a.rfind(':');
+    int port = 0;
+    const std::string host = colon == std::string::npos ? "" : a.substr(0, colon);
+    const bool bracketed = absl::StartsWith(host, "[") && absl::EndsWith(host, "]");
+    if (colon == std::string::npos || host.empty() || (!bracketed && absl::StrContains(host, ':')) ||
+        !absl::SimpleAtoi(a.substr(colon + 1), &port) || port < 1 || port > 65535) {
+      DieWith(kName, absl::InvalidArgumentError(
+                         absl::StrCat("worker address '", a, "' needs host:port (port 1-65535)")));
     }
   }
   for (const auto& name : dns) {
     if (auto t = router::ParseDnsTarget(name); !t.ok()) DieWith(kName, t.status());
+  }
+  if (workers.empty() && dns.empty()) {
+    KV_LOG_WARN("no workers (--workers, --worker_dns): every request gets UNAVAILABLE");
   }
   auto creds = WorkerCredentials();
   if (!creds.ok()) DieWith(kName, creds.status());

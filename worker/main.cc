@@ -241,10 +241,15 @@ absl::StatusOr<TierBudgets> FitMemoryLimit(const backend::DeviceSpec& device, co
                      "): lower --tier1_bytes or --tier0_bytes, or raise the limit (budgets left at their "
                      "defaults shrink to fit; budgets given do not)"));
   }
-  KV_LOG_WARN(
-      "default KV budgets shrunk to fit this worker's memory limit of {} bytes ({}): --tier0_bytes={} "
-      "(default {}), --tier1_bytes={} (default {}); {}",
-      limit->bytes, limit->file, b.tier0, asked.tier0, b.tier1, asked.tier1, what());
+  auto budget = [](const char* flag, int64_t now, int64_t was, bool by_default) {
+    return absl::StrCat(flag, "=", now,
+                        now != was ? absl::StrCat(" (its default ", was, ", shrunk)")
+                                   : (by_default ? " (its default)" : " (as given)"));
+  };
+  KV_LOG_WARN("default KV budgets shrunk to fit this worker's memory limit of {} bytes ({}): {}, {}; {}",
+              limit->bytes, limit->file,
+              budget("--tier0_bytes", b.tier0, asked.tier0, IsDefault(FLAGS_tier0_bytes)),
+              budget("--tier1_bytes", b.tier1, asked.tier1, IsDefault(FLAGS_tier1_bytes)), what());
   return b;
 }
 

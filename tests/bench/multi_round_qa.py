@@ -129,7 +129,9 @@ class GrpcClient:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=10)
         except grpc.FutureTimeoutError:
-            sys.exit(f"multi_round_qa.py: cannot reach {args.target} at {args.address}")
+            # Exit code 2, as kvcache-cli's other subcommands answer an unreachable server.
+            print(f"multi_round_qa.py: cannot reach {args.target} at {args.address}", file=sys.stderr)
+            sys.exit(2)
         self.wait_ready(args.address)
         self.stub = (router_grpc.KvCacheStub(self.channel) if args.target == "router"
                      else worker_grpc.WorkerStub(self.channel))

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcache/v1/router.grpc.pb.h"
@@ -72,6 +73,18 @@ TEST_P(ServerScaffoldTest, BadFlagsExitNonZero) {
     ASSERT_TRUE(status.ok()) << args[0] << " did not exit";
     EXPECT_TRUE(WIFEXITED(*status)) << args[0];
     EXPECT_NE(WEXITSTATUS(*status), 0) << args[0];
+  }
+}
+
+// A worker address the router could never reach is a flag error at start (it
+// started and watched 'a:b:c' for ever).
+TEST(RouterFlagsTest, MalformedWorkerAddressesExitNonZero) {
+  for (const char* workers :
+       {"a:b:c", "127.0.0.1:notaport", "127.0.0.1:99999", "127.0.0.1:0", ":50051", "nohostport"}) {
+    auto [code, out] = testing::RunToExit(absl::StrCat(testing::BinaryPath("router/kvcache-router"),
+                                                       " --allow_unauthenticated --workers=", workers));
+    EXPECT_NE(code, 0) << workers << ": " << out;
+    EXPECT_THAT(out, HasSubstr("worker address")) << workers;
   }
 }
 

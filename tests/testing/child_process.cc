@@ -248,7 +248,9 @@ absl::StatusOr<std::string> HealthCheck(const std::shared_ptr<grpc::Channel>& ch
 }
 
 std::pair<int, std::string> RunToExit(const std::string& command, absl::Duration timeout) {
-  auto p = ChildProcess::Start({"/bin/sh", "-c", command + " 2>&1"});
+  // exec: the command is the child, so that a timeout stops it too (the shell
+  // alone went, and the command ran on).
+  auto p = ChildProcess::Start({"/bin/sh", "-c", "exec " + command + " 2>&1"});
   if (!p.ok()) return {-1, p.status().ToString()};
   auto status = (*p)->Wait(timeout);
   if (!status.ok()) return {-1, status.status().ToString()};

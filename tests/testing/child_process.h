@@ -100,9 +100,10 @@ class ServerUnderTest {
   std::shared_ptr<grpc::Channel> channel_;
 };
 
-// Runs `command` under /bin/sh until it exits (at most `timeout`): its exit
-// code (-1 unless it exited, or when it could not run) and its stdout and
-// stderr together (the reason, when it could not run).
+// Runs `command` (one simple command, which /bin/sh execs) until it exits (at
+// most `timeout`, then it is stopped): its exit code (-1 unless it exited, or
+// when it could not run) and its stdout and stderr together (the reason, when
+// it could not run).
 std::pair<int, std::string> RunToExit(const std::string& command, absl::Duration timeout = absl::Seconds(60));
 
 // grpc.health.v1 Check of `service` over `channel`: SERVING, NOT_SERVING, ...
