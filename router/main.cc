@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -239,7 +240,10 @@ int Run() {
   if (!absl::GetFlag(FLAGS_http_listen).empty()) {
     router::HttpGatewayOptions ho;
     ho.listen = absl::GetFlag(FLAGS_http_listen);
-    ho.model_names = absl::StrSplit(absl::GetFlag(FLAGS_served_model_name), ',', absl::SkipEmpty());
+    for (absl::string_view name :
+         absl::StrSplit(absl::GetFlag(FLAGS_served_model_name), ',', absl::SkipWhitespace())) {
+      ho.model_names.emplace_back(absl::StripAsciiWhitespace(name));  // "a, b" names "b", not " b"
+    }
     if (ho.model_names.empty()) {
       std::string name = model_path.substr(model_path.find_last_of('/') + 1);
       if (absl::EndsWith(name, ".gguf")) name.resize(name.size() - 5);

@@ -135,7 +135,9 @@ v1::SamplingParams SamplingFromFlags() {
   s.set_top_p(static_cast<float>(absl::GetFlag(FLAGS_top_p)));
   s.set_seed(absl::GetFlag(FLAGS_seed));
   s.set_max_tokens(absl::GetFlag(FLAGS_max_tokens));
-  for (const auto& stop : absl::GetFlag(FLAGS_stop)) s.add_stop(stop);
+  for (const auto& stop : absl::GetFlag(FLAGS_stop)) {
+    if (!stop.empty()) s.add_stop(stop);  // "x," splits into "x" and ""
+  }
   s.set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
   return s;
 }

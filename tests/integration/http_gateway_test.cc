@@ -73,7 +73,7 @@ class HttpGatewayTest : public ::testing::Test {
     auto r = testing::ServerUnderTest::Start(
         testing::BinaryPath("router/kvcache-router"),
         {"--workers=" + worker_->grpc_address(), "--model=" + *model_, "--rebalance_interval=0s",
-         "--http_listen=127.0.0.1:0", "--served_model_name=tiny,tiny-alias"});
+         "--http_listen=127.0.0.1:0", "--served_model_name=tiny, tiny-alias"});
     ASSERT_TRUE(r.ok()) << r.status();
     router_ = std::move(*r);
     // The listening line: "kvcache-router listening grpc=... metrics=... http=127.0.0.1:PORT".
