@@ -108,6 +108,9 @@ RunLog RunWorkload(Engine* engine, kv::KvCacheManager* kv, int sessions, const m
     EXPECT_TRUE(inv.ok()) << "after turn " << turn << ": " << inv;
   }
   log.preemptions = kv->GetStats().preemptions;
+  // A request ends inside its last step, before that step's statistics are
+  // handed over: idle, the engine has handed over every step's.
+  EXPECT_TRUE(engine->WaitIdle(absl::Seconds(60)));
   engine->SetStepCallback(nullptr);
   for (const std::string& id : ids) {
     absl::Status st = engine->CloseSession(id, "t");
