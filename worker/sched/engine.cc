@@ -559,7 +559,6 @@ absl::StatusOr<kv::StepReservation> Engine::Reserve(Request& r, int budget) {
 }
 
 absl::Status Engine::Resync(Request& r, int64_t held) {
-  const int64_t expected = static_cast<int64_t>(r.context.size() - r.pending.size());
   KVCACHE_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, kv_->GetTokens(r.sid));
   // What the cache kept must be a prefix of the context (it only ever stores what
   // the engine committed); keep the part that is, drop the rest.
@@ -568,7 +567,7 @@ absl::Status Engine::Resync(Request& r, int64_t held) {
   while (keep < limit && tokens[keep] == r.context[keep]) ++keep;
   if (keep < tokens.size()) KVCACHE_RETURN_IF_ERROR(kv_->Truncate(r.sid, static_cast<int64_t>(keep)));
   KV_LOG_DEBUG("session '{}': the KV cache lost tokens {}..{}; recomputing them", r.req.session_id, keep,
-               expected);
+               r.context.size() - r.pending.size());
   r.pending.assign(r.context.begin() + static_cast<std::ptrdiff_t>(keep), r.context.end());
   r.decoding = false;  // a prefill again until the pending tokens are in the cache
   if (!r.started) {    // what it lost before its first step was never its own
