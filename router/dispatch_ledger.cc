@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cassert>
 
+#include "absl/algorithm/container.h"
+
 namespace kvcache::router {
 
 void DispatchLedger::Dispatch(const std::string& worker, absl::Span<const BlockHash> chain,
@@ -54,9 +56,12 @@ DispatchLedger::Outstanding DispatchLedger::Get(const std::string& worker) const
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(worker);
   Outstanding out = it == workers_.end() ? Outstanding{} : it->second.out;
-  if (auto c = creating_.find(worker); c != creating_.end()) out.new_sessions = c->second;
-  const absl::Time now = absl::Now();
-  for (const auto& [session, u] : unseen_) out.new_sessions += u.worker == worker && u.until > now ? 1 : 0;
+  if (auto c = creations_.find(worker); c != creations_.end()) {
+    const absl::Time now = absl::Now();
+    for (const auto& [session, creation] : c->second.sessions) {
+      out.new_sessions += creation.requests > 0 || creation.until > now ? 1 : 0;
+    }
+  }
   return out;
 }
 
@@ -81,16 +86,29 @@ int DispatchLedger::LeadingPages(const std::string& worker, absl::Span<const Blo
 void DispatchLedger::SessionDispatched(const SessionKey& session, const std::string& worker, bool creates) {
   absl::MutexLock lock(&mu_);
   ++sessions_[session][worker];
-  if (creates) ++creating_[worker];
+  if (creates) ++creations_[worker].sessions[session].requests;
 }
 
 void DispatchLedger::SessionFinished(const SessionKey& session, const std::string& worker, bool creates,
                                      bool held) {
   absl::MutexLock lock(&mu_);
-  if (creates) {
-    auto c = creating_.find(worker);
-    assert(c != creating_.end() && c->second > 0);
-    if (c != creating_.end() && --c->second == 0) creating_.erase(c);
+  const absl::Time now = absl::Now();
+  if (auto c = creations_.find(worker); creates && c != creations_.end()) {
+    WorkerCreations& on = c->second;
+    // Absent once the directory has listed it.
+    if (auto it = on.sessions.find(session); it != on.sessions.end() && --it->second.requests == 0) {
+      if (held) {
+        it->second.until = now + kFinishedGrace;
+      } else {
+        on.sessions.erase(it);
+      }
+    }
+    if (on.sessions.size() >= on.purge_at) {  // amortised, as finished_
+      absl::erase_if(on.sessions,
+                     [now](const auto& e) { return e.second.requests == 0 && e.second.until <= now; });
+      on.purge_at = std::max<size_t>(64, 2 * on.sessions.size());
+    }
+    if (on.sessions.empty()) creations_.erase(c);
   }
   auto it = sessions_.find(session);
   assert(it != sessions_.end());
@@ -100,7 +118,6 @@ void DispatchLedger::SessionFinished(const SessionKey& session, const std::strin
   if (w != it->second.end() && --w->second == 0) it->second.erase(w);
   if (it->second.empty()) sessions_.erase(it);
   if (!held) return;
-  const absl::Time now = absl::Now();
   recent_sessions_[session] = RecentSession{worker, now + kFinishedGrace};
   if (recent_sessions_.size() >= recent_purge_at_) {
     absl::erase_if(recent_sessions_, [now](const auto& e) { return e.second.until <= now; });
@@ -108,26 +125,24 @@ void DispatchLedger::SessionFinished(const SessionKey& session, const std::strin
   }
 }
 
-void DispatchLedger::CreatedUnseen(const SessionKey& session, const std::string& worker) {
+std::vector<SessionKey> DispatchLedger::Creations(const std::string& worker) const {
   absl::MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
-  absl::erase_if(unseen_, [now](const auto& e) { return e.second.until <= now; });
-  unseen_[session] = RecentSession{worker, now + kFinishedGrace};
-}
-
-std::vector<SessionKey> DispatchLedger::Unseen(const std::string& worker) const {
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
   std::vector<SessionKey> out;
-  for (const auto& [session, u] : unseen_) {
-    if (u.worker == worker && u.until > now) out.push_back(session);
+  auto c = creations_.find(worker);
+  if (c == creations_.end()) return out;
+  const absl::Time now = absl::Now();
+  for (const auto& [session, creation] : c->second.sessions) {
+    if (creation.requests > 0 || creation.until > now) out.push_back(session);
   }
   return out;
 }
 
-void DispatchLedger::Seen(const SessionKey& session) {
+void DispatchLedger::Listed(const SessionKey& session, const std::string& worker) {
   absl::MutexLock lock(&mu_);
-  unseen_.erase(session);
+  auto c = creations_.find(worker);
+  if (c == creations_.end()) return;
+  c->second.sessions.erase(session);
+  if (c->second.sessions.empty()) creations_.erase(c);
 }
 
 std::optional<std::string> DispatchLedger::SessionWorker(const SessionKey& session) const {
@@ -166,7 +181,13 @@ void DispatchLedger::SessionMoved(const SessionKey& session, const std::string& 
 void DispatchLedger::SessionClosed(const SessionKey& session) {
   absl::MutexLock lock(&mu_);
   recent_sessions_.erase(session);
-  unseen_.erase(session);
+  // No longer counted anywhere; a request still creating it ends as usual.
+  for (auto& [worker, on] : creations_) {
+    if (auto it = on.sessions.find(session); it != on.sessions.end() && it->second.requests == 0) {
+      on.sessions.erase(it);
+    }
+  }
+  absl::erase_if(creations_, [](const auto& e) { return e.second.sessions.empty(); });
 }
 
 size_t DispatchLedger::sessions_tracked() const {
@@ -177,7 +198,10 @@ size_t DispatchLedger::sessions_tracked() const {
 size_t DispatchLedger::workers_tracked() const {
   absl::MutexLock lock(&mu_);
   size_t n = workers_.size();
-  for (const auto& [worker, count] : creating_) n += workers_.contains(worker) ? 0 : 1;
+  for (const auto& [worker, on] : creations_) {
+    const bool in_flight = absl::c_any_of(on.sessions, [](const auto& e) { return e.second.requests > 0; });
+    n += !workers_.contains(worker) && in_flight ? 1 : 0;
+  }
   return n;
 }
 

@@ -62,20 +62,21 @@ class DispatchLedger {
   // worker refuses a second request on a busy session with ABORTED, so that two
   // concurrent first requests on a new id never create it on two workers.
   // `creates`: the request makes the session on `worker` (a new session, or a
-  // FULL_CONTEXT turn that moves it there); counted in Get's new_sessions until
-  // it ends. `held`: the request left the session on `worker` (it ended OK, or
-  // sent a token before it failed). Pair each call with SessionFinished with the
-  // same session, worker and `creates`.
+  // FULL_CONTEXT turn that moves it there). `held`: the request left the
+  // session on `worker` (it ended OK, or sent a token before it failed). Pair
+  // each call with SessionFinished with the same session, worker and `creates`.
+  //
+  // A session being created counts in Get's new_sessions until the directory
+  // lists it on its worker (the worker's event trails the dispatch: placement
+  // polls Creations and reports Listed), so that it counts once, as the
+  // ledger's and then as the directory's; one that ended held, unlisted, goes
+  // on counting for kFinishedGrace.
   void SessionDispatched(const SessionKey& session, const std::string& worker, bool creates);
   void SessionFinished(const SessionKey& session, const std::string& worker, bool creates, bool held);
-  // A request created `session` on `worker`, but the directory has not applied
-  // the worker's event for it yet (it trails the reply a moment): the session
-  // still counts in Get's new_sessions, until Seen or for kFinishedGrace.
-  void CreatedUnseen(const SessionKey& session, const std::string& worker);
-  // The sessions CreatedUnseen counts on `worker` now.
-  std::vector<SessionKey> Unseen(const std::string& worker) const;
-  // The directory has `session` now.
-  void Seen(const SessionKey& session);
+  // The sessions being created on `worker` that count there now.
+  std::vector<SessionKey> Creations(const std::string& worker) const;
+  // The directory lists `session` on `worker`: it no longer counts as a creation.
+  void Listed(const SessionKey& session, const std::string& worker);
   std::optional<std::string> SessionWorker(const SessionKey& session) const;
   // The worker a request on `session` is in flight on, or where one left it in
   // the last kFinishedGrace (the worker's placement event may not have reached
@@ -113,8 +114,17 @@ class DispatchLedger {
   absl::flat_hash_map<std::string, Finished> finished_ ABSL_GUARDED_BY(mu_);
   // session -> worker -> requests in flight there (one worker but in a race).
   absl::flat_hash_map<SessionKey, absl::flat_hash_map<std::string, int>> sessions_ ABSL_GUARDED_BY(mu_);
-  // worker -> requests in flight there that create their session.
-  absl::flat_hash_map<std::string, int64_t> creating_ ABSL_GUARDED_BY(mu_);
+  // Sessions being created on a worker that the directory does not list there
+  // yet: requests in flight creating it, and once none is, until when it counts.
+  struct Creation {
+    int requests = 0;
+    absl::Time until = absl::InfinitePast();
+  };
+  struct WorkerCreations {
+    absl::flat_hash_map<SessionKey, Creation> sessions;
+    size_t purge_at = 64;  // size that triggers the next purge of expired entries
+  };
+  absl::flat_hash_map<std::string, WorkerCreations> creations_ ABSL_GUARDED_BY(mu_);
 
   struct RecentSession {
     std::string worker;
@@ -124,9 +134,6 @@ class DispatchLedger {
   // finished_ is).
   absl::flat_hash_map<SessionKey, RecentSession> recent_sessions_ ABSL_GUARDED_BY(mu_);
   size_t recent_purge_at_ ABSL_GUARDED_BY(mu_) = 1024;
-  // CreatedUnseen's sessions: session -> where, and until when (few: only
-  // those whose event had not been applied when their request ended).
-  absl::flat_hash_map<SessionKey, RecentSession> unseen_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcache::router

@@ -37,6 +37,10 @@ ABSL_FLAG(std::string, placement, "affinity", "Placement policy: affinity, round
 ABSL_FLAG(double, session_balance, 1.0,
           "Affinity: a new session skips a worker that would then hold more than this factor times its share "
           "of the sessions (shares follow KV pages, both tiers) while another would not; 0 disables");
+ABSL_FLAG(
+    double, load_balance, 1.5,
+    "Affinity: a worker whose queued work exceeds this factor times the mean (plus 256 tokens) is skipped "
+    "while another is not; 0 disables");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "Client bearer tokens: lines 'TOKEN TENANT [admin]'. Without it the router starts only with "
           "--allow_unauthenticated");
@@ -123,6 +127,9 @@ int Run() {
   }
   if (const double b = absl::GetFlag(FLAGS_session_balance); !(b == 0 || b >= 1)) {
     DieWith(kName, absl::InvalidArgumentError("--session_balance must be 0 (off) or >= 1"));
+  }
+  if (const double b = absl::GetFlag(FLAGS_load_balance); !(b == 0 || b >= 1)) {
+    DieWith(kName, absl::InvalidArgumentError("--load_balance must be 0 (off) or >= 1"));
   }
   if (absl::GetFlag(FLAGS_max_attempts) < 1)
     DieWith(kName, absl::InvalidArgumentError("--max_attempts must be >= 1"));
@@ -233,6 +240,7 @@ int Run() {
   ro.rebalance_batch = absl::GetFlag(FLAGS_rebalance_batch);
   ro.rebalance_min_tokens = absl::GetFlag(FLAGS_rebalance_min_tokens);
   ro.placement.session_cap_factor = absl::GetFlag(FLAGS_session_balance);
+  ro.placement.cap_factor = absl::GetFlag(FLAGS_load_balance);
   router::RouterService service(ro, &pool, &directory, tokenizer->get(), chat.ok() ? &*chat : nullptr,
                                 auth.get(), &metrics);
   router::AdminService admin(&service);

@@ -91,7 +91,7 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
   // only, 0: neither. The best level any candidate reaches is the one to choose
   // from.
   auto level = [&](const Candidate& cand) {
-    const bool load_ok = LoadTokens(c, cand) <= cap;
+    const bool load_ok = c.cap_factor <= 0 || LoadTokens(c, cand) <= cap;
     const double session_cap =
         std::ceil(c.session_cap_factor * static_cast<double>(sessions + 1) * share(cand));
     const bool sessions_ok = !cap_sessions || static_cast<double>(cand.sessions + 1) <= session_cap;

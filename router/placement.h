@@ -60,7 +60,7 @@ struct PlacementConfig {
   // Cost of each page the request would push out of a full tier 0, in tokens
   // per page token (an evicted page is restored, or recomputed, later).
   double eviction_weight = 1.0;
-  // Bounded-load cap: load <= cap_factor * (mean + cap_slack).
+  // Bounded-load cap (0 disables, else >= 1): load <= cap_factor * (mean + cap_slack).
   double cap_factor = 1.5;
   double cap_slack = 256.0;
   // Bounded sessions for a new session (0 disables, else >= 1): sessions after

@@ -151,9 +151,17 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   }
 
   void Attempt(absl::Duration session_wait) {
+    // A placement reads the ledger and records its choice there under one
+    // lock, so that each placement of a burst sees every one before it. An
+    // APPEND follows its session (and may wait for it), so it takes no part.
+    std::optional<absl::MutexLock> serial;
+    if (!append_) serial.emplace(&router_->placement_mu_);
     auto placement = router_->Place(request_.session_id(), request_.tenant(), append_, tokens_, tried_,
                                     session_wait, &chain_);
-    if (!placement.ok()) return Finish(tried_.empty() ? ToGrpcStatus(placement.status()) : Refused());
+    if (!placement.ok()) {
+      serial.reset();
+      return Finish(tried_.empty() ? ToGrpcStatus(placement.status()) : Refused());
+    }
     if (attempts_ > 0) {
       placement->reason = PlacementReason::kRetry;
       router_->metrics_->OnRetry();
@@ -181,8 +189,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     continued_from_ = emitted_.size();
 
     auto channel = router_->pool_->Channel(placement_.worker);
-    if (channel == nullptr)
+    if (channel == nullptr) {
+      serial.reset();  // before the retry, which places again
       return OnAttemptDone(nullptr, grpc::Status(grpc::UNAVAILABLE, "worker left the pool"));
+    }
     auto* call = new WorkerCall(this, std::move(channel), std::move(req), deadline_);
     bool gone;
     {
@@ -191,6 +201,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       if (!gone) call_ = call;
     }
     if (gone) {
+      serial.reset();
       call->Unref();  // never started
       return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     }
@@ -220,6 +231,7 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       // is current again (it may be reused without a placement event).
       if (!append_) router_->directory_->ClearStale(key, placement_.worker);
     }
+    serial.reset();
     call->Start();  // last: its callbacks may run at once, on other threads
   }
 
@@ -290,12 +302,6 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
         // Its worker holds the session once a token came (or it ended OK).
         const bool held = st.ok() || emitted_.size() > continued_from_;
         router_->ledger_.SessionFinished(key, placement_.worker, creates_session_, held);
-        if (creates_session_ && held) {
-          auto loc = router_->directory_->FindSession(key);
-          if (!loc.has_value() || loc->worker != placement_.worker) {
-            router_->ledger_.CreatedUnseen(key, placement_.worker);
-          }
-        }
         if (held) CloseStaleCopies();  // a turn that ended OK without a token
         stale_copies_.clear();
       }
@@ -587,17 +593,23 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
       cands.front().kv_shape.page_tokens() > 0 ? cands.front().kv_shape.page_tokens() : 16;
   std::vector<BlockHash> chain = ChainBlockHashes(tokens, page_tokens, cands.front().model_id, tenant);
   const auto matches = directory_->MatchPrefix(chain);
+  // A session this router is creating counts as the ledger's until the
+  // directory lists it there, then as the directory's: once, either way. The
+  // ledger lets go of those listed before the directory's count is read, so
+  // that one listed in between counts twice for a moment, never not at all.
+  for (const WorkerView& w : cands) {
+    for (const SessionKey& s : ledger_.Creations(w.address)) {
+      if (auto l = directory_->FindSession(s); l.has_value() && l->worker == w.address) {
+        ledger_.Listed(s, w.address);
+      }
+    }
+  }
   const auto session_counts = directory_->SessionCounts();
   std::vector<Candidate> candidates;
   for (const WorkerView& w : cands) {
     Candidate c;
     c.worker = w.address;
     c.load = w.load;
-    // Sessions created there whose events the directory has applied since
-    // count once, as the directory's.
-    for (const SessionKey& s : ledger_.Unseen(w.address)) {
-      if (auto l = directory_->FindSession(s); l.has_value() && l->worker == w.address) ledger_.Seen(s);
-    }
     const DispatchLedger::Outstanding out = ledger_.Get(w.address);
     c.dispatched_requests = out.requests;
     c.dispatched_prefill_tokens = out.prefill_tokens;

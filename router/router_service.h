@@ -195,6 +195,9 @@ class RouterService final : public v1::KvCache::CallbackService {
 
   Executor executor_;
 
+  // Held by a proxy from its placement until the ledger has it (see Attempt);
+  // taken before any other lock.
+  absl::Mutex placement_mu_;
   absl::Mutex mu_;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){12345};
   int64_t calls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;

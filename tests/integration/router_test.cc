@@ -260,7 +260,10 @@ TEST_F(RouterTest, BurstSharingACachedPrefixSpreadsAndLaterTurnsStay) {
 
 TEST_F(RouterTest, BurstOfDistinctSessionsSpreadsEvenly) {
   StartWorkers(2);
-  auto router = StartRouter();
+  // The session bound alone: with the load cap on, a worker the machine's
+  // other load stalls for a moment rightly takes fewer of the burst (21 of 32
+  // went to the other in one CI run).
+  auto router = StartRouter({"--load_balance=0"});
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   std::vector<v1::GenerateRequest> burst;
@@ -275,7 +278,10 @@ TEST_F(RouterTest, BurstOfDistinctSessionsSpreadsEvenly) {
     ++per_worker[r.final.worker_id()];
   }
   ASSERT_EQ(per_worker.size(), 2u);
-  for (const auto& [w, n] : per_worker) EXPECT_NEAR(n, 16, 4) << w;
+  // Each placement sees those before it (the router counts the sessions it
+  // is creating at once); a session the directory has just heard of may count
+  // twice for a moment.
+  for (const auto& [w, n] : per_worker) EXPECT_NEAR(n, 16, 1) << w;
 }
 
 TEST_F(RouterTest, PrefixOffloadedToHostRamIsRestoredNotRecomputed) {

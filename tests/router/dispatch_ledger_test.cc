@@ -97,9 +97,9 @@ TEST(DispatchLedgerTest, OnlyARequestThatLeftTheSessionNamesItsWorker) {
   EXPECT_TRUE(ledger.RecentSessionsNamed("t").empty());
 }
 
-// New sessions count on their worker from dispatch: the directory hears of a
-// session only once its first request has prefilled there.
-TEST(DispatchLedgerTest, SessionsBeingCreatedCountOnTheirWorkerUntilTheirRequestEnds) {
+// New sessions count on their worker from dispatch until the directory lists
+// them there (the worker's event trails the dispatch).
+TEST(DispatchLedgerTest, SessionsBeingCreatedCountOnTheirWorkerUntilTheDirectoryListsThem) {
   DispatchLedger ledger;
   const SessionKey a{"tenant", "a"};
   const SessionKey b{"tenant", "b"};
@@ -109,26 +109,49 @@ TEST(DispatchLedgerTest, SessionsBeingCreatedCountOnTheirWorkerUntilTheirRequest
   EXPECT_EQ(ledger.Get("w0").new_sessions, 2);
   EXPECT_EQ(ledger.Get("w1").new_sessions, 0);
   EXPECT_EQ(ledger.workers_tracked(), 1u);
+  // a ended held, not yet listed: it goes on counting; b failed first: it is
+  // nowhere.
   ledger.SessionFinished(a, "w0", /*creates=*/true, /*held=*/true);
-  EXPECT_EQ(ledger.Get("w0").new_sessions, 1);
   ledger.SessionFinished(b, "w0", /*creates=*/true, /*held=*/false);
   ledger.SessionFinished(a, "w1", /*creates=*/false, /*held=*/true);
-  EXPECT_EQ(ledger.Get("w0").new_sessions, 0);
-  EXPECT_EQ(ledger.workers_tracked(), 0u);
-  EXPECT_EQ(ledger.sessions_tracked(), 0u);
-
-  // Created, but the directory has not applied the worker's event yet: it
-  // still counts, until the directory has it.
-  ledger.CreatedUnseen(a, "w0");
   EXPECT_EQ(ledger.Get("w0").new_sessions, 1);
-  EXPECT_THAT(ledger.Unseen("w0"), ::testing::ElementsAre(a));
-  EXPECT_TRUE(ledger.Unseen("w1").empty());
-  ledger.Seen(a);
+  EXPECT_THAT(ledger.Creations("w0"), ::testing::ElementsAre(a));
+  EXPECT_TRUE(ledger.Creations("w1").empty());
+  EXPECT_EQ(ledger.workers_tracked(), 0u) << "nothing is in flight";
+  EXPECT_EQ(ledger.sessions_tracked(), 0u);
+  ledger.Listed(a, "w0");
   EXPECT_EQ(ledger.Get("w0").new_sessions, 0);
-  EXPECT_TRUE(ledger.Unseen("w0").empty());
-  ledger.CreatedUnseen(b, "w1");
+  EXPECT_TRUE(ledger.Creations("w0").empty());
+  // Closed through the router: it lives nowhere.
+  ledger.SessionDispatched(b, "w1", /*creates=*/true);
+  ledger.SessionFinished(b, "w1", /*creates=*/true, /*held=*/true);
+  EXPECT_EQ(ledger.Get("w1").new_sessions, 1);
   ledger.SessionClosed(b);
   EXPECT_EQ(ledger.Get("w1").new_sessions, 0);
+}
+
+// The directory lists a session as soon as its worker has placed it, which is
+// often while its first request still runs: from then on it counts once, as
+// the directory's, not also as the ledger's.
+TEST(DispatchLedgerTest, ASessionTheDirectoryListsStopsCountingAsACreation) {
+  DispatchLedger ledger;
+  const SessionKey a{"tenant", "a"};
+  const SessionKey b{"tenant", "b"};
+  ledger.SessionDispatched(a, "w0", /*creates=*/true);
+  ledger.SessionDispatched(b, "w0", /*creates=*/true);
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 2);
+  ledger.Listed(a, "w1");  // listed elsewhere: still being created here
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 2);
+  ledger.Listed(a, "w0");
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 1);
+  EXPECT_THAT(ledger.Creations("w0"), ::testing::ElementsAre(b));
+  EXPECT_EQ(ledger.workers_tracked(), 1u);
+  ledger.SessionFinished(a, "w0", /*creates=*/true, /*held=*/true);
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 1) << "a counts as the directory's";
+  ledger.SessionFinished(b, "w0", /*creates=*/true, /*held=*/false);
+  EXPECT_EQ(ledger.Get("w0").new_sessions, 0) << "b failed before it was held";
+  EXPECT_EQ(ledger.workers_tracked(), 0u);
+  EXPECT_EQ(ledger.sessions_tracked(), 0u);
 }
 
 }  // namespace

@@ -66,6 +66,25 @@ TEST(PlacementTest, BoundedLoadCapStopsHerding) {
   // When every worker is over the cap the cap is ignored.
   auto q = Choose(c, "s", "", 16, 0, /*new_session=*/true, {Cand("hot", 10000, 50)}, false);
   EXPECT_EQ(q->worker, "hot");
+  // --load_balance=0: no cap, the score alone decides.
+  c.cap_factor = 0;
+  auto r = Choose(c, "s", "", 16, 0, /*new_session=*/true,
+                  {Cand("hot", 10000, 50), Cand("x", 0), Cand("y", 0)}, false);
+  EXPECT_EQ(r->worker, "hot");
+}
+
+// A worker far behind its peers (stalled, or slower) takes no new session while
+// the load cap is on, whatever the session bound says; without the load cap the
+// session bound alone spreads them.
+TEST(PlacementTest, TheLoadCapOutranksTheSessionBound) {
+  PlacementConfig c;
+  Candidate stalled = Cand("stalled", 4000);
+  Candidate idle = Cand("idle", 0);
+  stalled.sessions = 2;
+  idle.sessions = 8;
+  EXPECT_EQ(Choose(c, "s", "", 16, 4, /*new_session=*/true, {stalled, idle}, false)->worker, "idle");
+  c.cap_factor = 0;
+  EXPECT_EQ(Choose(c, "s", "", 16, 4, /*new_session=*/true, {stalled, idle}, false)->worker, "stalled");
 }
 
 TEST(PlacementTest, TiesSpreadByRendezvousAndAreStable) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kv/session_key.h"
@@ -309,7 +310,15 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
                                                      " does not continue its ", sp.received, " bytes"));
     }
     if (sp.id == kNoPage) {
-      KVCACHE_ASSIGN_OR_RETURN(sp.id, port_->AllocateStaging());
+      absl::StatusOr<PageId> page = port_->AllocateStaging();
+      if (!page.ok()) {
+        const int64_t held = absl::c_count_if(staged_, [](const Staged& st) { return st.id != kNoPage; });
+        return absl::Status(page.status().code(),
+                            absl::StrCat("import of ", QuoteSession(session_id_), " (", tokens_.size(),
+                                         " tokens): tier 0 ran out with ", held, " of its pages staged: ",
+                                         page.status().message()));
+      }
+      sp.id = *page;
     }
     KVCACHE_RETURN_IF_ERROR(
         port_->WriteStaging(sp.id, seg.offset, absl::MakeConstSpan(c.payload).subspan(at, seg.length)));

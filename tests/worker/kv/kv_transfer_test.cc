@@ -177,6 +177,26 @@ TEST(KvTransferTest, AbandonedImportFreesStaging) {
   EXPECT_INVARIANTS(*dst);
 }
 
+// A session larger than the target's whole tier 0 is refused with what it
+// needed, and leaves nothing staged behind.
+TEST(KvTransferTest, ImportLargerThanTier0IsRefusedAndFreesStaging) {
+  auto src = MakeManager(8, 0);
+  auto dst = MakeManager(2, 0);
+  ASSERT_OK(src->CreateSession("s", "t"));
+  ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 20)));
+  auto chunks = std::move(ExportSession(src.get(), "s")).value();
+  {
+    auto imp = std::move(SessionImporter::Create(dst.get())).value();
+    absl::Status st;
+    for (size_t i = 0; i < chunks.size() && st.ok(); ++i) st = imp->Add(chunks[i]);
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(st.message(), HasSubstr("(20 tokens): tier 0 ran out with 2 of its pages staged"));
+  }
+  EXPECT_EQ(dst->GetSession("s").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(dst->GetStats().tier[0].free_pages, 2);
+  EXPECT_INVARIANTS(*dst);
+}
+
 TEST(KvTransferTest, PreCopyFinalPhaseSendsOnlyWhatChanged) {
   auto src = MakeManager(64, 0);
   auto dst = MakeManager(64, 0);
