@@ -984,6 +984,86 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   }
 }
 
+// A chat reply cut at max_tokens has no end of turn; the next APPEND closes it
+// first, and one with tokens_read = 0 goes back to before its request and
+// closes the reply before it again. A moved session does the same on its new
+// worker: both flags travel in the Commit (the target used to take the first
+// from the last reply alone and the second as false, so a tokens_read = 0
+// turn after a move ran on a conversation without that end of turn).
+TEST_F(WorkerTest, AMovedSessionClosesRepliesCutShortAsItsSourceWould) {
+  auto src = StartWorker({"--worker_id=src"}, /*tiny=*/false);
+  auto dst = StartWorker({"--worker_id=dst"}, /*tiny=*/false);
+  ASSERT_NE(src, nullptr);
+  ASSERT_NE(dst, nullptr);
+  auto s = v1::Worker::NewStub(src->channel());
+  auto d = v1::Worker::NewStub(dst->channel());
+  auto chat = [](const std::string& session, v1::Mode mode, const std::string& text) {
+    v1::GenerateRequest r;
+    r.set_session_id(session);
+    r.set_mode(mode);
+    auto* m = r.mutable_input()->mutable_chat()->add_messages();
+    m->set_role("user");
+    m->set_content(text);
+    r.mutable_sampling()->set_temperature(0);
+    r.mutable_sampling()->set_max_tokens(6);
+    r.mutable_sampling()->set_ignore_eos(true);  // every reply is cut: no end of turn
+    return r;
+  };
+  ASSERT_TRUE(Generate(s.get(), chat("s", v1::FULL_CONTEXT, "Name three colours.")).status.ok());
+  ASSERT_TRUE(Generate(s.get(), chat("s", v1::APPEND, "And three animals?")).status.ok());
+  {
+    grpc::ClientContext c;
+    v1::ForkSessionRequest fr;
+    fr.set_session_id("s");
+    fr.set_new_session_id("ref");
+    v1::SessionInfo info;
+    ASSERT_TRUE(s->ForkSession(&c, fr, &info).ok());
+  }
+  {
+    grpc::ClientContext c;
+    v1::MigrateSessionRequest mr;
+    mr.set_session_id("s");
+    mr.set_target_address(dst->grpc_address());
+    v1::MigrateSessionResponse resp;
+    const grpc::Status st = s->MigrateSession(&c, mr, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  // The target exports both flags as it took them.
+  {
+    grpc::ClientContext c;
+    v1::ExportSessionRequest er;
+    er.set_session_id("s");
+    auto reader = d->ExportSession(&c, er);
+    v1::SessionChunk chunk;
+    bool committed = false;
+    while (reader->Read(&chunk)) {
+      if (!chunk.has_commit()) continue;
+      committed = true;
+      EXPECT_TRUE(chunk.commit().has_reply_open() && chunk.commit().reply_open());
+      EXPECT_TRUE(chunk.commit().has_reply_open_before() && chunk.commit().reply_open_before());
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    EXPECT_TRUE(committed);
+  }
+  // The client read none of the last reply: it resends its turn.
+  v1::GenerateRequest resent = chat("s", v1::APPEND, "And three animals?");
+  resent.set_tokens_read(0);
+  v1::GenerateRequest resent_ref = resent;
+  resent_ref.set_session_id("ref");
+  Turn moved = Generate(d.get(), resent);
+  Turn ref = Generate(s.get(), resent_ref);
+  ASSERT_TRUE(moved.status.ok()) << moved.status.error_message();
+  ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+  EXPECT_EQ(moved.final.usage().prompt_tokens(), ref.final.usage().prompt_tokens());
+  EXPECT_EQ(moved.tokens, ref.tokens);
+  // And the next turn closes the new cut reply on both.
+  Turn next = Generate(d.get(), chat("s", v1::APPEND, "And three trees?"));
+  Turn next_ref = Generate(s.get(), chat("ref", v1::APPEND, "And three trees?"));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.final.usage().prompt_tokens(), next_ref.final.usage().prompt_tokens());
+  EXPECT_EQ(next.tokens, next_ref.tokens);
+}
+
 // Every MigrateSession runs on a background thread of the source, and every
 // migration opens a channel to its target: a session moved back and forth many
 // times leaves neither worker with more threads than it had.

@@ -339,6 +339,8 @@ class KvCacheManager {
   // Step 5 (preemption) runs only when `preempted` is non-null.
   absl::Status MakeRoom(int64_t n, const Session* protect, std::vector<std::string>* preempted)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether moving `s` out of tier 0 would free a page there (one it alone holds).
+  bool FreesTier0Page(const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees tier-1 pages, LRU session first, until `n` are free or nothing is droppable.
   void DropTier1(int64_t n, const Session* protect) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the session's tier-0 pages to tier 1; with `allow_drop`, pages tier 1 cannot

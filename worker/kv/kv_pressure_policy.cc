@@ -4,6 +4,7 @@
 #include <cassert>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kv/kv_cache_manager.h"
@@ -20,6 +21,7 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
   }
   std::vector<BlockHash> evicted;
   absl::Status status;
+  absl::flat_hash_set<const Session*> kept;  // sessions whose going frees no page now
   while (pool_[0].num_free() < n) {
     // Step 2: unreferenced cached prefix pages, least recently released first.
     const PageId e = pool_[0].OldestEvictable();
@@ -31,18 +33,34 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
       continue;
     }
     // Steps 3-4: the least recently used idle session; step 5: a running one.
+    // One whose tier-0 pages all have other holders (forks, prefix hits)
+    // frees nothing when it goes, so it waits until no other can go: offloaded
+    // first it would only copy shared pages to tier 1.
     Session* victim = nullptr;
+    Session* frees_nothing = nullptr;  // the least recently used of those
     for (const bool running : {false, true}) {
       if (running && preempted == nullptr) break;
-      for (auto& [id, sp] : sessions_) {
-        Session& s = *sp;
-        const int64_t tier0 = static_cast<int64_t>(s.pages.size()) - s.first_live - s.tier1_pages;
-        if (&s == protect || Pinned(s) || s.running != running || tier0 == 0) continue;
-        if (victim == nullptr || s.last_use < victim->last_use) victim = &s;
+      while (victim == nullptr) {
+        Session* lru = nullptr;
+        for (auto& [id, sp] : sessions_) {
+          Session& s = *sp;
+          const int64_t tier0 = static_cast<int64_t>(s.pages.size()) - s.first_live - s.tier1_pages;
+          if (&s == protect || Pinned(s) || s.running != running || tier0 == 0 || kept.contains(&s)) continue;
+          if (lru == nullptr || s.last_use < lru->last_use) lru = &s;
+        }
+        if (lru == nullptr) break;
+        if (FreesTier0Page(*lru)) {
+          victim = lru;
+        } else {
+          kept.insert(lru);
+          if (frees_nothing == nullptr) frees_nothing = lru;
+        }
       }
       if (victim != nullptr) break;
     }
+    if (victim == nullptr) victim = frees_nothing;
     if (victim == nullptr) break;
+    kept.erase(victim);
     const bool preempt = victim->running;
     absl::StatusOr<int64_t> moved = OffloadLocked(*victim, /*allow_drop=*/true);
     if (!moved.ok()) {
@@ -63,6 +81,13 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
                      " could be made free (the rest are pinned or in a step)"));
   }
   return absl::OkStatus();
+}
+
+bool KvCacheManager::FreesTier0Page(const Session& s) const {
+  for (size_t i = s.first_live; i < s.pages.size(); ++i) {
+    if (s.pages[i].tier == 0 && pool_[0].ref(s.pages[i].id) == 1) return true;
+  }
+  return false;
 }
 
 void KvCacheManager::DropTier1(int64_t n, const Session* protect) {

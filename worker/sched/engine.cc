@@ -227,11 +227,15 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   const TenantLimits& limits = options_.tenant_limits;
   if (limits.max_requests > 0 && inflight_[request.tenant] >= limits.max_requests) {
-    // Queued requests that were cancelled or passed their deadline leave at the
-    // engine thread's next turn; their quota is already given back.
+    // Requests that were cancelled or passed their deadline, queued or
+    // running, leave at the engine thread's next turn or step boundary: their
+    // quota is already given back ("stop generating", then a new request, is
+    // not refused).
     const absl::Time now = absl::Now();
     int leaving = 0;
-    for (const auto& w : waiting_) leaving += w->req.tenant == request.tenant && LeavingLocked(*w, now);
+    for (const auto& [id, live] : live_) {
+      leaving += live.tenant == request.tenant && (cancelled_.contains(id) || now > live.deadline);
+    }
     if (inflight_[request.tenant] - leaving >= limits.max_requests) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "tenant '", request.tenant, "' has ", limits.max_requests, " requests in flight (its limit)"));
@@ -259,7 +263,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     }
   }
   const uint64_t id = next_request_id_++;
-  live_.emplace(id, request.deadline);
+  live_.emplace(id, Live{request.deadline, request.tenant});
   if (!sid.empty()) {
     busy_.emplace(key, id);
     if (auto it = sessions_.find(key); it != sessions_.end()) it->second.last_used = absl::Now();
@@ -1158,7 +1162,7 @@ bool Engine::AwaitHolderLocked(const std::string& key, absl::Duration cancel_gra
   auto was_cancelled = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto live = live_.find(id);
     return stopping_ || cancelled_.contains(id) || ended_cancelled_.contains(id) ||
-           (live != live_.end() && absl::Now() >= live->second);
+           (live != live_.end() && absl::Now() >= live->second.deadline);
   };
   auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return was_cancelled() || !holds(); };
   ++holder_waiters_;
@@ -1318,6 +1322,8 @@ absl::StatusOr<SessionView> Engine::View(const std::string& id, const std::strin
   v.last_reply_tokens = it->second.last_reply;
   v.last_request_tokens = it->second.last_request;
   v.last_used = it->second.last_used;
+  v.reply_open = it->second.reply_open;
+  v.reply_open_before = it->second.reply_open_before;
   v.exporting = it->second.exports > 0;
   v.busy = busy_.contains(key);
   return v;
@@ -1368,7 +1374,9 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
     const absl::Time last_used =
         state.last_used == absl::InfinitePast() ? now : std::min(state.last_used, now);
     SessionState held{name.tenant, std::move(context), last_used, last_reply, last_request};
-    held.reply_open = last_reply > 0 && !IsEndOfGeneration(held.context.back());
+    held.reply_open =
+        state.reply_open.value_or(last_reply > 0 && !IsEndOfGeneration(held.context.back()));
+    held.reply_open_before = state.reply_open_before.value_or(false);
     AddSessionLocked(key, std::move(held));
     return absl::OkStatus();
   };

@@ -193,7 +193,11 @@ struct SessionView {
   int64_t last_reply_tokens = 0;    // of those, what the last request generated (the last ones)
   int64_t last_request_tokens = 0;  // of those, what the last request added (input and reply)
   absl::Time last_used;             // submit or end of the last request (or its import or fork)
-  bool exporting = false;           // an export or migration is running
+  // The context ends inside a reply that stopped without its end of turn; and
+  // so it did before the last request (SessionChunk.Commit.reply_open).
+  bool reply_open = false;
+  bool reply_open_before = false;
+  bool exporting = false;  // an export or migration is running
   bool busy = false;                // a request (or a session call) holds it
 };
 
@@ -205,6 +209,10 @@ struct ImportedState {
   int64_t last_request_tokens = 0;  // the context's last tokens that its last request added
   // Its last request there; InfinitePast, or a time ahead of this clock: now.
   absl::Time last_used = absl::InfinitePast();
+  // SessionView's flags there; unknown (an older exporter): reply_open from
+  // the last reply and the context's last token, reply_open_before false.
+  std::optional<bool> reply_open;
+  std::optional<bool> reply_open_before;
   // Over the tenant's pinned-pages quota here, import it unpinned (a drain's
   // move) instead of refusing it.
   bool unpin_over_quota = false;
@@ -447,7 +455,11 @@ class Engine {
   void EraseSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> tenant_sessions_ ABSL_GUARDED_BY(mu_);  // tenant -> sessions_
-  absl::flat_hash_map<uint64_t, absl::Time> live_ ABSL_GUARDED_BY(mu_);  // submitted, not finished: deadline
+  struct Live {
+    absl::Time deadline;
+    std::string tenant;
+  };
+  absl::flat_hash_map<uint64_t, Live> live_ ABSL_GUARDED_BY(mu_);  // submitted, not finished
   // Live requests to end at the next step boundary, with their status.
   absl::flat_hash_map<uint64_t, absl::Status> cancelled_ ABSL_GUARDED_BY(mu_);
   // Calls waiting in AwaitHolderLocked, and the requests that ended cancelled

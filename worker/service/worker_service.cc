@@ -30,7 +30,8 @@ class RefusedCall : public Reactor {
 };
 
 // What a Commit chunk carries of a session beyond its pages: the exporter's
-// `pinned`, and from `view` the last reply's and request's lengths and the last request's time.
+// `pinned`, and from `view` the last reply's and request's lengths, the last request's time and
+// whether a reply was left open.
 void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
                     v1::SessionChunk::Commit* commit) {
   commit->set_pinned(pinned);
@@ -38,6 +39,8 @@ void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
   commit->set_last_reply_tokens(static_cast<int32_t>(view->last_reply_tokens));
   commit->set_last_request_tokens(static_cast<int32_t>(view->last_request_tokens));
   commit->set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
+  commit->set_reply_open(view->reply_open);
+  commit->set_reply_open_before(view->reply_open_before);
 }
 
 sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
@@ -47,6 +50,8 @@ sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
   state.last_reply_tokens = commit.last_reply_tokens();
   state.last_request_tokens = commit.last_request_tokens();
   if (commit.last_used_unix_ms() > 0) state.last_used = absl::FromUnixMillis(commit.last_used_unix_ms());
+  if (commit.has_reply_open()) state.reply_open = commit.reply_open();
+  if (commit.has_reply_open_before()) state.reply_open_before = commit.reply_open_before();
   return state;
 }
 

@@ -623,6 +623,33 @@ TEST_F(EngineTest, QueuedRequestPastItsDeadlineGivesBackItsQuotaAtOnce) {
   if (id.ok()) next.Wait();
 }
 
+// "Stop generating", then a new request: a tenant at its request quota whose
+// running request was cancelled may send the next one at once, though the
+// cancelled one leaves only at the engine's next step boundary.
+TEST_F(EngineTest, CancelledRunningRequestGivesBackItsQuotaAtOnce) {
+  EngineOptions o;
+  o.tenant_limits.max_requests = 1;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 1);
+  Collector running, next;
+  auto id = engine_->Submit(Req("a", RequestMode::kFullContext, Prompt(20), 50), &running);
+  ASSERT_TRUE(id.ok()) << id.status();
+  runner_->WaitForEntered(s0 + 2);  // "a" runs, inside a step
+  EXPECT_EQ(engine_->Submit(Req("b", RequestMode::kFullContext, Prompt(5), 3), &next).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  engine_->Cancel(*id);
+  auto again = engine_->Submit(Req("b", RequestMode::kFullContext, Prompt(5), 3), &next);
+  EXPECT_TRUE(again.ok()) << again.status();
+  runner_->LimitSteps(-1);
+  running.Wait();
+  EXPECT_EQ(running.status.code(), absl::StatusCode::kCancelled);
+  if (again.ok()) {
+    next.Wait();
+    EXPECT_TRUE(next.status.ok()) << next.status;
+  }
+}
+
 // After a cancel the server may have sent tokens the client never read (in
 // flight when it cancelled): an APPEND that says how many it read drops the
 // rest of the last reply first, and the conversation is the one it saw.
