@@ -21,7 +21,6 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
   }
   std::vector<BlockHash> evicted;
   absl::Status status;
-  absl::flat_hash_set<const Session*> kept;  // sessions whose going frees no page now
   while (pool_[0].num_free() < n) {
     // Step 2: unreferenced cached prefix pages, least recently released first.
     const PageId e = pool_[0].OldestEvictable();
@@ -37,7 +36,8 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
     // frees nothing when it goes, so it waits until no other can go: offloaded
     // first it would only copy shared pages to tier 1.
     Session* victim = nullptr;
-    Session* frees_nothing = nullptr;  // the least recently used of those
+    Session* frees_nothing = nullptr;          // the least recently used of those
+    absl::flat_hash_set<const Session*> kept;  // those seen (each move may change what frees)
     for (const bool running : {false, true}) {
       if (running && preempted == nullptr) break;
       while (victim == nullptr) {
@@ -60,7 +60,6 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
     }
     if (victim == nullptr) victim = frees_nothing;
     if (victim == nullptr) break;
-    kept.erase(victim);
     const bool preempt = victim->running;
     absl::StatusOr<int64_t> moved = OffloadLocked(*victim, /*allow_drop=*/true);
     if (!moved.ok()) {

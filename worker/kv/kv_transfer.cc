@@ -315,8 +315,8 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
         const int64_t held = absl::c_count_if(staged_, [](const Staged& st) { return st.id != kNoPage; });
         return absl::Status(page.status().code(),
                             absl::StrCat("import of ", QuoteSession(session_id_), " (", tokens_.size(),
-                                         " tokens): tier 0 ran out with ", held, " of its pages staged: ",
-                                         page.status().message()));
+                                         " tokens): tier 0 ran out with ", held,
+                                         " of its pages staged: ", page.status().message()));
       }
       sp.id = *page;
     }

@@ -1374,8 +1374,7 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
     const absl::Time last_used =
         state.last_used == absl::InfinitePast() ? now : std::min(state.last_used, now);
     SessionState held{name.tenant, std::move(context), last_used, last_reply, last_request};
-    held.reply_open =
-        state.reply_open.value_or(last_reply > 0 && !IsEndOfGeneration(held.context.back()));
+    held.reply_open = state.reply_open.value_or(last_reply > 0 && !IsEndOfGeneration(held.context.back()));
     held.reply_open_before = state.reply_open_before.value_or(false);
     AddSessionLocked(key, std::move(held));
     return absl::OkStatus();

@@ -198,7 +198,7 @@ struct SessionView {
   bool reply_open = false;
   bool reply_open_before = false;
   bool exporting = false;  // an export or migration is running
-  bool busy = false;                // a request (or a session call) holds it
+  bool busy = false;       // a request (or a session call) holds it
 };
 
 // What an exporter knew of a session beyond its pages (SessionChunk.Commit),

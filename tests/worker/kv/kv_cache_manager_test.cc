@@ -483,6 +483,43 @@ TEST(KvCacheManagerTest, PinnedAndSteppingSessionsAreNeverMoved) {
   EXPECT_INVARIANTS(*m);
 }
 
+// Moving out a session whose tier-0 pages all have other holders (here a fork
+// of a pinned session) frees nothing; it only copies shared pages to tier 1.
+// A session whose going frees pages goes first, though it was used later.
+TEST(KvCacheManagerTest, PressureMovesOutSessionsThatFreePagesFirst) {
+  auto m = MakeManager(8, 8);
+  ASSERT_OK(m->CreateSession("base", "t"));
+  ASSERT_OK(AppendWithKv(*m, "base", Seq(1, 8)));  // 2 full pages
+  ASSERT_OK(m->MarkIdle("base"));
+  ASSERT_OK(m->PinSession("base"));
+  ASSERT_OK(m->Fork("base", "twin"));  // shares both pages
+  ASSERT_OK(m->MarkIdle("twin"));
+  ASSERT_OK(m->CreateSession("lone", "t"));
+  ASSERT_OK(AppendWithKv(*m, "lone", Seq(100, 8)));  // 2 pages of its own, used last
+  ASSERT_OK(m->MarkIdle("lone"));
+  ASSERT_OK(m->CreateSession("x", "t"));
+  ASSERT_OK(AppendWithKv(*m, "x", Seq(200, 24)));  // 6 pages: 4 free, 2 to make
+  EXPECT_EQ(m->GetSession("twin")->tier0_pages, 2);
+  EXPECT_EQ(m->GetSession("twin")->tier1_pages, 0) << "nothing copied for nothing";
+  EXPECT_EQ(m->GetSession("lone")->tier1_pages, 2);
+  ASSERT_OK(VerifyKv(*m, "twin"));
+  ASSERT_OK(VerifyKv(*m, "lone"));
+  EXPECT_INVARIANTS(*m);
+  // When nothing else can go, a session that frees nothing alone still goes
+  // (its pages may have no other holder once another has gone too).
+  ASSERT_OK(m->UnpinSession("base"));
+  ASSERT_OK(m->MarkIdle("x"));
+  ASSERT_OK(m->PinSession("x"));
+  ASSERT_OK(m->CreateSession("y", "t"));
+  {
+    absl::Status st = AppendWithKv(*m, "y", Seq(300, 8));  // 2 pages: only base and twin can go
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  EXPECT_EQ(m->GetSession("twin")->tier0_pages + m->GetSession("base")->tier0_pages, 0);
+  ASSERT_OK(VerifyKv(*m, "y"));
+  EXPECT_INVARIANTS(*m);
+}
+
 TEST(KvCacheManagerTest, NoTier1DropsIdleSessions) {
   auto m = MakeManager(3, 0);
   ASSERT_OK(m->CreateSession("a", "t"));
