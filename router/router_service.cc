@@ -945,7 +945,7 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
     auto p = Place(session_id, loc->tenant, false, {}, {loc->worker});
     if (!p.ok()) {
       return std::move(done)(absl::UnavailableError(
-          absl::StrCat("no other healthy worker to move session '", session_id, "' to")));
+          absl::StrCat("no other worker can take session '", session_id, "': ", p.status().message())));
     }
     dest = p->worker;
   }

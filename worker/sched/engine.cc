@@ -1066,9 +1066,10 @@ void Engine::Loop() {
                  absl::ResourceExhaustedError(absl::StrCat(
                      victim->result.output.empty() ? "no KV cache memory to start the request"
                                                    : "no KV cache memory for the context to grow",
-                     ": tier 0 holds ", kv_->tier_capacity_pages(0),
-                     " pages (--tier0_bytes), all held by running requests, pinned sessions and sessions "
-                     "moving in or out")),
+                     ": tier 0 holds ", kv_->tier_capacity_pages(0), " pages (--tier0_bytes); ",
+                     kv_->GetStats().tier[0].free_pages,
+                     " are free, too few for this step, and the others are held by running requests, "
+                     "pinned sessions and sessions moving in or out")),
                  std::nullopt);
         }
       }
