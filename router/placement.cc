@@ -88,14 +88,14 @@ absl::StatusOr<Placement> Choose(const PlacementConfig& c, const std::string& se
   };
   const bool cap_sessions = new_session && c.session_cap_factor > 0;
   // 3: under both caps, 2: under the load cap only, 1: under the session cap
-  // only, 0: neither. The best level any candidate reaches is the one to choose
-  // from.
+  // only, 0: neither; plus 4 where tier 0 holds the request whole. The best
+  // level any candidate reaches is the one to choose from.
   auto level = [&](const Candidate& cand) {
     const bool load_ok = c.cap_factor <= 0 || LoadTokens(c, cand) <= cap;
     const double session_cap =
         std::ceil(c.session_cap_factor * static_cast<double>(sessions + 1) * share(cand));
     const bool sessions_ok = !cap_sessions || static_cast<double>(cand.sessions + 1) <= session_cap;
-    return (load_ok ? 2 : 0) + (sessions_ok ? 1 : 0);
+    return (cand.holds_context ? 4 : 0) + (load_ok ? 2 : 0) + (sessions_ok ? 1 : 0);
   };
   std::vector<int> levels;
   levels.reserve(candidates.size());

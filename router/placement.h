@@ -26,7 +26,10 @@
 //     bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018, weighted by
 //     memory); since the score sees only this request's time to first token, a
 //     system prompt cached on one worker would otherwise draw every new
-//     conversation there while the others idle. Candidates under both caps
+//     conversation there while the others idle. Before both, a worker whose
+//     whole tier 0 cannot hold the request's context and the reply it asked
+//     for (Candidate::holds_context) would cut that reply short, so it comes
+//     after every worker that can. Candidates under both caps
 //     come first, then those under the load cap only, then those under the
 //     session cap only, then all;
 //  3. ties go to the worker holding fewer sessions (so new sessions without a
@@ -76,6 +79,10 @@ struct Candidate {
   int64_t sessions = 0;             // sessions there (the directory's, and those being created)
   int64_t dispatched_requests = 0;  // WorkerView's
   int64_t dispatched_prefill_tokens = 0;
+  // Its whole tier 0 holds the request's context and the reply it asked for
+  // (true while it has not reported its pages): a worker that cannot would
+  // cut the reply short (CONTEXT_FULL), so it is chosen only if none can.
+  bool holds_context = true;
 };
 
 enum class PlacementReason { kAffinity, kPrefix, kLoad, kRetry };

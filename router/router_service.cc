@@ -156,8 +156,8 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     // APPEND follows its session (and may wait for it), so it takes no part.
     std::optional<absl::MutexLock> serial;
     if (!append_) serial.emplace(&router_->placement_mu_);
-    auto placement = router_->Place(request_.session_id(), request_.tenant(), append_, tokens_, tried_,
-                                    session_wait, &chain_);
+    auto placement = router_->Place(request_.session_id(), request_.tenant(), append_, tokens_,
+                                    request_.sampling().max_tokens(), tried_, session_wait, &chain_);
     if (!placement.ok()) {
       serial.reset();
       return Finish(tried_.empty() ? ToGrpcStatus(placement.status()) : Refused());
@@ -527,8 +527,8 @@ bool RouterService::MustWaitForSession(const SessionKey& key) const {
 
 absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, const std::string& tenant,
                                                bool append, const std::vector<int32_t>& tokens,
-                                               const std::vector<WorkerId>& exclude, absl::Duration wait,
-                                               std::vector<BlockHash>* chain_out) {
+                                               int64_t reply_tokens, const std::vector<WorkerId>& exclude,
+                                               absl::Duration wait, std::vector<BlockHash>* chain_out) {
   if (chain_out != nullptr) chain_out->clear();
   std::vector<WorkerView> healthy = pool_->Healthy();
   auto excluded = [&exclude](const WorkerId& w) {
@@ -593,6 +593,9 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
       cands.front().kv_shape.page_tokens() > 0 ? cands.front().kv_shape.page_tokens() : 16;
   std::vector<BlockHash> chain = ChainBlockHashes(tokens, page_tokens, cands.front().model_id, tenant);
   const auto matches = directory_->MatchPrefix(chain);
+  const int64_t context_pages =
+      (static_cast<int64_t>(tokens.size()) + std::max<int64_t>(0, reply_tokens) + page_tokens - 1) /
+      page_tokens;
   // A session this router is creating counts as the ledger's until the
   // directory lists it there, then as the directory's: once, either way. The
   // ledger lets go of those listed before the directory's count is read, so
@@ -621,6 +624,7 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     if (computing > c.match.total_pages()) c.match = PrefixMatch{computing, 0};
     c.sessions = out.new_sessions;
     if (auto n = session_counts.find(w.address); n != session_counts.end()) c.sessions += n->second;
+    c.holds_context = w.load.pages_total_device() <= 0 || context_pages <= w.load.pages_total_device();
     candidates.push_back(std::move(c));
   }
   // Ties among equals go by rendezvous of the session id (or the prompt's start).
@@ -942,7 +946,8 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
     }
     dest = w->address;
   } else {
-    auto p = Place(session_id, loc->tenant, false, {}, {loc->worker});
+    // The session's context must fit the target's tier 0.
+    auto p = Place(session_id, loc->tenant, false, {}, loc->tokens, {loc->worker});
     if (!p.ok()) {
       return std::move(done)(absl::UnavailableError(
           absl::StrCat("no other worker can take session '", session_id, "': ", p.status().message())));

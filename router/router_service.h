@@ -166,8 +166,11 @@ class RouterService final : public v1::KvCache::CallbackService {
   // the directory; anything but zero blocks, so only the executor passes it.
   // `chain` (optional) gets the prompt's page hashes when placement computed
   // them (affinity mode, FULL_CONTEXT), else is cleared: the ledger entry.
+  // `reply_tokens`: what the request may add to `tokens` (its max_tokens; 0
+  // when unknown), so that a worker whose tier 0 cannot hold both comes last.
   absl::StatusOr<Placement> Place(const std::string& session_id, const std::string& tenant, bool append,
-                                  const std::vector<int32_t>& tokens, const std::vector<WorkerId>& exclude,
+                                  const std::vector<int32_t>& tokens, int64_t reply_tokens,
+                                  const std::vector<WorkerId>& exclude,
                                   absl::Duration wait = absl::ZeroDuration(),
                                   std::vector<BlockHash>* chain = nullptr);
   // Closes the copy of session `key` that `worker` still holds after a

@@ -73,6 +73,19 @@ TEST(PlacementTest, BoundedLoadCapStopsHerding) {
   EXPECT_EQ(r->worker, "hot");
 }
 
+// A worker whose whole tier 0 cannot hold the request and its reply would cut
+// the reply short: it comes after every worker that can, whatever the caps or
+// the prefix it holds say, and is chosen when none can.
+TEST(PlacementTest, AWorkerTooSmallForTheRequestComesLast) {
+  Candidate tiny = Cand("tiny", 0, /*device_pages=*/4);
+  Candidate big = Cand("big", 3000);
+  tiny.holds_context = false;
+  big.sessions = 9;
+  EXPECT_EQ(Choose({}, "s", "", 16, 4, /*new_session=*/true, {tiny, big}, false)->worker, "big");
+  big.holds_context = false;
+  EXPECT_EQ(Choose({}, "s", "", 16, 4, /*new_session=*/true, {tiny, big}, false)->worker, "tiny");
+}
+
 // A worker far behind its peers (stalled, or slower) takes no new session while
 // the load cap is on, whatever the session bound says; without the load cap the
 // session bound alone spreads them.
