@@ -25,7 +25,8 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
           prometheus::BuildGauge()
               .Name("kvcache_router_worker_up")
               .Help(
-                  "1 while the router reaches the worker (its Watch stream is live), draining or not; else 0")
+                  "1 while the router reaches the worker (its Watch stream is live), draining or not; else 0 "
+                  "(a worker found by DNS joins once first reached)")
               .Register(r)),
       ttft_(&prometheus::BuildHistogram()
                  .Name("kvcache_router_time_to_first_token_seconds")
@@ -64,6 +65,12 @@ void RouterMetrics::SetWorkers(const std::vector<WorkerView>& workers) {
     // the pool) left on purpose: it leaves the metric, as a dropped worker does,
     // instead of reading 0 (down) until it comes back.
     if (!w.connected && w.draining) continue;
+    // A worker DNS lists that the router has never reached is starting: the
+    // headless Service publishes pods that are not ready (so that draining ones
+    // stay reachable), and a pod loading its model is one. It joins the metric
+    // once reached, instead of reading 0 (down, a critical alert) while it
+    // loads. A static --workers entry is expected up from the start.
+    if (w.discovered && !w.reached) continue;
     prometheus::Gauge* g = &worker_up_.Add({{"worker", w.address}});
     g->Set(w.connected ? 1 : 0);
     now[w.address] = g;

@@ -23,6 +23,7 @@ struct WorkerPool::Worker {
   v1::WorkerLoad load;
   int64_t load_reports = 0;  // load reports received (snapshots included)
   bool connected = false;
+  bool reached = false;  // connected at least once
   bool suspect = false;
   bool wrong_model = false;  // its snapshot named another model than options_.model_id
   std::string refusal;       // why it last refused this router's Watch (logged once), if it did
@@ -98,9 +99,13 @@ void WorkerPool::AddLocked(const std::string& address) {
   if (workers_.contains(address) || stopping_) return;
   auto w = std::make_unique<Worker>();
   w->address = address;
+  // A worker that is not up yet (a pod loading its model) is reached within a
+  // second of serving, not after gRPC's exponential reconnect back-off, which
+  // had grown to 12-28 s over a two-minute start.
+  grpc::ChannelArguments args = options_.channel_args;
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   w->channel = options_.cluster_token.NewChannel(
-      address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(),
-      options_.channel_args);
+      address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(), args);
   Worker* raw = w.get();
   workers_[address] = std::move(w);
   raw->thread = std::thread([this, raw] {
@@ -268,6 +273,7 @@ void WorkerPool::Watch(Worker* w) {
       absl::MutexLock lock(&mu_);
       if (!w->connected) KV_LOG_INFO("worker {} connected", w->address);
       w->connected = true;
+      w->reached = true;
       w->suspect = false;
       w->forgotten = false;
       w->last_message = absl::Now();
@@ -333,6 +339,8 @@ WorkerView WorkerPool::ViewLocked(const Worker& w) const {
   v.draining = w.draining();
   v.admin_draining = w.admin_draining;
   v.departed = w.departed;
+  v.discovered = !static_.contains(w.address);
+  v.reached = w.reached;
   v.wrong_model = w.wrong_model;
   v.healthy = w.connected && !w.suspect && !v.draining && !w.wrong_model;
   v.load = w.load;

@@ -59,6 +59,8 @@ struct WorkerView {
   bool draining = false;        // takes no new work (it announced a drain, or an admin started one)
   bool admin_draining = false;  // the drain came through this router's admin API
   bool departed = false;        // left the DNS answer; kept while it drains or holds sessions
+  bool discovered = false;      // found by DNS (else a static --workers entry)
+  bool reached = false;         // its Watch has been live at least once
   bool wrong_model = false;     // reports another model than WorkerPoolOptions::model_id
   v1::WorkerLoad load;
   // Load reports received from it so far: one taken after a given moment is a

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/strings/str_cat.h"
 #include "common/gguf/model_path.h"
 #include "common/init.h"
@@ -183,11 +184,11 @@ struct TierBudgets {
   int64_t tier1 = 0;
 };
 
-template <typename T>
-bool IsDefault(const absl::Flag<T>& flag) {
-  return absl::GetFlagReflectionHandle(flag).CurrentValue() ==
-         absl::GetFlagReflectionHandle(flag).DefaultValue();
-}
+// Whether --`name` was given (on the command line or in a --flagfile), at its
+// default value too: a budget given is the operator's, to be refused rather
+// than shrunk. Abseil 20220623 says so only through flags_internal
+// (CommandLineFlag::IsSpecifiedOnCommandLine is private there).
+bool Given(absl::string_view name) { return absl::flags_internal::WasPresentOnCommandLine(name); }
 
 // The KV budgets against the host memory the worker may use (tier 1, tier 0 on
 // the CPU backend, one copy of the weights, kWorkerProcessBytes): the
@@ -224,12 +225,12 @@ absl::StatusOr<TierBudgets> FitMemoryLimit(const backend::DeviceSpec& device, co
   if (need() <= limit->bytes) return b;
   const TierBudgets asked = b;
   int64_t over = need() - limit->bytes;
-  if (IsDefault(FLAGS_tier1_bytes)) {
+  if (!Given("tier1_bytes")) {
     const int64_t cut = std::min(over, b.tier1);
     b.tier1 -= cut;
     over -= cut;
   }
-  if (over > 0 && host_tier0 && IsDefault(FLAGS_tier0_bytes) && b.tier0 > kMinDefaultTier0Bytes) {
+  if (over > 0 && host_tier0 && !Given("tier0_bytes") && b.tier0 > kMinDefaultTier0Bytes) {
     const int64_t cut = std::min(over, b.tier0 - kMinDefaultTier0Bytes);
     b.tier0 -= cut;
     over -= cut;
@@ -247,9 +248,8 @@ absl::StatusOr<TierBudgets> FitMemoryLimit(const backend::DeviceSpec& device, co
                                    : (by_default ? " (its default)" : " (as given)"));
   };
   KV_LOG_WARN("default KV budgets shrunk to fit this worker's memory limit of {} bytes ({}): {}, {}; {}",
-              limit->bytes, limit->file,
-              budget("--tier0_bytes", b.tier0, asked.tier0, IsDefault(FLAGS_tier0_bytes)),
-              budget("--tier1_bytes", b.tier1, asked.tier1, IsDefault(FLAGS_tier1_bytes)), what());
+              limit->bytes, limit->file, budget("--tier0_bytes", b.tier0, asked.tier0, !Given("tier0_bytes")),
+              budget("--tier1_bytes", b.tier1, asked.tier1, !Given("tier1_bytes")), what());
   return b;
 }
 

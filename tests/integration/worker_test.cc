@@ -1307,6 +1307,12 @@ TEST_F(WorkerTest, KvBudgetsFitItsMemoryLimit) {
       HasSubstr("--tier0_bytes=268435456 (tier 0 is host memory on the CPU) + --tier1_bytes=1073741824"));
   EXPECT_THAT(out, HasSubstr("above this worker's memory limit of 1073741824 bytes (--memory_limit_bytes)"));
   EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+  // A budget given at its default value is given too: refused, not shrunk.
+  {
+    auto [given_code, given] = testing::RunToExit(worker + " --tier0_bytes=1073741824 --tier1_bytes=0");
+    EXPECT_EQ(given_code, 2) << given;
+    EXPECT_THAT(given, HasSubstr("--tier0_bytes=1073741824")) << given;
+  }
   // kvcache-model-info prints the same sum for the same flags.
   auto [info_code, info] =
       testing::RunToExit(testing::BinaryPath("common/gguf/kvcache-model-info") + " --model=" + *tiny_model_ +

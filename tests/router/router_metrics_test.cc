@@ -43,5 +43,22 @@ TEST(RouterMetricsTest, WorkerUpIsZeroForADownWorkerAndAbsentForOneThatDrainedAn
   EXPECT_EQ(WorkerUp(registry), (std::map<std::string, double>{{"a:1", 1}, {"d:1", 1}}));
 }
 
+// A pod DNS lists while it loads its model is not down: it joins the metric
+// once the router first reaches it, and reads 0 only when lost after that.
+TEST(RouterMetricsTest, AWorkerFoundByDnsJoinsWorkerUpOnceReached) {
+  prometheus::Registry registry;
+  RouterMetrics metrics(registry);
+  WorkerView starting = View("e:1", false, false);
+  starting.discovered = true;
+  metrics.SetWorkers({View("a:1", true, false), starting});
+  EXPECT_EQ(WorkerUp(registry), (std::map<std::string, double>{{"a:1", 1}}));
+  starting.connected = starting.reached = true;
+  metrics.SetWorkers({View("a:1", true, false), starting});
+  EXPECT_EQ(WorkerUp(registry), (std::map<std::string, double>{{"a:1", 1}, {"e:1", 1}}));
+  starting.connected = false;  // lost
+  metrics.SetWorkers({View("a:1", true, false), starting});
+  EXPECT_EQ(WorkerUp(registry), (std::map<std::string, double>{{"a:1", 1}, {"e:1", 0}}));
+}
+
 }  // namespace
 }  // namespace kvcache::router
