@@ -273,11 +273,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   }
 
   // The answer once every worker tried has refused: the last refusal, but a
-  // worker's RESOURCE_EXHAUSTED (no room now: worth retrying later) over
-  // another's OUT_OF_RANGE (a context that worker can never hold).
-  grpc::Status Refused() const {
-    return last_.error_code() == grpc::OUT_OF_RANGE && !no_room_now_.ok() ? no_room_now_ : last_;
-  }
+  // worker's RESOURCE_EXHAUSTED (no room now: worth retrying later) over any
+  // other's, such as OUT_OF_RANGE (a context that worker can never hold) or a
+  // lost worker's UNAVAILABLE (the one with no room is still there).
+  grpc::Status Refused() const { return !no_room_now_.ok() ? no_room_now_ : last_; }
 
   // Closes the session's copies that the current attempt left behind on other
   // workers (see stale_copies_), once.

@@ -778,6 +778,13 @@ TEST_F(RouterDrainRaceTest, EveryWorkerRefusingAnswersNoRoomNowOverNeverHere) {
   EXPECT_EQ(r.status.error_code(), grpc::OUT_OF_RANGE) << r.status.error_message();
   EXPECT_EQ(a_->GenerateCalls().size(), 2u);
   EXPECT_EQ(b_->GenerateCalls().size(), 2u);
+  // One worker had no room, the other was lost before its first token (killed,
+  // or hung until keepalive cut it): a later retry may fit on the first, so
+  // RESOURCE_EXHAUSTED (HTTP 429), not the lost one's UNAVAILABLE (503).
+  a_->RefuseWith(no_room);
+  b_->RefuseWith(grpc::Status(grpc::UNAVAILABLE, "fake: Socket closed"));
+  r = testing::Generate(api_.get(), turn, absl::Seconds(30));
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
 }
 
 // A client whose deadline passes while the worker has not answered counts as
