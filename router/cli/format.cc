@@ -154,6 +154,11 @@ std::string WorkersTable(const v1::ListWorkersResponse& workers) {
   std::vector<std::vector<std::string>> rows;
   for (const auto& w : workers.workers()) {
     const v1::WorkerLoad& l = w.load();
+    if (w.health() == "DOWN") {  // its last report is old news: no load to show
+      rows.push_back({w.worker_id(), w.address(), w.health(), absl::StrCat(w.sessions()), "-", "-", "-", "-",
+                      "-", "-", w.model_id().empty() ? "-" : w.model_id()});
+      continue;
+    }
     rows.push_back({w.worker_id(), w.address(), w.health(), absl::StrCat(w.sessions()),
                     absl::StrCat(l.running_requests()), absl::StrCat(l.waiting_requests()),
                     absl::StrCat(l.queued_prefill_tokens()),

@@ -89,6 +89,9 @@ TEST(CliFormatTest, WorkersTableShowsLoad) {
   EXPECT_THAT(t, HasSubstr("WORKER"));
   EXPECT_THAT(t, HasSubstr("SERVING"));
   EXPECT_THAT(t, HasSubstr("10/64"));
+  // A worker the router cannot reach shows no load: its last report is old.
+  w->set_health("DOWN");
+  EXPECT_THAT(WorkersTable(r), Not(HasSubstr("10/64")));
 }
 
 }  // namespace
