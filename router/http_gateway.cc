@@ -91,6 +91,23 @@ const char* Header(evhttp_request* req, const char* name) {
   return evhttp_find_header(evhttp_request_get_input_headers(req), name);
 }
 
+// Content-Length headers that disagree, or one beside Transfer-Encoding, frame
+// the body two ways (RFC 9112 section 6.3): libevent reads the first, a proxy
+// in front may have read another, and the rest of the body would be taken
+// for the next request on the connection (request smuggling).
+bool AmbiguousLength(evhttp_request* req) {
+  const char* length = nullptr;
+  bool chunked = false;
+  for (const evkeyval* h = evhttp_request_get_input_headers(req)->tqh_first; h != nullptr;
+       h = h->next.tqe_next) {
+    if (absl::EqualsIgnoreCase(h->key, "Transfer-Encoding")) chunked = true;
+    if (!absl::EqualsIgnoreCase(h->key, "Content-Length")) continue;
+    if (length != nullptr && std::strcmp(length, h->value) != 0) return true;
+    length = h->value;
+  }
+  return chunked && length != nullptr;
+}
+
 // Splits "host:port" ("[v6]:port" too).
 absl::Status SplitHostPort(const std::string& address, std::string* host, int* port) {
   const size_t colon = address.rfind(':');
@@ -618,6 +635,13 @@ void HttpGateway::OnRequest(evhttp_request* req) {
   const int one = 1;
   setsockopt(bufferevent_getfd(evhttp_connection_get_bufferevent(evcon)), IPPROTO_TCP, TCP_NODELAY, &one,
              sizeof(one));
+  if (AmbiguousLength(req)) {
+    // Closed after the answer, so that nothing after this request is read.
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+    return SendError(req, absl::InvalidArgumentError(
+                              "the request's length is ambiguous (Content-Length headers that disagree, or "
+                              "one beside Transfer-Encoding)"));
+  }
   const std::string path = RequestPath(req);
   const evhttp_cmd_type method = evhttp_request_get_command(req);
   // HEAD is GET without the body (libevent drops it).
@@ -683,6 +707,10 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
     if (!who.ok()) return refuse(who.status());
   }
   const char* session = Header(req, "x-session-id");
+  if (session != nullptr && *session == '\0') {
+    return refuse(absl::InvalidArgumentError(
+        "x-session-id is empty: leave the header out for a request without a session"));
+  }
   absl::StatusOr<openai::ParsedRequest> parsed =
       openai::ParseRequest(endpoint, absl::string_view(body, size), session == nullptr ? "" : session);
   if (!parsed.ok()) return refuse(parsed.status());

@@ -415,6 +415,40 @@ TEST_F(HttpGatewayTest, AnHttp10StreamEndsWithItsConnection) {
   EXPECT_THAT(got, HasSubstr("data: [DONE]"));
 }
 
+// Content-Length headers that disagree frame the body two ways: libevent read
+// the first, and the rest of the body (here a whole GET) was served as the
+// next request on the connection (request smuggling, behind a proxy that read
+// the other). Now 400, and the connection closes before anything else is read.
+TEST_F(HttpGatewayTest, AnAmbiguousLengthIsRefusedAndEndsTheConnection) {
+  for (const char* second : {"Content-Length: 40", "Transfer-Encoding: chunked"}) {
+    SCOPED_TRACE(second);
+    RawClient client(port_);
+    const std::string smuggled = "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
+    ASSERT_TRUE(client.Send(absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                                         "Content-Type: application/json\r\nContent-Length: 2\r\n", second,
+                                         "\r\n\r\n{}", smuggled)));
+    ASSERT_TRUE(client.ReadToEnd()) << "the connection stayed open: " << client.received();
+    const std::string& got = client.received();
+    EXPECT_THAT(got.substr(0, got.find("\r\n")), HasSubstr("400")) << got;
+    EXPECT_EQ(Count(got, "HTTP/1.1 "), 1) << "a second answer on the connection: " << got;
+    EXPECT_THAT(got, Not(HasSubstr("\"object\":\"list\""))) << got;
+  }
+  // Two that agree frame it one way: served.
+  RawClient agree(port_);
+  const std::string body = R"({"prompt": [5], "max_tokens": 1})";
+  ASSERT_TRUE(agree.Send(absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n",
+                                      "Content-Type: application/json\r\nContent-Length: ", body.size(),
+                                      "\r\nContent-Length: ", body.size(), "\r\n\r\n", body)));
+  ASSERT_TRUE(agree.ReadToEnd());
+  EXPECT_THAT(agree.received().substr(0, agree.received().find("\r\n")), HasSubstr("200"))
+      << agree.received();
+  // An empty x-session-id names no session: refused, as one with a space is.
+  EXPECT_EQ(HttpFetch(port_, "POST", "/v1/completions", R"({"prompt": [5], "max_tokens": 1})",
+                      {{"x-session-id", ""}})
+                .status,
+            400);
+}
+
 // The router's kvcache_router_requests_total{code=...}, or -1.
 double RequestsWithCode(int metrics_port, const std::string& code) {
   auto body = testing::HttpGet(metrics_port, "/metrics");
