@@ -190,6 +190,18 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     auto adopted = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return sessions_.contains(key); };
     mu_.AwaitWithTimeout(absl::Condition(&adopted), absl::Seconds(1));
   }
+  // A tenant at its request limit may have cancelled one a moment ago ("stop
+  // generating", then a new request): the cancel travels apart from this
+  // request and often lands just after it. Wait for it as a session's next
+  // request does, one request of a tenant at a time, so that a flooding
+  // tenant holds at most one server thread here.
+  if (OverRequestLimitLocked(request.tenant) && limit_waiters_.insert(request.tenant).second) {
+    auto room = [this, &request]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopping_ || !OverRequestLimitLocked(request.tenant);
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&room), cancel_grace);
+    limit_waiters_.erase(request.tenant);
+  }
   if (stopping_) return absl::UnavailableError("engine is stopping");
   int64_t context = static_cast<int64_t>(request.input.size());
   if (!sid.empty()) {
@@ -226,20 +238,9 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
                                               kv_->tier_capacity_pages(0), " (--tier0_bytes)"));
   }
   const TenantLimits& limits = options_.tenant_limits;
-  if (limits.max_requests > 0 && inflight_[request.tenant] >= limits.max_requests) {
-    // Requests that were cancelled or passed their deadline, queued or
-    // running, leave at the engine thread's next turn or step boundary: their
-    // quota is already given back ("stop generating", then a new request, is
-    // not refused).
-    const absl::Time now = absl::Now();
-    int leaving = 0;
-    for (const auto& [id, live] : live_) {
-      leaving += live.tenant == request.tenant && (cancelled_.contains(id) || now > live.deadline);
-    }
-    if (inflight_[request.tenant] - leaving >= limits.max_requests) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "tenant '", request.tenant, "' has ", limits.max_requests, " requests in flight (its limit)"));
-    }
+  if (OverRequestLimitLocked(request.tenant)) {
+    return absl::ResourceExhaustedError(absl::StrCat("tenant '", request.tenant, "' has ",
+                                                     limits.max_requests, " requests in flight (its limit)"));
   }
   if (!sid.empty() && !sessions_.contains(key)) KVCACHE_RETURN_IF_ERROR(CheckSessionQuota(request.tenant));
   // A request that pins its session, or runs on a pinned one, may leave the
@@ -280,6 +281,21 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   load_.waiting = static_cast<int>(waiting_.size());
   wake_.Signal();
   return id;
+}
+
+bool Engine::OverRequestLimitLocked(const std::string& tenant) const {
+  const int limit = options_.tenant_limits.max_requests;
+  auto in = inflight_.find(tenant);
+  if (limit <= 0 || in == inflight_.end() || in->second < limit) return false;
+  // Requests that were cancelled or passed their deadline, queued or running,
+  // leave at the engine thread's next turn or step boundary: their quota is
+  // already given back.
+  const absl::Time now = absl::Now();
+  int leaving = 0;
+  for (const auto& [id, live] : live_) {
+    leaving += live.tenant == tenant && (cancelled_.contains(id) || now > live.deadline);
+  }
+  return in->second - leaving >= limit;
 }
 
 bool Engine::LeavingLocked(const Request& r, absl::Time now) const {

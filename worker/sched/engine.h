@@ -334,6 +334,8 @@ class Engine {
   // Whether a queued request leaves at the engine thread's next turn (cancelled,
   // pushed out, or past its deadline).
   bool LeavingLocked(const Request& r, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tenant holds --tenant_max_requests requests that are not leaving.
+  bool OverRequestLimitLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queued requests that are not leaving: what --max_waiting bounds.
   int QueuedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // With the queue full, a request of `tenant` pushes out the newest queued
@@ -465,6 +467,8 @@ class Engine {
   // Calls waiting in AwaitHolderLocked, and the requests that ended cancelled
   // meanwhile (cleared when none waits).
   int holder_waiters_ ABSL_GUARDED_BY(mu_) = 0;
+  // Tenants with a Submit waiting for a late cancel at their request limit.
+  absl::flat_hash_set<std::string> limit_waiters_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> ended_cancelled_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> inflight_ ABSL_GUARDED_BY(mu_);  // tenant -> requests
   // Tenants with requests queued or running -> when one of theirs was last

@@ -650,6 +650,45 @@ TEST_F(EngineTest, CancelledRunningRequestGivesBackItsQuotaAtOnce) {
   }
 }
 
+// The cancel travels apart from the client's next request and may land just
+// after it: a request at the tenant's limit waits for it (kCancelGrace), as a
+// session's next request does, instead of RESOURCE_EXHAUSTED. Cancel and
+// Submit race from the same moment, twenty times, so that the cancel comes
+// second in some of them.
+TEST_F(EngineTest, ARequestAtTheTenantLimitWaitsForALateCancel) {
+  EngineOptions o;
+  o.tenant_limits.max_requests = 1;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  for (int round = 0; round < 20; ++round) {
+    const int s0 = runner_->steps();
+    runner_->LimitSteps(s0 + 1);
+    Collector running, next;
+    auto id = engine_->Submit(Req("a", RequestMode::kFullContext, Prompt(20), 50), &running);
+    ASSERT_TRUE(id.ok()) << id.status();
+    runner_->WaitForEntered(s0 + 2);  // "a" runs, inside a step
+    absl::Notification go;
+    std::thread canceller([&] {
+      go.WaitForNotification();
+      engine_->Cancel(*id);
+    });
+    go.Notify();
+    auto again = engine_->Submit(Req("b", RequestMode::kFullContext, Prompt(5), 3), &next);
+    canceller.join();
+    EXPECT_TRUE(again.ok()) << "round " << round << ": " << again.status();
+    runner_->LimitSteps(-1);
+    running.Wait();
+    if (again.ok()) next.Wait();
+  }
+  // A tenant at its limit with nothing leaving is still refused (after the wait).
+  runner_->LimitSteps(runner_->steps() + 1);
+  Collector held, refused;
+  ASSERT_TRUE(engine_->Submit(Req("a", RequestMode::kFullContext, Prompt(20), 50), &held).ok());
+  EXPECT_EQ(engine_->Submit(Req("b", RequestMode::kFullContext, Prompt(5), 3), &refused).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  runner_->LimitSteps(-1);
+  held.Wait();
+}
+
 // After a cancel the server may have sent tokens the client never read (in
 // flight when it cancelled): an APPEND that says how many it read drops the
 // rest of the last reply first, and the conversation is the one it saw.
