@@ -707,12 +707,9 @@ void HttpGateway::HandleGenerate(evhttp_request* req, bool chat) {
     if (!who.ok()) return refuse(who.status());
   }
   const char* session = Header(req, "x-session-id");
-  if (session != nullptr && *session == '\0') {
-    return refuse(absl::InvalidArgumentError(
-        "x-session-id is empty: leave the header out for a request without a session"));
-  }
   absl::StatusOr<openai::ParsedRequest> parsed =
-      openai::ParseRequest(endpoint, absl::string_view(body, size), session == nullptr ? "" : session);
+      openai::ParseRequest(endpoint, absl::string_view(body, size),
+                           session == nullptr ? std::nullopt : std::optional<absl::string_view>(session));
   if (!parsed.ok()) return refuse(parsed.status());
 
   openai::ResponseMeta meta;

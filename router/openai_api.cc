@@ -363,7 +363,7 @@ std::string SessionIdForKey(absl::string_view key) {
 }
 
 absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view body,
-                                           absl::string_view session_header) {
+                                           std::optional<absl::string_view> session_header) {
   const Json j = Json::parse(body.data(), body.data() + body.size(), /*cb=*/nullptr,
                              /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError("the request body is not valid JSON");
@@ -402,13 +402,13 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
       if (!value.empty()) key = std::move(value);
     }
   }
-  if (!session_header.empty()) {
+  if (session_header.has_value()) {
     // Checked here: a byte that is not UTF-8 would not even reach the router's
     // own check (protobuf refuses to send it), and the client would get a 500.
-    if (absl::Status st = ValidateSessionId(session_header); !st.ok()) {
+    if (absl::Status st = ValidateSessionId(*session_header); !st.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("x-session-id: ", st.message()));
     }
-    g.set_session_id(std::string(session_header));
+    g.set_session_id(std::string(*session_header));
   } else if (!key.empty()) {
     g.set_session_id(SessionIdForKey(key));
     r.session_from_key = true;

@@ -24,6 +24,7 @@
 #define KVCACHE_ROUTER_OPENAI_API_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,13 +54,14 @@ struct ParsedRequest {
   bool session_from_key = false;
 };
 
-// Parses a request body. `session_header` is the x-session-id header (empty
-// when absent; INVALID_ARGUMENT when it is not a valid session id), while
+// Parses a request body. `session_header` is the x-session-id header (nullopt
+// when absent; INVALID_ARGUMENT when it is not a valid session id, empty
+// included), while
 // prompt_cache_key and user, free text in OpenAI's API, become a session id by
 // a hash when they are not one already (see SessionIdForKey). Errors are
 // INVALID_ARGUMENT naming the field (ParamOf).
 absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view body,
-                                           absl::string_view session_header);
+                                           std::optional<absl::string_view> session_header);
 
 // `key` when it is a valid session id (1..128 bytes of [A-Za-z0-9._:-]), else
 // "k-" followed by 32 hex digits of its SHA-256: stable across router replicas.

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/input_tokens.h"
@@ -39,7 +40,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const openai::Endpoint endpoint =
       (data[0] & 1) ? openai::Endpoint::kCompletions : openai::Endpoint::kChatCompletions;
-  const std::string header = (data[0] & 2) ? "session-from-header" : "";
+  const std::optional<absl::string_view> header =
+      (data[0] & 2) ? std::optional<absl::string_view>("session-from-header") : std::nullopt;
   const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
 
   auto parsed = openai::ParseRequest(endpoint, body, header);

@@ -1,6 +1,7 @@
 // The OpenAI JSON ⇄ kvcache translation (router/openai_api.h), without I/O.
 #include "router/openai_api.h"
 
+#include <optional>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -14,11 +15,12 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
 
-absl::StatusOr<ParsedRequest> Chat(const std::string& body, const std::string& session_header = "") {
+absl::StatusOr<ParsedRequest> Chat(const std::string& body,
+                                   std::optional<absl::string_view> session_header = std::nullopt) {
   return ParseRequest(Endpoint::kChatCompletions, body, session_header);
 }
 absl::StatusOr<ParsedRequest> Completion(const std::string& body) {
-  return ParseRequest(Endpoint::kCompletions, body, "");
+  return ParseRequest(Endpoint::kCompletions, body, std::nullopt);
 }
 
 TEST(OpenAiParseTest, ChatMessagesBecomeAFullContextChatInput) {
@@ -81,6 +83,8 @@ TEST(OpenAiParseTest, SessionKeyPrecedence) {
       R"({"messages": [{"role": "user", "content": "hi"}], "user": "alice", "prompt_cache_key": "conv-7"})";
   EXPECT_EQ(Chat(body, "from-header")->generate.session_id(), "from-header");
   EXPECT_EQ(Chat(body)->generate.session_id(), "conv-7");
+  // A header present but empty names no session: refused, not taken as absent.
+  EXPECT_EQ(Chat(body, "").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(
       Chat(R"({"messages": [{"role": "user", "content": "hi"}], "user": "alice"})")->generate.session_id(),
       "alice");
@@ -171,7 +175,7 @@ TEST(OpenAiParseTest, BadInputIsInvalidArgumentNamingTheField) {
        "not supported"},
   };
   for (const Case& c : cases) {
-    auto r = ParseRequest(c.endpoint, c.body, "");
+    auto r = ParseRequest(c.endpoint, c.body, std::nullopt);
     ASSERT_FALSE(r.ok()) << c.body;
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.body;
     EXPECT_EQ(ParamOf(r.status()), c.param) << c.body;
