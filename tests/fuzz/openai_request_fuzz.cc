@@ -62,7 +62,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(s.max_tokens() >= 0 && s.top_k() >= 0, "negative max_tokens or top_k");
   Check(static_cast<size_t>(s.stop_size()) == parsed->stop.size(), "stop strings lost");
   for (const auto& stop : parsed->stop) Check(!stop.empty(), "an empty stop string");
-  Check(header.empty() || g.session_id() == header, "the x-session-id header was not used");
+  Check(!header.has_value() || g.session_id() == *header, "the x-session-id header was not used");
 
   // What the router and the worker do with it next.
   const Env& env = GetEnv();
