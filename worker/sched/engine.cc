@@ -216,7 +216,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
                                                        held.last_reply,
                                                        " tokens of the last reply of session '", sid, "'"));
       }
-      context += static_cast<int64_t>(held.context.size()) - UnreadTokens(request, held) +
+      context += static_cast<int64_t>(held.context.size()) - DropFor(request, held).unread +
                  static_cast<int64_t>(request.close_turn.size());
     }
   }
@@ -370,10 +370,9 @@ bool Engine::Prepare(Request& r) {
       const SessionState& held = it->second;
       exists = true;
       known = held.context;
-      unread = UnreadTokens(q, held);
-      // tokens_read = 0 goes back to before the last request; another value
-      // keeps part of the last reply, cut short.
-      reply_open = q.tokens_read == 0 ? held.reply_open_before : unread > 0 || held.reply_open;
+      const SessionDrop drop = DropFor(q, held);
+      unread = drop.unread;
+      reply_open = drop.reply_open;
     }
   }
   r.had_session = exists;
@@ -514,9 +513,9 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
           held.last_request = std::min(added, static_cast<int64_t>(held.context.size()));
           held.reply_open_before = append && held.reply_open;
           held.reply_open = reply > 0 && !IsEndOfGeneration(held.context.back());
+          held.ended_early.reset();
         } else {
-          held.last_reply = held.last_request = 0;  // it left the session as it was
-          held.reply_open_before = held.reply_open;
+          held.ended_early = DropFor(r.req, held);  // it left the session as it was
         }
         held.last_used = now;
       }
@@ -524,10 +523,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
       // Ended in the queue (cancelled, past its deadline, pushed out): the
       // session is as it was, and this was its last request.
       auto it = sessions_.find(kv::SessionKey(r.req.tenant, r.req.session_id));
-      if (it != sessions_.end()) {
-        it->second.last_reply = it->second.last_request = 0;
-        it->second.reply_open_before = it->second.reply_open;
-      }
+      if (it != sessions_.end()) it->second.ended_early = DropFor(r.req, it->second);
     }
   }
   r.observer->OnDone(status, r.result);
@@ -1341,6 +1337,7 @@ absl::StatusOr<SessionView> Engine::View(const std::string& id, const std::strin
   v.last_used = it->second.last_used;
   v.reply_open = it->second.reply_open;
   v.reply_open_before = it->second.reply_open_before;
+  v.ended_early = it->second.ended_early;
   v.exporting = it->second.exports > 0;
   v.busy = busy_.contains(key);
   return v;
@@ -1393,6 +1390,11 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
     SessionState held{name.tenant, std::move(context), last_used, last_reply, last_request};
     held.reply_open = state.reply_open.value_or(last_reply > 0 && !IsEndOfGeneration(held.context.back()));
     held.reply_open_before = state.reply_open_before.value_or(false);
+    if (state.ended_early.has_value()) {
+      held.ended_early = SessionDrop{
+          std::clamp<int64_t>(state.ended_early->unread, 0, static_cast<int64_t>(held.context.size())),
+          state.ended_early->reply_open};
+    }
     AddSessionLocked(key, std::move(held));
     return absl::OkStatus();
   };

@@ -187,6 +187,14 @@ struct EngineLoad {
   int64_t sessions_expired = 0;  // since start, by session_idle_ttl
 };
 
+// Tokens an APPEND drops from the end of its session's conversation before its
+// input (GenerateRequest::tokens_read), and whether what is left ends inside a
+// reply that stopped without its end of turn (GenerateRequest::close_turn).
+struct SessionDrop {
+  int64_t unread = 0;
+  bool reply_open = false;
+};
+
 // The engine's view of one named session.
 struct SessionView {
   int64_t context_tokens = 0;       // see Engine::Context
@@ -197,6 +205,9 @@ struct SessionView {
   // so it did before the last request (SessionChunk.Commit.reply_open).
   bool reply_open = false;
   bool reply_open_before = false;
+  // The last request ended before its first token: what it dropped, which the
+  // next APPEND drops too unless it says otherwise (SessionChunk.Commit.ended_early_unread).
+  std::optional<SessionDrop> ended_early;
   bool exporting = false;  // an export or migration is running
   bool busy = false;       // a request (or a session call) holds it
 };
@@ -213,6 +224,7 @@ struct ImportedState {
   // the last reply and the context's last token, reply_open_before false.
   std::optional<bool> reply_open;
   std::optional<bool> reply_open_before;
+  std::optional<SessionDrop> ended_early;  // SessionView's
   // Over the tenant's pinned-pages quota here, import it unpinned (a drain's
   // move) instead of refusing it.
   bool unpin_over_quota = false;
@@ -439,20 +451,37 @@ class Engine {
     // before the last request (for tokens_read = 0).
     bool reply_open = false;
     bool reply_open_before = false;
+    // Set while the last request is one that ended before its first token (in
+    // the queue, or failing), which left everything above as it was: what that
+    // request dropped (its Drop), which stands for the next one (see DropFor).
+    std::optional<SessionDrop> ended_early = std::nullopt;
   };
   void AddSessionLocked(const std::string& key, SessionState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Tokens at the end of `held`'s context that an APPEND request says its
-  // client did not see (GenerateRequest::tokens_read), dropped before its
-  // input: the last reply's unread ones, or with tokens_read = 0 the whole last
-  // request, its input too. A client that read nothing of a reply cannot know
-  // whether its request reached the session (it may have been cut in the queue,
-  // or after tokens that were still on their way), and resends or replaces its
-  // message: either way the conversation it saw ends before that request.
-  static int64_t UnreadTokens(const GenerateRequest& request, const SessionState& held) {
-    if (request.mode != RequestMode::kAppend || request.tokens_read < 0) return 0;
+  // What an APPEND request drops from the end of `held`'s context before its
+  // input, and whether the context then ends inside an open reply (so the
+  // request closes that turn first). tokens_read (GenerateRequest) drops the
+  // last reply's unread tokens, or with 0 the whole last request, its input
+  // too: a client that read nothing of a reply cannot know whether its request
+  // reached the session (it may have been cut in the queue, or after tokens
+  // that were still on their way), and resends or replaces its message, so the
+  // conversation it saw ends before that request. After a request that ended
+  // before its first token (ended_early), tokens_read unset or 0 drops what
+  // that request dropped (it has no tokens of its own), and a positive one
+  // counts against the reply before it, as that request's did: the next
+  // request, or a retry of that one, sees the conversation whether or not the
+  // ended one had reached the session. FULL_CONTEXT drops nothing.
+  static SessionDrop DropFor(const GenerateRequest& request, const SessionState& held) {
+    if (request.mode != RequestMode::kAppend) return SessionDrop{0, held.reply_open};
+    if (held.ended_early.has_value() && request.tokens_read <= 0) return *held.ended_early;
+    if (request.tokens_read < 0) return SessionDrop{0, held.reply_open};
     const int64_t unread = request.tokens_read == 0 ? std::max(held.last_request, held.last_reply)
                                                     : held.last_reply - request.tokens_read;
-    return std::clamp<int64_t>(unread, 0, static_cast<int64_t>(held.context.size()));
+    SessionDrop drop;
+    drop.unread = std::clamp<int64_t>(unread, 0, static_cast<int64_t>(held.context.size()));
+    // tokens_read = 0 goes back to before the last request; another value keeps
+    // part of the last reply, cut short.
+    drop.reply_open = request.tokens_read == 0 ? held.reply_open_before : drop.unread > 0 || held.reply_open;
+    return drop;
   }
   void EraseSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::flat_hash_map<std::string, SessionState> sessions_ ABSL_GUARDED_BY(mu_);

@@ -30,8 +30,8 @@ class RefusedCall : public Reactor {
 };
 
 // What a Commit chunk carries of a session beyond its pages: the exporter's
-// `pinned`, and from `view` the last reply's and request's lengths, the last request's time and
-// whether a reply was left open.
+// `pinned`, and from `view` the last reply's and request's lengths, the last request's time,
+// whether a reply was left open and what a last request that ended before its first token dropped.
 void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
                     v1::SessionChunk::Commit* commit) {
   commit->set_pinned(pinned);
@@ -41,6 +41,10 @@ void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
   commit->set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
   commit->set_reply_open(view->reply_open);
   commit->set_reply_open_before(view->reply_open_before);
+  if (view->ended_early.has_value()) {
+    commit->set_ended_early_unread(static_cast<int32_t>(view->ended_early->unread));
+    commit->set_ended_early_reply_open(view->ended_early->reply_open);
+  }
 }
 
 sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
@@ -52,6 +56,9 @@ sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
   if (commit.last_used_unix_ms() > 0) state.last_used = absl::FromUnixMillis(commit.last_used_unix_ms());
   if (commit.has_reply_open()) state.reply_open = commit.reply_open();
   if (commit.has_reply_open_before()) state.reply_open_before = commit.reply_open_before();
+  if (commit.has_ended_early_unread()) {
+    state.ended_early = sched::SessionDrop{commit.ended_early_unread(), commit.ended_early_reply_open()};
+  }
   return state;
 }
 

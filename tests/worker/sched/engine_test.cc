@@ -773,11 +773,177 @@ TEST_F(EngineTest, AppendWithNoTokenReadAfterARequestCutInTheQueueKeepsTheReplyB
   EXPECT_TRUE(queued.tokens.empty());
   running.Wait();
 
+  // A positive tokens_read counts against the reply before it (4 tokens).
   GenerateRequest over = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
-  over.tokens_read = 1;  // of a reply of none
+  over.tokens_read = 5;
   Collector refused;
   EXPECT_EQ(engine_->Submit(over, &refused).status().code(), absl::StatusCode::kInvalidArgument);
   ExpectRetryWithNoTokenReadContinues(first);
+}
+
+// Turn 1 (`first`), then turn 2 (Prompt(2, 9), 3 tokens), then a resend that
+// replaces turn 2 (tokens_read = 0: its client read none of turn 2's reply),
+// which ends before its first token: in the queue, or cancelled in its prefill
+// (each path's end). A request that ended before its first token left the
+// session as it was, but what its tokens_read dropped stands: the client cannot
+// tell whether it reached the session, and resends with tokens_read = 0 again,
+// so the session continues turn 1 without turn 2 either way. Before, the
+// session kept turn 2 after an end in the queue or in prefill (qa20: 2-4 of 8
+// black-box tries, by when the cancel landed) and dropped it after a reply cut
+// with tokens on their way.
+class EngineEndedEarlyTest : public EngineTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(EngineEndedEarlyTest, ARequestEndedBeforeItsFirstTokenStillDropsWhatItsTokensReadDropped) {
+  const bool in_prefill = GetParam();
+  EngineOptions o;
+  o.max_running = 1;
+  o.max_batch_tokens = 33;  // a prompt of 80 tokens takes three steps
+  o.max_step_time = absl::Milliseconds(-1);
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector first, second;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 3), &second).ok());
+  second.Wait();
+  ASSERT_TRUE(second.status.ok()) << second.status;
+
+  GenerateRequest resend = Req("s", RequestMode::kAppend, Prompt(80, 5), 5);
+  resend.tokens_read = 0;
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 1);
+  Collector running, cut;
+  if (!in_prefill) {  // "other" holds the only running slot while the resend waits
+    ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
+  }
+  auto id = engine_->Submit(resend, &cut);
+  ASSERT_TRUE(id.ok()) << id.status();
+  runner_->WaitForEntered(s0 + (in_prefill ? 2 : 1));  // the resend's second prefill step, or other's
+  engine_->Cancel(*id);
+  runner_->LimitSteps(-1);
+  cut.Wait();
+  EXPECT_EQ(cut.status.code(), absl::StatusCode::kCancelled);
+  ASSERT_TRUE(cut.tokens.empty());
+  if (!in_prefill) running.Wait();
+  // The session is as it was: the reply of turn 2 is still its last one.
+  EXPECT_EQ(engine_->View("s", "t")->last_reply_tokens, 3);
+
+  ExpectRetryWithNoTokenReadContinues(first);
+}
+
+INSTANTIATE_TEST_SUITE_P(InTheQueueOrInPrefill, EngineEndedEarlyTest, ::testing::Bool());
+
+// What a request that ended before its first token dropped moves with its
+// session (SessionView/ImportedState: SessionChunk.Commit's ended_early_*).
+// Here it dropped nothing (tokens_read unset: its client read turn 2 whole), so
+// a tokens_read = 0 after it keeps turn 2 on the new worker as on the old;
+// without it, tokens_read = 0 there drops turn 2, as the last request.
+TEST_F(EngineTest, AMovedSessionKeepsWhatARequestThatEndedEarlyDropped) {
+  EngineOptions o;
+  o.max_running = 1;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector first, second;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 3), &second).ok());
+  second.Wait();
+  ASSERT_TRUE(second.status.ok()) << second.status;
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 1);
+  Collector running, queued;
+  ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
+  runner_->WaitForEntered(s0 + 1);
+  auto id = engine_->Submit(Req("s", RequestMode::kAppend, Prompt(4, 2), 3), &queued);
+  ASSERT_TRUE(id.ok()) << id.status();
+  engine_->Cancel(*id);
+  runner_->LimitSteps(-1);
+  queued.Wait();
+  ASSERT_TRUE(queued.tokens.empty());
+  running.Wait();
+
+  // Out and back in, as a migration between two workers carries it.
+  const absl::StatusOr<SessionView> view = engine_->View("s", "t");
+  ASSERT_TRUE(view.ok() && view->ended_early.has_value());
+  EXPECT_EQ(view->ended_early->unread, 0);
+  const std::vector<int32_t> context = *engine_->Context("s", "t");
+  std::vector<kv::KvChunk> chunks;
+  {
+    auto exporter = engine_->BeginExport("s", "t", kv::ExportOptions{});
+    ASSERT_TRUE(exporter.ok()) << exporter.status();
+    kv::KvChunk chunk;
+    while (*(*exporter)->NextBulk(&chunk)) chunks.push_back(chunk);
+    while (*(*exporter)->NextFinal(&chunk)) chunks.push_back(chunk);
+    exporter->reset();
+    engine_->EndExport("s", "t", /*handed_to=*/"w2");
+  }
+  ASSERT_FALSE(engine_->View("s", "t").ok());
+  auto importer = engine_->BeginImport();
+  ASSERT_TRUE(importer.ok()) << importer.status();
+  for (const kv::KvChunk& chunk : chunks) ASSERT_TRUE((*importer)->Add(chunk).ok());
+  ImportedState state;
+  state.last_reply_tokens = view->last_reply_tokens;
+  state.last_request_tokens = view->last_request_tokens;
+  state.reply_open = view->reply_open;
+  state.reply_open_before = view->reply_open_before;
+  state.ended_early = view->ended_early;
+  ASSERT_TRUE(engine_->FinishImport(**importer, context, state).ok());
+
+  GenerateRequest next = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  next.tokens_read = 0;
+  Collector c;
+  ASSERT_TRUE(engine_->Submit(next, &c).ok());
+  c.Wait();
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  std::vector<int32_t> seen = context;  // turn 2 and its reply stay
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(c.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+  EXPECT_EQ(c.tokens, Expected(seen, 3));
+}
+
+// A router or client retries an APPEND that ended before its first token (a
+// drain cut it, or it found no room) as it was sent, tokens_read included: the
+// retry counts it against the same reply and continues the same conversation.
+// Before, the first try made the session's last reply one of 0 tokens, and the
+// retry failed INVALID_ARGUMENT ("tokens_read 2 exceeds the 0 tokens", qa20,
+// after drains).
+TEST_F(EngineTest, ARetryOfARequestThatEndedBeforeItsFirstTokenDoesWhatItWould) {
+  EngineOptions o;
+  o.max_running = 1;
+  Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
+  Collector first, second;
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 3), &second).ok());
+  second.Wait();
+  ASSERT_TRUE(second.status.ok()) << second.status;
+  ASSERT_EQ(second.tokens.size(), 3u);
+
+  GenerateRequest next = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  next.tokens_read = 2;
+  const int s0 = runner_->steps();
+  runner_->LimitSteps(s0 + 1);
+  Collector running, queued;
+  ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
+  runner_->WaitForEntered(s0 + 1);
+  auto id = engine_->Submit(next, &queued);
+  ASSERT_TRUE(id.ok()) << id.status();
+  engine_->Cancel(*id);
+  runner_->LimitSteps(-1);
+  queued.Wait();
+  ASSERT_TRUE(queued.tokens.empty());
+  running.Wait();
+
+  Collector retry;
+  ASSERT_TRUE(engine_->Submit(next, &retry).ok());
+  retry.Wait();
+  ASSERT_TRUE(retry.status.ok()) << retry.status;
+  std::vector<int32_t> seen = Prompt(20);
+  seen.insert(seen.end(), first.tokens.begin(), first.tokens.end());
+  for (int32_t t : Prompt(2, 9)) seen.push_back(t);
+  seen.insert(seen.end(), second.tokens.begin(), second.tokens.begin() + 2);
+  for (int32_t t : Prompt(3, 7)) seen.push_back(t);
+  EXPECT_EQ(retry.result.prompt_tokens, static_cast<int64_t>(seen.size()));
+  EXPECT_EQ(retry.tokens, Expected(seen, 3));
 }
 
 // Collects each token's text delta too.
