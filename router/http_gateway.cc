@@ -138,17 +138,18 @@ void RaiseFileLimit() {
 
 // One HTTP request answered asynchronously: watches its connection, so that
 // a client that goes away is noticed (OnClientGone) and the request is freed
-// the right way. evhttp notices a closed connection only when it writes; the
-// EV_CLOSED event notices it at once (EPOLLRDHUP), also while nothing is
-// written. Loop thread only.
+// the right way. evhttp notices a closed connection only when it writes; an
+// event on the socket notices it at once, also while nothing is written: a
+// close as EV_CLOSED (EPOLLRDHUP), a reset as readable (libevent's epoll
+// backend reports EPOLLHUP / EPOLLERR as EV_READ | EV_WRITE, never EV_CLOSED),
+// which PeerGone tells from bytes of a next request. Loop thread only.
 class HttpGateway::Pending {
  public:
   Pending(HttpGateway* gateway, evhttp_request* req) : gateway_(gateway), req_(req) {
     evcon_ = evhttp_request_get_connection(req);
     evhttp_connection_set_closecb(evcon_, &Pending::OnConnectionFreed, this);
-    const evutil_socket_t fd = bufferevent_getfd(evhttp_connection_get_bufferevent(evcon_));
-    closed_ = event_new(gateway->base_, fd, EV_CLOSED, &Pending::OnPeerClosed, this);
-    event_add(closed_, nullptr);
+    fd_ = bufferevent_getfd(evhttp_connection_get_bufferevent(evcon_));
+    Watch(EV_READ | EV_CLOSED);
   }
   virtual ~Pending() = default;
 
@@ -193,7 +194,33 @@ class HttpGateway::Pending {
     OnClientGone();
   }
 
-  static void OnPeerClosed(evutil_socket_t, short, void* self) { static_cast<Pending*>(self)->Gone(); }
+  void Watch(short what) {
+    closed_ = event_new(gateway_->base_, fd_, what, &Pending::OnPeer, this);
+    event_add(closed_, nullptr);
+  }
+
+  // The socket's peer closed it or reset it (a pending error, or the end of
+  // its bytes); false while it is open, or has bytes to read.
+  static bool PeerGone(evutil_socket_t fd, bool* has_bytes) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0) return true;
+    char byte;
+    const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    *has_bytes = n > 0;
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
+  static void OnPeer(evutil_socket_t fd, short what, void* arg) {
+    auto* self = static_cast<Pending*>(arg);
+    bool has_bytes = false;
+    if ((what & EV_CLOSED) != 0 || PeerGone(fd, &has_bytes)) return self->Gone();
+    // Bytes of a pipelined request, which evhttp reads after this one: from
+    // here only a close is noticed before the reply is written (a readable
+    // watch would fire again at once).
+    self->StopWatching();
+    self->Watch(has_bytes ? EV_CLOSED : EV_READ | EV_CLOSED);
+  }
 
   // evhttp is freeing the connection (it failed under an unanswered request,
   // which evhttp then leaves to us with no connection).
@@ -210,7 +237,8 @@ class HttpGateway::Pending {
  private:
   evhttp_request* const req_;
   evhttp_connection* evcon_ = nullptr;
-  event* closed_ = nullptr;
+  evutil_socket_t fd_ = -1;
+  event* closed_ = nullptr;  // the watch on fd_
   bool client_gone_ = false;
   bool detached_ = false;
   bool released_ = false;
