@@ -1072,6 +1072,10 @@ void RouterService::Rebalance() {
   }
   if (cold == nullptr) return;
   if (free_fraction(*cold) < options_.rebalance_high_free) return;
+  // The taker's free pages, less those of the sessions moved onto it this pass.
+  const int64_t cold_total = cold->load.pages_total_device();
+  const int32_t cold_page_tokens = cold->kv_shape.page_tokens();
+  int64_t cold_free = cold->load.pages_free_device();
   for (const WorkerView& hot : healthy) {
     if (&hot == cold || free_fraction(hot) >= options_.rebalance_low_free || !settled(hot)) continue;
     // The pass stops once the pages it moved lift the worker to --rebalance_low_free:
@@ -1089,9 +1093,16 @@ void RouterService::Rebalance() {
       }
       // Moving bytes beats recomputing only for sessions of some length.
       if (s.tier != v1::TIER_DEVICE || s.tokens < options_.rebalance_min_tokens) continue;
+      // A session that would take the taker under the low mark moves the
+      // pressure instead of relieving it, and the next pass would move it back
+      // (the marks' gap is no hysteresis for a session larger than it).
+      const int64_t cold_pages =
+          cold_page_tokens > 0 ? (s.tokens + cold_page_tokens - 1) / cold_page_tokens : 0;
+      if (double(cold_free - cold_pages) < options_.rebalance_low_free * double(cold_total)) continue;
       auto r = Migrate(s.key(), cold->address, "rebalance");
       if (r.ok()) {
         ++moved;
+        cold_free -= cold_pages;
         if (page_tokens > 0) free_pages += (s.tokens + page_tokens - 1) / page_tokens;
         KV_LOG_INFO("rebalance: moved session '{}' ({} tokens) {} -> {}", s.session_id, s.tokens, hot.address,
                     cold->address);

@@ -436,5 +436,35 @@ TEST_F(DnsLifecycleTest, RebalancerRelievesAFullWorkerAndSettles) {
   EXPECT_GE(on_w1, moved);
 }
 
+// A session that holds more of tier 0 than the gap between the marks would
+// leave its taker as full as its giver was: it stays. Before, it moved on
+// every other period, back and forth for as long as it lived (qa20: a
+// 989-token session of an 80-page tier 0, 40 moves in 25 s).
+TEST_F(DnsLifecycleTest, ASessionTooLargeToRelieveAWorkerStaysWhereItIs) {
+  const std::vector<std::string> small = {"--tier0_bytes=" + std::to_string(1 << 20)};  // 256 pages
+  auto w0 = StartWorker("127.0.0.2", "w0", small);
+  auto w1 = StartWorker("127.0.0.3", "w1", small);
+  ASSERT_TRUE(w0 && w1);
+  dns_->SetAddresses(kName, {"127.0.0.2", "127.0.0.3"});
+  StartRouter({"--rebalance_interval=200ms", "--rebalance_min_tokens=64"});
+  ASSERT_TRUE(testing::WaitUntil([&] { return ServingExactly({"127.0.0.2", "127.0.0.3"}); }));
+  // 3,800 + 4 tokens: 238 of its worker's 256 pages (7% free).
+  std::vector<int32_t> ids;
+  for (int k = 0; k < 3800; ++k) ids.push_back(3 + (k * 13) % 250);
+  Reply r = testing::Generate(api_.get(), testing::TokensRequest("big", ids, 4));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  const std::string on = r.final.worker_id() == "w0" ? "127.0.0.2" : "127.0.0.3";
+  ASSERT_TRUE(testing::WaitUntil([&] { return FreeFraction(on) >= 0 && FreeFraction(on) < 0.10; }))
+      << FreeFraction(on);
+  const absl::Time end = absl::Now() + absl::Seconds(3);  // 15 periods
+  while (absl::Now() < end) {
+    ASSERT_EQ(RouterCounter("migrations", "reason", "rebalance"), 0) << "the session moved";
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  Reply next = testing::Generate(api_.get(), testing::TokensRequest("big", {40, 41, 42}, 4, v1::APPEND));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.final.worker_id(), r.final.worker_id());
+}
+
 }  // namespace
 }  // namespace kvcache
