@@ -1013,7 +1013,12 @@ void RouterService::DrainWorkerAsync(const std::string& worker, int32_t deadline
   CallWorker<v1::DrainRequest, v1::DrainResponse>(
       std::move(channel), std::chrono::system_clock::now() + std::chrono::minutes(10),
       &v1::Worker::StubInterface::async_interface::Drain, std::move(req),
-      [this, done = std::move(done)](const grpc::Status& st, v1::DrainResponse* resp) mutable {
+      [this, address = w->address, done = std::move(done)](const grpc::Status& st,
+                                                           v1::DrainResponse* resp) mutable {
+        // What the worker could not move (its targets had no room then), the
+        // evacuator moves while the worker waits for its sessions to leave.
+        // Before, it left them there and they ended with the process.
+        pool_->EndAdminDrain(address);
         if (st.ok()) {
           for (int i = 0; i < resp->sessions_migrated(); ++i) metrics_->OnMigration("drain");
           std::move(done)(std::move(*resp));
@@ -1030,7 +1035,8 @@ void RouterService::CloseListedStaleCopies() {
 
 void RouterService::EvacuateDraining() {
   for (const WorkerView& w : pool_->Workers()) {
-    // An admin drain moves its own sessions (worker Drain with targets).
+    // An admin drain moves its own sessions (worker Drain with targets) until
+    // its call ends.
     if (!w.connected || !w.draining || w.admin_draining) continue;
     for (const SessionLocation& s : directory_->SessionsOn(w.address)) {
       auto r = Migrate(s.key(), "", "drain");

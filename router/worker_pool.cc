@@ -387,6 +387,12 @@ void WorkerPool::SetDraining(const WorkerId& address) {
   if (it != workers_.end()) it->second->admin_draining = true;
 }
 
+void WorkerPool::EndAdminDrain(const WorkerId& address) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(address);
+  if (it != workers_.end()) it->second->admin_draining = false;
+}
+
 bool WorkerPool::Draining(const WorkerId& address) const {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(address);

@@ -94,6 +94,10 @@ class WorkerPool {
   std::shared_ptr<grpc::Channel> Channel(const WorkerId& address) const;
   // Stops placing on a worker (admin drain); cleared when it leaves the pool.
   void SetDraining(const WorkerId& address);
+  // The worker's Drain call ended: the sessions it could not move (no target
+  // had room then) are the routers' to move, as after a SIGTERM (it still
+  // drains: its Watch says so, which keeps placement off it).
+  void EndAdminDrain(const WorkerId& address);
   // A request saw the worker fail: treat it as unhealthy until its stream
   // delivers again.
   void MarkSuspect(const WorkerId& address);

@@ -843,6 +843,57 @@ TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
   }
 }
 
+// An admin drain whose target has no room for a session then (its tier 0
+// held by a pinned session) leaves that session offloaded on the draining
+// worker; once the target has room, the router moves it, before the worker
+// exits. Before, the router left an admin drain's sessions to the worker's own
+// Drain call, and what that call could not move ended with the process (qa20:
+// sessions answered NOT_FOUND after a drain under memory pressure).
+TEST_F(RouterTest, AnAdminDrainsSessionsThatFoundNoRoomMoveOnceThereIs) {
+  StartWorkers(2, {"--tier0_bytes=524288", "--shutdown_deadline=60s"});  // 128 pages of 16 tokens
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  auto ids = [](int n, int salt) {
+    std::vector<int32_t> v;
+    for (int k = 0; k < n; ++k) v.push_back(3 + (k * 7 + salt) % 250);
+    return v;
+  };
+  Reply s = Generate(stub.get(), testing::TokensRequest("s", ids(400, 1), 2));  // 26 pages
+  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+  v1::GenerateRequest big_req = testing::TokensRequest("big", ids(1900, 2), 2);  // 119 pages, pinned
+  big_req.set_pin(true);
+  Reply big = Generate(stub.get(), big_req);
+  ASSERT_TRUE(big.status.ok()) << big.status.error_message();
+  ASSERT_NE(big.final.worker_id(), s.final.worker_id());
+  const int leaving = s.final.worker_id() == "w0" ? 0 : 1;
+
+  v1::DrainResponse drained;
+  {
+    grpc::ClientContext ctx;
+    v1::DrainWorkerRequest dr;
+    dr.set_worker(s.final.worker_id());
+    ASSERT_TRUE(admin->DrainWorker(&ctx, dr, &drained).ok());
+  }
+  EXPECT_EQ(drained.sessions_migrated(), 0) << "the target had room";
+  EXPECT_EQ(drained.sessions_offloaded(), 1);
+  {
+    grpc::ClientContext ctx;
+    v1::SessionRequest close;
+    close.set_session_id("big");
+    v1::CloseSessionResponse closed;
+    ASSERT_TRUE(stub->CloseSession(&ctx, close, &closed).ok());
+  }
+  // The next turn follows the session to the worker that now has room, with
+  // its K/V (moved, not recomputed), and the drained worker exits.
+  Reply next = Generate(stub.get(), Text("s", " again", 2, v1::APPEND));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.final.worker_id(), big.final.worker_id());
+  EXPECT_GE(next.final.usage().cached_tokens(), 400);
+  EXPECT_TRUE(workers_[leaving]->process().Wait(absl::Seconds(30)).ok());
+}
+
 // A worker that drained and exited comes back at the same address (a
 // restarted process, a rescheduled pod with the same name): it takes work
 // again, after an admin drain and after a SIGTERM that cut a stream. Before,
