@@ -97,9 +97,9 @@ void WatchHub::Stop() {
   if (pump_.joinable()) pump_.join();
 }
 
-size_t WatchHub::subscribers() const {
+bool WatchHub::watched() const {
   absl::MutexLock lock(&mu_);
-  return subscribers_.size();
+  return watched_;
 }
 
 void WatchHub::Nudge() {
@@ -191,6 +191,7 @@ grpc::ServerWriteReactor<v1::WatchEvent>* WatchHub::Subscribe(grpc::CallbackServ
     return s;
   }
   subscribers_[s] = true;
+  watched_ = true;
   for (v1::WorkerSnapshot& part : parts) {
     v1::WatchEvent ev;
     *ev.mutable_snapshot() = std::move(part);
