@@ -257,7 +257,41 @@ void Directory::CompactLogLocked(WorkerIndex w) {
   log.shrink_to_fit();
 }
 
+void Directory::MarkLostLocked(const SessionKey& key, const WorkerId& worker) {
+  const uint64_t number = ++lost_count_;
+  lost_[key] = Lost{worker, number};
+  lost_order_.emplace_back(key, number);
+  while (lost_.size() > kMaxLost && !lost_order_.empty()) {
+    auto it = lost_.find(lost_order_.front().first);
+    if (it != lost_.end() && it->second.number == lost_order_.front().second) lost_.erase(it);
+    lost_order_.pop_front();
+  }
+  // Entries of sessions listed again since are skipped when they reach the
+  // front; keep the queue from growing past twice the bound with them.
+  if (lost_order_.size() > 2 * kMaxLost) {
+    std::deque<std::pair<SessionKey, uint64_t>> live;
+    for (auto& entry : lost_order_) {
+      auto it = lost_.find(entry.first);
+      if (it != lost_.end() && it->second.number == entry.second) live.push_back(std::move(entry));
+    }
+    lost_order_ = std::move(live);
+  }
+}
+
+std::optional<WorkerId> Directory::LostWith(const SessionKey& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = lost_.find(key);
+  if (it == lost_.end()) return std::nullopt;
+  return it->second.worker;
+}
+
+absl::Status Directory::LostError(const SessionKey& key, const WorkerId& worker) {
+  return absl::UnavailableError(absl::StrCat("session '", key.session_id, "' was lost with worker ", worker,
+                                             "; resend the whole conversation with FULL_CONTEXT"));
+}
+
 void Directory::ClaimLocked(const SessionKey& key, const SessionEntry& entry) {
+  lost_.erase(key);
   auto [it, inserted] = sessions_.try_emplace(key, entry);
   if (inserted) {
     ++workers_[entry.worker].sessions;
@@ -361,7 +395,10 @@ void Directory::ForgetWorkerLocked(const WorkerId& w, std::vector<SessionKey>* l
 
 void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& snapshot) {
   absl::MutexLock lock(&mu_);
-  ForgetWorkerLocked(worker, nullptr);
+  // What the worker held before and no other worker holds: lost unless the
+  // snapshot lists it again (a restarted process lists none of it).
+  std::vector<SessionKey> unheld;
+  ForgetWorkerLocked(worker, &unheld);
   const WorkerIndex wi = InternLocked(worker);
   auto stale = stale_.find(worker);
   absl::flat_hash_set<SessionKey> still_stale;  // marks of copies the snapshot lists
@@ -382,6 +419,9 @@ void Directory::ApplySnapshot(const WorkerId& worker, const v1::WorkerSnapshot& 
     e.tier = s.state() == v1::SESSION_OFFLOADED ? v1::TIER_HOST : v1::TIER_DEVICE;
     e.tokens = s.tokens_cached();
     ClaimLocked(key, e);
+  }
+  for (const SessionKey& key : unheld) {
+    if (!sessions_.contains(key)) MarkLostLocked(key, worker);
   }
   if (stale != stale_.end()) {
     if (still_stale.empty()) {
@@ -474,6 +514,7 @@ std::vector<SessionKey> Directory::RemoveWorker(const WorkerId& worker, bool may
   absl::MutexLock lock(&mu_);
   std::vector<SessionKey> lost, held;
   ForgetWorkerLocked(worker, &lost, &held);
+  for (const SessionKey& key : lost) MarkLostLocked(key, worker);
   if (may_return) {
     for (SessionKey& key : held) stale_[worker].insert(std::move(key));
   } else {
@@ -564,8 +605,9 @@ std::optional<SessionLocation> Directory::AwaitSessionOff(const SessionKey& key,
 absl::StatusOr<SessionLocation> Directory::Lookup(const SessionKey& key, absl::Duration timeout) const {
   std::optional<SessionLocation> loc =
       timeout > absl::ZeroDuration() ? AwaitSession(key, timeout) : FindSession(key);
-  if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
-  return *std::move(loc);
+  if (loc.has_value()) return *std::move(loc);
+  if (std::optional<WorkerId> with = LostWith(key)) return LostError(key, *with);
+  return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
 }
 
 std::vector<SessionLocation> Directory::SessionsNamed(const std::string& session_id) const {

@@ -28,6 +28,7 @@
 #define KVCACHE_ROUTER_DIRECTORY_H_
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <utility>
@@ -35,6 +36,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -131,8 +133,19 @@ class Directory {
                                                  absl::Duration timeout) const;
   // AwaitSession as callers see it: NOT_FOUND "session 'ID' not found" when
   // the tenant holds no session by that id, whether or not another tenant does
-  // (the same code, message and wait either way). Blocks up to `timeout`.
+  // (the same code, message and wait either way), or LostError when it was
+  // lost with its worker. Blocks up to `timeout`.
   absl::StatusOr<SessionLocation> Lookup(const SessionKey& key, absl::Duration timeout) const;
+  // The worker a session was lost with: the one that held it when that worker
+  // was forgotten (unreachable past --forget_after, or gone from the fleet) or
+  // came back without it (a restarted process at the same address), while no
+  // worker has listed the session since. The last kMaxLost such sessions are
+  // remembered.
+  std::optional<WorkerId> LostWith(const SessionKey& key) const;
+  // UNAVAILABLE naming the session and the worker it was lost with, and what the
+  // client can do (router.proto: an APPEND whose worker is lost).
+  static absl::Status LostError(const SessionKey& key, const WorkerId& worker);
+  static constexpr size_t kMaxLost = 1 << 16;
   // Every tenant's session with this id: for operators (admin calls name a
   // session by id alone), never for a tenant's own calls.
   std::vector<SessionLocation> SessionsNamed(const std::string& session_id) const;
@@ -289,6 +302,16 @@ class Directory {
   // every stream is delivered the current holder is the one worker that holds
   // it, whatever the interleaving: replicas converge. Usually empty.
   absl::flat_hash_map<SessionKey, std::vector<SessionEntry>> older_claims_ ABSL_GUARDED_BY(mu_);
+  // Lost sessions (LostWith) and the order they were lost in, for the bound;
+  // an entry of lost_order_ whose number lost_ no longer has is skipped.
+  struct Lost {
+    WorkerId worker;
+    uint64_t number = 0;
+  };
+  absl::flat_hash_map<SessionKey, Lost> lost_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<SessionKey, uint64_t>> lost_order_ ABSL_GUARDED_BY(mu_);
+  uint64_t lost_count_ ABSL_GUARDED_BY(mu_) = 0;
+  void MarkLostLocked(const SessionKey& key, const WorkerId& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stale copies (MarkStale) by worker name: a forgotten worker has no index.
   absl::flat_hash_map<WorkerId, absl::flat_hash_set<SessionKey>> stale_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<SessionKey, WorkerId>> stale_listed_ ABSL_GUARDED_BY(mu_);  // for TakeStaleCopies

@@ -375,9 +375,15 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   // that NOT_FOUND (a session that is gone for good costs the client `wait`).
   void FollowMovedSession(const WorkerId& from, absl::Duration wait) {
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
-    std::optional<SessionLocation> loc =
-        router_->directory_->AwaitSessionOff({request_.tenant(), request_.session_id()}, from, wait);
-    if (!loc.has_value() || loc->worker == from) return Finish(last_);
+    const SessionKey key{request_.tenant(), request_.session_id()};
+    std::optional<SessionLocation> loc = router_->directory_->AwaitSessionOff(key, from, wait);
+    if (!loc.has_value()) {
+      // A process restarted at the worker's address answers NOT_FOUND for what
+      // the one before held: once its snapshot is in, the directory says so.
+      std::optional<WorkerId> lost = router_->directory_->LostWith(key);
+      return Finish(lost.has_value() ? ToGrpcStatus(Directory::LostError(key, *lost)) : last_);
+    }
+    if (loc->worker == from) return Finish(last_);
     KV_LOG_INFO("session '{}' moved from {} to {} while a request waited there; following it",
                 request_.session_id(), from, loc->worker);
     tried_.pop_back();  // the session may come back to no worker but this one's successor
@@ -551,10 +557,19 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
     if (!found.ok()) return found.status();
     loc = *std::move(found);
     // Its worker drains: the session is being migrated; follow it (a caller
-    // that may block passes a wait).
+    // that may block passes a wait). A draining worker that is gone moves
+    // nothing more: wait only for the events of moves it made, which may
+    // trail the end of its stream.
     if (wait > absl::ZeroDuration() && pool_->Draining(loc->worker)) {
-      auto moved = directory_->AwaitSessionOff(session, loc->worker, options_.drain_move_wait);
+      const WorkerId from = loc->worker;
+      const std::optional<WorkerView> view = pool_->Find(from);
+      const absl::Duration move_wait =
+          view.has_value() && view->connected ? options_.drain_move_wait : options_.session_lookup_wait;
+      auto moved = directory_->AwaitSessionOff(session, from, move_wait);
       if (!moved.has_value()) {
+        if (std::optional<WorkerId> lost = directory_->LostWith(session)) {
+          return Directory::LostError(session, *lost);
+        }
         return absl::NotFoundError(absl::StrCat("session '", session_id, "' not found"));
       }
       loc = *std::move(moved);

@@ -938,6 +938,47 @@ TEST_F(RouterTest, AWorkerStoppedWhileItsRouterRestartsWaitsForOneToMoveItsSessi
   }
 }
 
+// A worker killed and restarted at the same address (a rescheduled pod of a
+// StatefulSet) comes back without the sessions it held: an APPEND to one of
+// them is told it was lost with that worker, so that the client resends the
+// conversation whole. Before, it answered NOT_FOUND, as for a session that
+// never existed (qa13, qa23).
+TEST_F(RouterTest, ASessionLostWithARestartedWorkerIsSaidToBeLost) {
+  StartWorkers(2);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  Reply first = Generate(stub.get(), Text("gone", "a conversation", 2));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  const int i = first.final.worker_id() == "w0" ? 0 : 1;
+  const std::string address = workers_[i]->grpc_address();
+  workers_[i]->process().Signal(SIGKILL);
+  ASSERT_TRUE(workers_[i]->process().Wait(absl::Seconds(30)).ok());
+  auto w =
+      testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"),
+                                      {"--model=" + *model_, "--worker_id=" + first.final.worker_id(),
+                                       "--threads=1", "--load_report_interval=100ms", "--listen=" + address});
+  ASSERT_TRUE(w.ok()) << w.status();
+  workers_[i] = std::move(*w);
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
+    for (const auto& wi : resp.workers()) {
+      if (wi.worker_id() == first.final.worker_id()) return wi.health() == "SERVING";
+    }
+    return false;
+  }));
+  Reply next = Generate(stub.get(), Text("gone", " and then?", 2, v1::APPEND));
+  EXPECT_EQ(next.status.error_code(), grpc::UNAVAILABLE) << next.status.error_message();
+  EXPECT_THAT(next.status.error_message(), ::testing::HasSubstr("was lost with worker"));
+  EXPECT_THAT(next.status.error_message(), ::testing::HasSubstr("FULL_CONTEXT"));
+  // Resent whole, it is a session again.
+  Reply again = Generate(stub.get(), Text("gone", "a conversation and then?", 2));
+  EXPECT_TRUE(again.status.ok()) << again.status.error_message();
+}
+
 // A worker that drained and exited comes back at the same address (a
 // restarted process, a rescheduled pod with the same name): it takes work
 // again, after an admin drain and after a SIGTERM that cut a stream. Before,

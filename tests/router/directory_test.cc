@@ -192,6 +192,48 @@ TEST(DirectoryTest, AForgottenWorkersSessionsComeBackOnlyWhereNobodyTookThemOver
   EXPECT_EQ(d.stale_copies(), 0u);
 }
 
+// A session whose worker was forgotten, or came back without it (a restarted
+// process at the same address), is lost: Lookup says so (UNAVAILABLE naming
+// the worker, for a client to resend it whole) instead of NOT_FOUND, until a
+// worker lists the session again. A session its worker dropped (closed,
+// expired) is not found, as one that never existed. Before, all four answered
+// NOT_FOUND (qa23: lost sessions after drains and restarts).
+TEST(DirectoryTest, ASessionLostWithItsWorkerIsSaidToBe) {
+  Directory d;
+  for (const char* id : {"s1", "s2", "s3", "s4"})
+    d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, id, 40));
+  d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_DROPPED, "s4"));
+  d.ApplySnapshot("a", SnapshotOf({"s1"}));  // back without s2 and s3
+  EXPECT_TRUE(d.Lookup(K("s1"), absl::ZeroDuration()).ok());
+  for (const char* id : {"s2", "s3"}) {
+    const absl::Status st = d.Lookup(K(id), absl::ZeroDuration()).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << id;
+    EXPECT_NE(st.message().find("lost with worker a"), absl::string_view::npos) << st;
+    EXPECT_NE(st.message().find("FULL_CONTEXT"), absl::string_view::npos) << st;
+  }
+  EXPECT_EQ(d.Lookup(K("s4"), absl::ZeroDuration()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(d.Lookup(K("s2", "other tenant"), absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kNotFound);
+  d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s2", 10));  // resent whole
+  EXPECT_TRUE(d.Lookup(K("s2"), absl::ZeroDuration()).ok());
+  EXPECT_FALSE(d.LostWith(K("s2")).has_value());
+  d.RemoveWorker("b");
+  EXPECT_EQ(d.LostWith(K("s2")), std::optional<WorkerId>("b"));
+  EXPECT_EQ(d.LostWith(K("s1")), std::nullopt);
+}
+
+// Only the last Directory::kMaxLost lost sessions are remembered.
+TEST(DirectoryTest, LostSessionsAreBounded) {
+  Directory d;
+  const int n = static_cast<int>(Directory::kMaxLost) + 10;
+  for (int i = 0; i < n; ++i)
+    d.ApplyEvent("a", SessionEvent(v1::CacheEvent::SESSION_PLACED, absl::StrCat("s", i), 4));
+  d.RemoveWorker("a");
+  size_t remembered = 0;
+  for (int i = 0; i < n; ++i) remembered += d.LostWith(K(absl::StrCat("s", i))).has_value();
+  EXPECT_EQ(remembered, Directory::kMaxLost);
+}
+
 TEST(DirectoryTest, AStaleMarkEndsWithAPlacementADropOrASnapshotWithoutTheCopy) {
   Directory d;
   d.ApplyEvent("b", SessionEvent(v1::CacheEvent::SESSION_PLACED, "s1", 60));
