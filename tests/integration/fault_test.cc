@@ -398,7 +398,9 @@ TEST_F(MigrationFaultTest, TargetKilledMidMigrationLeavesTheSessionWholeOnTheSou
 // The source dies mid-stream. Client view: the admin call fails, and the
 // session lives in at most one place: either the target committed it (then
 // APPEND works there) or it is gone everywhere: once the router forgets the
-// dead source (--forget_after) GetSession answers NOT_FOUND naming it, and a
+// dead source (--forget_after) GetSession answers UNAVAILABLE saying it was
+// lost with that worker (before 2026-12-07: NOT_FOUND, as a session that
+// never existed), and a
 // FULL_CONTEXT request of the same conversation is recomputed with the same
 // reply. Nothing half-imported stays on the target: the same prompt sent to it
 // directly finds no cached token.
@@ -428,11 +430,13 @@ TEST_F(MigrationFaultTest, SourceKilledMidMigrationLeavesTheSessionInOnePlaceOrN
         sr.set_session_id("big");
         v1::SessionInfo info;
         get = stub_->GetSession(&ctx, sr, &info);
-        return get.error_code() == grpc::NOT_FOUND;
+        return get.error_code() == grpc::UNAVAILABLE &&
+               get.error_message().find("was lost with worker") != std::string::npos;
       },
       absl::Seconds(20)))
       << "the router still answers " << get.error_code() << ": " << get.error_message();
-  EXPECT_THAT(get.error_message(), HasSubstr("big"));
+  EXPECT_THAT(get.error_message(), HasSubstr("'big'"));
+  EXPECT_THAT(get.error_message(), HasSubstr("FULL_CONTEXT"));
   Reply probe = Generate(v1::Worker::NewStub(workers_[2]->channel()).get(), Tokens("", prompt_, 1));
   ASSERT_TRUE(probe.status.ok()) << probe.status.error_message();
   EXPECT_EQ(probe.final.usage().cached_tokens(), 0) << "pages of the aborted import were left behind";
