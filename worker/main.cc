@@ -385,12 +385,8 @@ int Run() {
     // OK (ServerProcess::Serve), not cancelled at a deadline already passed.
     const absl::Time sessions_deadline = deadline - std::min(absl::Seconds(1), left / 10);
     service.FinishOrCutStreams(std::min(left * 2 / 3, so.drain_deadline), left / 3);
-    // Only a router that watches us can move the sessions. One that watched
-    // before and is gone now (restarting, rescheduled) may come back within
-    // the deadline and finish the moves, so a worker ever watched waits; one
-    // no router ever knew has no one to wait for. Before, a worker drained
-    // while its router restarted ended its sessions at once.
-    if (!hub.watched()) {
+    // Only a router that watches us can move the sessions.
+    if (hub.subscribers() == 0) {
       const size_t left = (*engine)->Sessions().size();
       if (left > 0)
         KV_LOG_WARN("shutting down with {} sessions and no router to move them: they end here", left);

@@ -894,50 +894,6 @@ TEST_F(RouterTest, AnAdminDrainsSessionsThatFoundNoRoomMoveOnceThereIs) {
   EXPECT_TRUE(workers_[leaving]->process().Wait(absl::Seconds(30)).ok());
 }
 
-// A worker told to stop while its router is away (restarting, rescheduled)
-// waits, within --shutdown_deadline, for a router to come back and move its
-// sessions. Before, a worker with no Watch stream open ended its sessions at
-// once (qa23: 9 of 9 sessions lost in 3 of 3 tries).
-TEST_F(RouterTest, AWorkerStoppedWhileItsRouterRestartsWaitsForOneToMoveItsSessions) {
-  StartWorkers(2, {"--shutdown_deadline=60s"});
-  auto router = StartRouter();
-  ASSERT_NE(router, nullptr);
-  std::map<std::string, std::vector<std::string>> by_worker;
-  {
-    auto stub = v1::KvCache::NewStub(router->channel());
-    for (int s = 0; s < 6; ++s) {
-      const std::string id = "r-" + std::to_string(s);
-      Reply r = Generate(stub.get(), Text(id, std::string(40, 'k' + s), 2));
-      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
-      by_worker[r.final.worker_id()].push_back(id);
-    }
-  }
-  const std::string leaving = by_worker["w0"].empty() ? "w1" : "w0";
-  const std::string staying = leaving == "w0" ? "w1" : "w0";
-  testing::ServerUnderTest& server = *workers_[leaving == "w0" ? 0 : 1];
-  testing::ChildProcess& worker = server.process();
-  router->process().Signal(SIGKILL);
-  ASSERT_TRUE(router->process().Wait(absl::Seconds(30)).ok());
-  router.reset();
-  worker.Signal(SIGTERM);
-  // Draining (or, as before, gone with its sessions).
-  ASSERT_TRUE(testing::WaitUntil([&] {
-    auto health = testing::HealthCheck(server.channel(), "readiness");
-    return (health.ok() && *health == "NOT_SERVING") || worker.Wait(absl::ZeroDuration()).ok();
-  }));
-
-  router = StartRouter({"--min_ready_workers=1"});
-  ASSERT_NE(router, nullptr);
-  ASSERT_TRUE(worker.Wait(absl::Seconds(30)).ok()) << "the new router did not move its sessions";
-  auto stub = v1::KvCache::NewStub(router->channel());
-  for (const std::string& id : by_worker[leaving]) {
-    Reply r = Generate(stub.get(), Text(id, " again", 2, v1::APPEND));
-    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.error_message();
-    EXPECT_EQ(r.final.worker_id(), staying);
-    EXPECT_GT(r.final.usage().cached_tokens(), 20) << id << " was recomputed, not moved";
-  }
-}
-
 // A worker killed and restarted at the same address (a rescheduled pod of a
 // StatefulSet) comes back without the sessions it held: an APPEND to one of
 // them is told it was lost with that worker, so that the client resends the

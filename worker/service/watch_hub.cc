@@ -97,9 +97,9 @@ void WatchHub::Stop() {
   if (pump_.joinable()) pump_.join();
 }
 
-bool WatchHub::watched() const {
+size_t WatchHub::subscribers() const {
   absl::MutexLock lock(&mu_);
-  return watched_;
+  return subscribers_.size();
 }
 
 void WatchHub::Nudge() {
@@ -191,7 +191,6 @@ grpc::ServerWriteReactor<v1::WatchEvent>* WatchHub::Subscribe(grpc::CallbackServ
     return s;
   }
   subscribers_[s] = true;
-  watched_ = true;
   for (v1::WorkerSnapshot& part : parts) {
     v1::WatchEvent ev;
     *ev.mutable_snapshot() = std::move(part);

@@ -49,10 +49,8 @@ class WatchHub {
 
   // The load report as sent on Watch (also used by the drain logic and tests).
   v1::WorkerLoad CurrentLoad() const;
-  // Whether any Watch stream has opened since the hub started: a router knew of
-  // this worker, and one may come back (a restarting router) to move its
-  // sessions while it drains.
-  bool watched() const;
+  // Open Watch streams (routers listening).
+  size_t subscribers() const;
   // Ends every stream (OK) and the pump.
   void Stop();
   // Wakes the pump now (after a change the routers should hear about quickly).
@@ -81,7 +79,6 @@ class WatchHub {
   bool nudged_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;  // newest KV event handed out
   absl::flat_hash_map<Subscriber*, bool> subscribers_ ABSL_GUARDED_BY(mu_);
-  bool watched_ ABSL_GUARDED_BY(mu_) = false;
   std::thread pump_;
 };
 
