@@ -291,7 +291,7 @@ absl::Status Directory::LostError(const SessionKey& key, const WorkerId& worker)
 }
 
 void Directory::ClaimLocked(const SessionKey& key, const SessionEntry& entry) {
-  lost_.erase(key);
+  if (!lost_.empty()) lost_.erase(key);  // a claim per placement event: no hashing when none is lost
   auto [it, inserted] = sessions_.try_emplace(key, entry);
   if (inserted) {
     ++workers_[entry.worker].sessions;

@@ -82,6 +82,32 @@ class RouterTest : public ::testing::Test {
     return std::move(*r);
   }
 
+  // Waits for worker i to exit, then starts a new process at its address with
+  // the same id (a restarted pod): it comes back without its sessions.
+  void RestartWorker(int i) {
+    const std::string address = workers_[i]->grpc_address();
+    ASSERT_TRUE(workers_[i]->process().Wait(absl::Seconds(30)).ok()) << "w" << i << " did not exit";
+    auto w = testing::ServerUnderTest::Start(
+        testing::BinaryPath("worker/kvcache-worker"),
+        {"--model=" + *model_, "--worker_id=w" + std::to_string(i), "--threads=1",
+         "--load_report_interval=100ms", "--listen=" + address});
+    ASSERT_TRUE(w.ok()) << w.status();
+    workers_[i] = std::move(*w);
+  }
+
+  // Whether the router lists worker `id` SERVING within the wait.
+  static bool BecomesServing(v1::KvCacheAdmin::Stub* admin, const std::string& id) {
+    return testing::WaitUntil([&] {
+      grpc::ClientContext ctx;
+      v1::ListWorkersResponse resp;
+      if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
+      for (const auto& w : resp.workers()) {
+        if (w.worker_id() == id) return w.health() == "SERVING";
+      }
+      return false;
+    });
+  }
+
   static std::string* model_;
   std::vector<std::unique_ptr<testing::ServerUnderTest>> workers_;
 };
@@ -908,24 +934,9 @@ TEST_F(RouterTest, ASessionLostWithARestartedWorkerIsSaidToBeLost) {
   Reply first = Generate(stub.get(), Text("gone", "a conversation", 2));
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
   const int i = first.final.worker_id() == "w0" ? 0 : 1;
-  const std::string address = workers_[i]->grpc_address();
   workers_[i]->process().Signal(SIGKILL);
-  ASSERT_TRUE(workers_[i]->process().Wait(absl::Seconds(30)).ok());
-  auto w =
-      testing::ServerUnderTest::Start(testing::BinaryPath("worker/kvcache-worker"),
-                                      {"--model=" + *model_, "--worker_id=" + first.final.worker_id(),
-                                       "--threads=1", "--load_report_interval=100ms", "--listen=" + address});
-  ASSERT_TRUE(w.ok()) << w.status();
-  workers_[i] = std::move(*w);
-  ASSERT_TRUE(testing::WaitUntil([&] {
-    grpc::ClientContext ctx;
-    v1::ListWorkersResponse resp;
-    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
-    for (const auto& wi : resp.workers()) {
-      if (wi.worker_id() == first.final.worker_id()) return wi.health() == "SERVING";
-    }
-    return false;
-  }));
+  ASSERT_NO_FATAL_FAILURE(RestartWorker(i));
+  ASSERT_TRUE(BecomesServing(admin.get(), first.final.worker_id()));
   Reply next = Generate(stub.get(), Text("gone", " and then?", 2, v1::APPEND));
   EXPECT_EQ(next.status.error_code(), grpc::UNAVAILABLE) << next.status.error_message();
   EXPECT_THAT(next.status.error_message(), ::testing::HasSubstr("was lost with worker"));
@@ -945,27 +956,6 @@ TEST_F(RouterTest, AWorkerBackAfterADrainTakesWorkAgain) {
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
-  auto restart = [&](int i) {
-    const std::string address = workers_[i]->grpc_address();
-    ASSERT_TRUE(workers_[i]->process().Wait(absl::Seconds(30)).ok()) << "w" << i << " did not exit";
-    auto w = testing::ServerUnderTest::Start(
-        testing::BinaryPath("worker/kvcache-worker"),
-        {"--model=" + *model_, "--worker_id=w" + std::to_string(i), "--threads=1",
-         "--load_report_interval=100ms", "--listen=" + address});
-    ASSERT_TRUE(w.ok()) << w.status();
-    workers_[i] = std::move(*w);
-  };
-  auto serving = [&](const std::string& id) {
-    return testing::WaitUntil([&] {
-      grpc::ClientContext ctx;
-      v1::ListWorkersResponse resp;
-      if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
-      for (const auto& w : resp.workers()) {
-        if (w.worker_id() == id) return w.health() == "SERVING";
-      }
-      return false;
-    });
-  };
   auto lands_on = [&](const std::string& id) {
     for (int s = 0; s < 4; ++s) {  // round robin: two of them at least
       Reply r = Generate(stub.get(), Text("", "hello " + std::to_string(s), 2));
@@ -982,8 +972,8 @@ TEST_F(RouterTest, AWorkerBackAfterADrainTakesWorkAgain) {
     v1::DrainResponse resp;
     ASSERT_TRUE(admin->DrainWorker(&ctx, dr, &resp).ok());
   }
-  restart(1);
-  EXPECT_TRUE(serving("w1")) << "still DRAINING after an admin drain";
+  ASSERT_NO_FATAL_FAILURE(RestartWorker(1));
+  EXPECT_TRUE(BecomesServing(admin.get(), "w1")) << "still DRAINING after an admin drain";
   EXPECT_TRUE(lands_on("w1"));
 
   // SIGTERM while a stream runs there: the stream is cut and continues on w0.
@@ -995,9 +985,9 @@ TEST_F(RouterTest, AWorkerBackAfterADrainTakesWorkAgain) {
   workers_[holder]->process().Signal(SIGTERM);
   const Reply& got = stream.Finish();
   ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-  restart(holder);
+  ASSERT_NO_FATAL_FAILURE(RestartWorker(holder));
   const std::string id = "w" + std::to_string(holder);
-  EXPECT_TRUE(serving(id)) << "still DRAINING after a drain that cut a stream";
+  EXPECT_TRUE(BecomesServing(admin.get(), id)) << "still DRAINING after a drain that cut a stream";
   EXPECT_TRUE(lands_on(id));
 }
 

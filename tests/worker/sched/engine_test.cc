@@ -89,6 +89,37 @@ class EngineTest : public ::testing::Test {
     EXPECT_EQ(c.tokens, Expected(seen, 3));
   }
 
+  // Session "s": turn 1, FULL_CONTEXT Prompt(20) with a 4-token reply (`first`),
+  // then turn 2, APPEND Prompt(2, 9) with a 3-token reply (`second`).
+  void TwoTurns(Collector* first, Collector* second) {
+    ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), first).ok());
+    first->Wait();
+    ASSERT_TRUE(first->status.ok()) << first->status;
+    ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 3), second).ok());
+    second->Wait();
+    ASSERT_TRUE(second->status.ok()) << second->status;
+    ASSERT_EQ(second->tokens.size(), 3u);
+  }
+
+  // Submits `r` while session "other" holds the only running slot (an engine
+  // built with max_running = 1) and cancels it there: it ends in the queue,
+  // before its first token. Returns once both requests ended.
+  void CancelInTheQueue(const GenerateRequest& r) {
+    const int s0 = runner_->steps();
+    runner_->LimitSteps(s0 + 1);
+    Collector running, queued;
+    ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
+    runner_->WaitForEntered(s0 + 2);  // "other" holds the only running slot
+    auto id = engine_->Submit(r, &queued);
+    ASSERT_TRUE(id.ok()) << id.status();
+    engine_->Cancel(*id);
+    runner_->LimitSteps(-1);
+    queued.Wait();
+    EXPECT_EQ(queued.status.code(), absl::StatusCode::kCancelled);
+    EXPECT_TRUE(queued.tokens.empty());
+    running.Wait();
+  }
+
   // A fresh engine whose steps hold one decode and two pages of prompt (33
   // tokens, no step-time target): with a request held in a step
   // (SubmitHeldInItsThirdStep), the order of prompts shows step by step.
@@ -759,19 +790,7 @@ TEST_F(EngineTest, AppendWithNoTokenReadAfterARequestCutInTheQueueKeepsTheReplyB
   ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
   first.Wait();
   ASSERT_TRUE(first.status.ok()) << first.status;
-  const int s0 = runner_->steps();
-  runner_->LimitSteps(s0 + 1);
-  Collector running, queued;
-  ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
-  runner_->WaitForEntered(s0 + 2);  // "other" holds the only running slot
-  auto id = engine_->Submit(Req("s", RequestMode::kAppend, Prompt(3, 7), 5), &queued);
-  ASSERT_TRUE(id.ok()) << id.status();
-  engine_->Cancel(*id);
-  runner_->LimitSteps(-1);
-  queued.Wait();
-  EXPECT_EQ(queued.status.code(), absl::StatusCode::kCancelled);
-  EXPECT_TRUE(queued.tokens.empty());
-  running.Wait();
+  ASSERT_NO_FATAL_FAILURE(CancelInTheQueue(Req("s", RequestMode::kAppend, Prompt(3, 7), 5)));
 
   // A positive tokens_read counts against the reply before it (4 tokens).
   GenerateRequest over = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
@@ -801,30 +820,25 @@ TEST_P(EngineEndedEarlyTest, ARequestEndedBeforeItsFirstTokenStillDropsWhatItsTo
   o.max_step_time = absl::Milliseconds(-1);
   Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
   Collector first, second;
-  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
-  first.Wait();
-  ASSERT_TRUE(first.status.ok()) << first.status;
-  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 3), &second).ok());
-  second.Wait();
-  ASSERT_TRUE(second.status.ok()) << second.status;
+  ASSERT_NO_FATAL_FAILURE(TwoTurns(&first, &second));
 
   GenerateRequest resend = Req("s", RequestMode::kAppend, Prompt(80, 5), 5);
   resend.tokens_read = 0;
-  const int s0 = runner_->steps();
-  runner_->LimitSteps(s0 + 1);
-  Collector running, cut;
-  if (!in_prefill) {  // "other" holds the only running slot while the resend waits
-    ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
+  if (in_prefill) {
+    const int s0 = runner_->steps();
+    runner_->LimitSteps(s0 + 1);
+    Collector cut;
+    auto id = engine_->Submit(resend, &cut);
+    ASSERT_TRUE(id.ok()) << id.status();
+    runner_->WaitForEntered(s0 + 2);  // its second prefill step
+    engine_->Cancel(*id);
+    runner_->LimitSteps(-1);
+    cut.Wait();
+    EXPECT_EQ(cut.status.code(), absl::StatusCode::kCancelled);
+    ASSERT_TRUE(cut.tokens.empty());
+  } else {
+    ASSERT_NO_FATAL_FAILURE(CancelInTheQueue(resend));
   }
-  auto id = engine_->Submit(resend, &cut);
-  ASSERT_TRUE(id.ok()) << id.status();
-  runner_->WaitForEntered(s0 + (in_prefill ? 2 : 1));  // the resend's second prefill step, or other's
-  engine_->Cancel(*id);
-  runner_->LimitSteps(-1);
-  cut.Wait();
-  EXPECT_EQ(cut.status.code(), absl::StatusCode::kCancelled);
-  ASSERT_TRUE(cut.tokens.empty());
-  if (!in_prefill) running.Wait();
   // The session is as it was: the reply of turn 2 is still its last one.
   EXPECT_EQ(engine_->View("s", "t")->last_reply_tokens, 3);
 
@@ -843,23 +857,8 @@ TEST_F(EngineTest, AMovedSessionKeepsWhatARequestThatEndedEarlyDropped) {
   o.max_running = 1;
   Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
   Collector first, second;
-  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
-  first.Wait();
-  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 3), &second).ok());
-  second.Wait();
-  ASSERT_TRUE(second.status.ok()) << second.status;
-  const int s0 = runner_->steps();
-  runner_->LimitSteps(s0 + 1);
-  Collector running, queued;
-  ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
-  runner_->WaitForEntered(s0 + 1);
-  auto id = engine_->Submit(Req("s", RequestMode::kAppend, Prompt(4, 2), 3), &queued);
-  ASSERT_TRUE(id.ok()) << id.status();
-  engine_->Cancel(*id);
-  runner_->LimitSteps(-1);
-  queued.Wait();
-  ASSERT_TRUE(queued.tokens.empty());
-  running.Wait();
+  ASSERT_NO_FATAL_FAILURE(TwoTurns(&first, &second));
+  ASSERT_NO_FATAL_FAILURE(CancelInTheQueue(Req("s", RequestMode::kAppend, Prompt(4, 2), 3)));
 
   // Out and back in, as a migration between two workers carries it.
   const absl::StatusOr<SessionView> view = engine_->View("s", "t");
@@ -911,27 +910,11 @@ TEST_F(EngineTest, ARetryOfARequestThatEndedBeforeItsFirstTokenDoesWhatItWould) 
   o.max_running = 1;
   Build(/*tier0_pages=*/64, /*tier1_pages=*/64, o);
   Collector first, second;
-  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kFullContext, Prompt(20), 4), &first).ok());
-  first.Wait();
-  ASSERT_TRUE(engine_->Submit(Req("s", RequestMode::kAppend, Prompt(2, 9), 3), &second).ok());
-  second.Wait();
-  ASSERT_TRUE(second.status.ok()) << second.status;
-  ASSERT_EQ(second.tokens.size(), 3u);
+  ASSERT_NO_FATAL_FAILURE(TwoTurns(&first, &second));
 
   GenerateRequest next = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
   next.tokens_read = 2;
-  const int s0 = runner_->steps();
-  runner_->LimitSteps(s0 + 1);
-  Collector running, queued;
-  ASSERT_TRUE(engine_->Submit(Req("other", RequestMode::kFullContext, Prompt(9), 20), &running).ok());
-  runner_->WaitForEntered(s0 + 1);
-  auto id = engine_->Submit(next, &queued);
-  ASSERT_TRUE(id.ok()) << id.status();
-  engine_->Cancel(*id);
-  runner_->LimitSteps(-1);
-  queued.Wait();
-  ASSERT_TRUE(queued.tokens.empty());
-  running.Wait();
+  ASSERT_NO_FATAL_FAILURE(CancelInTheQueue(next));
 
   Collector retry;
   ASSERT_TRUE(engine_->Submit(next, &retry).ok());
