@@ -869,55 +869,106 @@ TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
   }
 }
 
-// An admin drain whose target has no room for a session then (its tier 0
-// held by a pinned session) leaves that session offloaded on the draining
-// worker; once the target has room, the router moves it, before the worker
-// exits. Before, the router left an admin drain's sessions to the worker's own
-// Drain call, and what that call could not move ended with the process (qa20:
-// sessions answered NOT_FOUND after a drain under memory pressure).
-TEST_F(RouterTest, AnAdminDrainsSessionsThatFoundNoRoomMoveOnceThereIs) {
-  StartWorkers(2, {"--tier0_bytes=524288", "--shutdown_deadline=60s"});  // 128 pages of 16 tokens
-  auto router = StartRouter();
-  ASSERT_NE(router, nullptr);
-  auto stub = v1::KvCache::NewStub(router->channel());
-  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+// Places a 26-page session "s" and a pinned 119-page session "big" on the two
+// workers (128-page tier 0 each), so that big holds its worker's tier 0, and
+// admin-drains the worker of "s" onto it. Returns the drain's answer; `leaving`
+// gets the drained worker's index and `target` big's worker id.
+v1::DrainResponse DrainBesideAPinnedSession(v1::KvCache::Stub* stub, v1::KvCacheAdmin::Stub* admin,
+                                            int* leaving, std::string* target) {
   auto ids = [](int n, int salt) {
     std::vector<int32_t> v;
     for (int k = 0; k < n; ++k) v.push_back(3 + (k * 7 + salt) % 250);
     return v;
   };
-  Reply s = Generate(stub.get(), testing::TokensRequest("s", ids(400, 1), 2));  // 26 pages
-  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+  v1::DrainResponse drained;
+  Reply s = Generate(stub, testing::TokensRequest("s", ids(400, 1), 2));  // 26 pages
+  EXPECT_TRUE(s.status.ok()) << s.status.error_message();
   v1::GenerateRequest big_req = testing::TokensRequest("big", ids(1900, 2), 2);  // 119 pages, pinned
   big_req.set_pin(true);
-  Reply big = Generate(stub.get(), big_req);
-  ASSERT_TRUE(big.status.ok()) << big.status.error_message();
-  ASSERT_NE(big.final.worker_id(), s.final.worker_id());
-  const int leaving = s.final.worker_id() == "w0" ? 0 : 1;
+  Reply big = Generate(stub, big_req);
+  EXPECT_TRUE(big.status.ok()) << big.status.error_message();
+  EXPECT_NE(big.final.worker_id(), s.final.worker_id());
+  *leaving = s.final.worker_id() == "w0" ? 0 : 1;
+  *target = big.final.worker_id();
+  grpc::ClientContext ctx;
+  v1::DrainWorkerRequest dr;
+  dr.set_worker(s.final.worker_id());
+  EXPECT_TRUE(admin->DrainWorker(&ctx, dr, &drained).ok());
+  return drained;
+}
 
-  v1::DrainResponse drained;
-  {
-    grpc::ClientContext ctx;
-    v1::DrainWorkerRequest dr;
-    dr.set_worker(s.final.worker_id());
-    ASSERT_TRUE(admin->DrainWorker(&ctx, dr, &drained).ok());
-  }
+void CloseBig(v1::KvCache::Stub* stub) {
+  grpc::ClientContext ctx;
+  v1::SessionRequest close;
+  close.set_session_id("big");
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(stub->CloseSession(&ctx, close, &closed).ok());
+}
+
+// An admin drain whose target has no room for a session then (its tier 0 held
+// by a pinned session, and no host tier to stage it in) leaves that session on
+// the draining worker; once the target has room, the router moves it, before
+// the worker exits. Before, the router left an admin drain's sessions to the
+// worker's own Drain call, and what that call could not move ended with the
+// process (qa20: sessions answered NOT_FOUND after a drain under memory
+// pressure).
+TEST_F(RouterTest, AnAdminDrainsSessionsThatFoundNoRoomMoveOnceThereIs) {
+  // 128 pages of 16 tokens; no host tier anywhere, so the import has nowhere to stage.
+  StartWorkers(2, {"--tier0_bytes=524288", "--tier1_bytes=0", "--shutdown_deadline=60s"});
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  int leaving = -1;
+  std::string target;
+  const v1::DrainResponse drained = DrainBesideAPinnedSession(stub.get(), admin.get(), &leaving, &target);
+  ASSERT_GE(leaving, 0);
   EXPECT_EQ(drained.sessions_migrated(), 0) << "the target had room";
-  EXPECT_EQ(drained.sessions_offloaded(), 1);
-  {
-    grpc::ClientContext ctx;
-    v1::SessionRequest close;
-    close.set_session_id("big");
-    v1::CloseSessionResponse closed;
-    ASSERT_TRUE(stub->CloseSession(&ctx, close, &closed).ok());
-  }
+  // Not offloaded either (no host tier): it stays in device memory there.
+  EXPECT_EQ(drained.sessions_offloaded() + drained.sessions_dropped(), 1);
+  ASSERT_NO_FATAL_FAILURE(CloseBig(stub.get()));
   // The next turn follows the session to the worker that now has room, with
   // its K/V (moved, not recomputed), and the drained worker exits.
   Reply next = Generate(stub.get(), Text("s", " again", 2, v1::APPEND));
   ASSERT_TRUE(next.status.ok()) << next.status.error_message();
-  EXPECT_EQ(next.final.worker_id(), big.final.worker_id());
+  EXPECT_EQ(next.final.worker_id(), target);
   EXPECT_GE(next.final.usage().cached_tokens(), 400);
   EXPECT_TRUE(workers_[leaving]->process().Wait(absl::Seconds(30)).ok());
+}
+
+// The same drain onto a worker with a host tier: the target stages what its
+// held tier 0 cannot take in host RAM, so the session moves during the drain
+// call and arrives offloaded there; the drained worker exits at once, and the
+// next turn restores the K/V there. Before, such an import failed
+// RESOURCE_EXHAUSTED: the session waited on the draining worker, and a large
+// one was lost when --shutdown_deadline passed first (qa22, qa23).
+TEST_F(RouterTest, ADrainOntoAWorkerWhoseDeviceTierIsHeldLandsInItsHostTier) {
+  StartWorkers(2, {"--tier0_bytes=524288", "--shutdown_deadline=60s"});
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  int leaving = -1;
+  std::string target;
+  const v1::DrainResponse drained = DrainBesideAPinnedSession(stub.get(), admin.get(), &leaving, &target);
+  ASSERT_GE(leaving, 0);
+  EXPECT_EQ(drained.sessions_migrated(), 1);
+  EXPECT_EQ(drained.sessions_offloaded(), 0);
+  EXPECT_TRUE(workers_[leaving]->process().Wait(absl::Seconds(30)).ok());
+  {
+    grpc::ClientContext ctx;
+    v1::SessionRequest get;
+    get.set_session_id("s");
+    v1::SessionInfo info;
+    ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
+    EXPECT_EQ(info.worker_id(), target);
+    EXPECT_EQ(info.state(), v1::SESSION_OFFLOADED);
+  }
+  ASSERT_NO_FATAL_FAILURE(CloseBig(stub.get()));
+  Reply next = Generate(stub.get(), Text("s", " again", 2, v1::APPEND));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.final.worker_id(), target);
+  EXPECT_GE(next.final.usage().cached_tokens(), 400);
 }
 
 // A worker killed and restarted at the same address (a rescheduled pod of a

@@ -41,7 +41,9 @@
 // ALREADY_EXISTS duplicate session id. Messages name the session.
 //
 // Export and import (kv_transfer.h) reach sessions only through transfer_port(), a
-// KvTransferPort whose every call is one locked operation of this manager.
+// KvTransferPort whose every call is one locked operation of this manager. An
+// import stages its pages in tier 0, or in tier 1 when steps 1-4 find no tier-0
+// room (it never preempts): the session then arrives offloaded.
 //
 // Thread-safety: all public methods are thread-safe (one internal mutex). Page bytes
 // handed out by BeginStep may be written without the lock by the step's owner only.
@@ -269,20 +271,20 @@ class KvCacheManager {
     void UnfreezeExport(const ExportHandle& h) override ABSL_LOCKS_EXCLUDED(m_->mu_);
 
     absl::Status CheckImportId(const std::string& session_id) override ABSL_LOCKS_EXCLUDED(m_->mu_);
-    absl::StatusOr<PageId> AllocateStaging() override ABSL_LOCKS_EXCLUDED(m_->mu_);
-    absl::Status WriteStaging(PageId page, int64_t offset, absl::Span<const uint8_t> bytes) override
+    absl::StatusOr<StagingPage> AllocateStaging() override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::Status WriteStaging(StagingPage page, int64_t offset, absl::Span<const uint8_t> bytes) override
         ABSL_LOCKS_EXCLUDED(m_->mu_);
-    absl::StatusOr<PageChecksum> StagingChecksum(PageId page) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    absl::StatusOr<PageChecksum> StagingChecksum(StagingPage page) override ABSL_LOCKS_EXCLUDED(m_->mu_);
     void CountChecksumFailure() override ABSL_LOCKS_EXCLUDED(m_->mu_);
-    void FreeStaging(absl::Span<const PageId> pages) override ABSL_LOCKS_EXCLUDED(m_->mu_);
+    void FreeStaging(absl::Span<const StagingPage> pages) override ABSL_LOCKS_EXCLUDED(m_->mu_);
     absl::Status CommitImport(ImportedSession session) override ABSL_LOCKS_EXCLUDED(m_->mu_);
 
    private:
     // The handle's session, or FAILED_PRECONDITION when it was closed or replaced.
     absl::StatusOr<Session*> Lookup(const ExportHandle& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
     ExportView ViewOf(const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
-    bool IsStaging(PageId page) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
-    void FreeStagingLocked(absl::Span<const PageId> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
+    bool IsStaging(StagingPage page) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
+    void FreeStagingLocked(absl::Span<const StagingPage> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(m_->mu_);
 
     KvCacheManager* const m_;
   };
@@ -328,7 +330,8 @@ class KvCacheManager {
   int64_t CutLocked(Session& s, int64_t len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool CutValid(const Session& s, int64_t len) const;
   void ApplyWindow(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hashes full committed pages not hashed yet and registers those in tier 0.
+  // Hashes full committed pages not hashed yet and registers each in the prefix
+  // index of its tier.
   void PublishFullPages(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseLocked(Session& s, const std::string& moved_to = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // GetSession's fields without the per-page lists (what Snapshot reports).
@@ -368,7 +371,7 @@ class KvCacheManager {
   absl::flat_hash_map<std::string, std::unique_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> closed_ids_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> closed_order_ ABSL_GUARDED_BY(mu_);
-  int64_t staging_pages_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t staging_pages_[2] ABSL_GUARDED_BY(mu_) = {0, 0};  // per tier
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t write_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_uid_ ABSL_GUARDED_BY(mu_) = 1;

@@ -19,13 +19,14 @@ KvStats KvCacheManager::GetStats() const {
   t0.free_pages = pool_[0].num_free();
   t0.cached_unreferenced_pages = pool_[0].num_evictable();
   t0.prefix_shared_pages = static_cast<int64_t>(prefix_index_.size()) - pool_[0].num_evictable();
-  t0.in_flight_pages = staging_pages_;
+  t0.in_flight_pages = staging_pages_[0];
   t0.session_private_pages = t0.capacity_pages - t0.free_pages - t0.cached_unreferenced_pages -
                              t0.prefix_shared_pages - t0.in_flight_pages;
   TierStats& t1 = st.tier[1];
   t1.capacity_pages = pool_[1].capacity();
   t1.free_pages = pool_[1].num_free();
-  t1.session_private_pages = t1.capacity_pages - t1.free_pages;
+  t1.in_flight_pages = staging_pages_[1];
+  t1.session_private_pages = t1.capacity_pages - t1.free_pages - t1.in_flight_pages;
   st.sessions = static_cast<int64_t>(sessions_.size());
   for (const auto& [id, s] : sessions_) {
     if (s->tier1_pages > 0) ++st.offloaded_sessions;
@@ -113,10 +114,14 @@ absl::Status KvCacheManager::CheckInvariants() const {
       }
     }
   }
-  int64_t staging = 0;
+  for (int t = 0; t < 2; ++t) {
+    int64_t staging = 0;
+    for (PageId id = 0; id < pool_[t].capacity(); ++id) staging += pool_[t].IsStaging(id) ? 1 : 0;
+    if (staging != staging_pages_[t])
+      return absl::InternalError(absl::StrCat("tier ", t, ": staging page count off"));
+  }
   int64_t cached = 0;
   for (PageId id = 0; id < pool_[0].capacity(); ++id) {
-    if (pool_[0].IsStaging(id)) ++staging;
     if (!pool_[0].cached(id)) continue;
     ++cached;
     auto it = prefix_index_.find(page_hash_[id]);
@@ -127,7 +132,6 @@ absl::Status KvCacheManager::CheckInvariants() const {
   if (cached != static_cast<int64_t>(prefix_index_.size())) {
     return absl::InternalError("prefix index has entries for uncached pages");
   }
-  if (staging != staging_pages_) return absl::InternalError("staging page count off");
   int64_t host_indexed = 0;
   for (PageId id = 0; id < pool_[1].capacity(); ++id) {
     if (!host_indexed_[id]) continue;

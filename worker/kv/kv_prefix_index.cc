@@ -65,16 +65,18 @@ void KvCacheManager::EmitPrefixLocked(KvEventType type, int tier, std::vector<Bl
 
 void KvCacheManager::PublishFullPages(Session& s) {
   const int64_t full = static_cast<int64_t>(s.tokens.size()) / P();
-  std::vector<BlockHash> stored;
+  std::vector<BlockHash> stored[2];
   for (int64_t i = static_cast<int64_t>(s.hashes.size()); i < full; ++i) {
     const BlockHash parent = i == 0 ? BlockHash::Zero() : s.hashes[i - 1];
     const BlockHash h = ComputeBlockHash(parent, options_.model_id, s.tenant,
                                          absl::MakeConstSpan(s.tokens).subspan(i * P(), P()));
     s.hashes.push_back(h);
     const PageLoc loc = s.pages[i];
-    if (loc.tier == 0) IndexDevicePageLocked(loc.id, h, &stored);
+    if (loc.tier == 0) IndexDevicePageLocked(loc.id, h, &stored[0]);
+    if (loc.tier == 1) IndexHostPageLocked(loc.id, h, &stored[1]);  // an import staged there
   }
-  EmitPrefixLocked(KvEventType::kPrefixStored, 0, std::move(stored));
+  EmitPrefixLocked(KvEventType::kPrefixStored, 0, std::move(stored[0]));
+  EmitPrefixLocked(KvEventType::kPrefixStored, 1, std::move(stored[1]));
 }
 
 PageId KvCacheManager::CopyHostPageLocked(const BlockHash& h, const Session& s) {

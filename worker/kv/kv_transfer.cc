@@ -210,9 +210,9 @@ SessionImporter::~SessionImporter() { Abort(); }
 
 void SessionImporter::Abort() {
   if (committed_) return;
-  std::vector<PageId> pages;
+  std::vector<StagingPage> pages;
   for (const Staged& p : staged_) {
-    if (p.id != kNoPage) pages.push_back(p.id);
+    if (p.page.id != kNoPage) pages.push_back(p.page);
   }
   if (!pages.empty()) port_->FreeStaging(pages);
   staged_.clear();
@@ -309,23 +309,24 @@ absl::Status SessionImporter::AddPages(const KvChunk& c) {
                                                      ": segment of page ", seg.page_index, " at ", seg.offset,
                                                      " does not continue its ", sp.received, " bytes"));
     }
-    if (sp.id == kNoPage) {
-      absl::StatusOr<PageId> page = port_->AllocateStaging();
+    if (sp.page.id == kNoPage) {
+      absl::StatusOr<StagingPage> page = port_->AllocateStaging();
       if (!page.ok()) {
-        const int64_t held = absl::c_count_if(staged_, [](const Staged& st) { return st.id != kNoPage; });
-        return absl::Status(page.status().code(),
-                            absl::StrCat("import of ", QuoteSession(session_id_), " (", tokens_.size(),
-                                         " tokens): tier 0 ran out with ", held,
-                                         " of its pages staged: ", page.status().message()));
+        const int64_t held =
+            absl::c_count_if(staged_, [](const Staged& st) { return st.page.id != kNoPage; });
+        return absl::Status(
+            page.status().code(),
+            absl::StrCat("import of ", QuoteSession(session_id_), " (", tokens_.size(),
+                         " tokens): no room with ", held, " of its pages staged: ", page.status().message()));
       }
-      sp.id = *page;
+      sp.page = *page;
     }
     KVCACHE_RETURN_IF_ERROR(
-        port_->WriteStaging(sp.id, seg.offset, absl::MakeConstSpan(c.payload).subspan(at, seg.length)));
+        port_->WriteStaging(sp.page, seg.offset, absl::MakeConstSpan(c.payload).subspan(at, seg.length)));
     at += seg.length;
     sp.received += seg.length;
     if (sp.received == page_bytes) {
-      KVCACHE_ASSIGN_OR_RETURN(PageChecksum sum, port_->StagingChecksum(sp.id));
+      KVCACHE_ASSIGN_OR_RETURN(PageChecksum sum, port_->StagingChecksum(sp.page));
       if (sum != sp.sum) {
         port_->CountChecksumFailure();
         return absl::DataLossError(absl::StrCat("import of ", QuoteSession(session_id_), ": page ",
@@ -371,7 +372,7 @@ absl::Status SessionImporter::Commit(const KvChunk& c) {
   session.tokens = std::move(tokens_);
   session.first_live_page = first_live;
   session.staged.reserve(staged_.size());
-  for (const Staged& sp : staged_) session.staged.push_back(sp.id);
+  for (const Staged& sp : staged_) session.staged.push_back(sp.page);
   staged_.clear();
   tokens_.clear();
   KVCACHE_RETURN_IF_ERROR(port_->CommitImport(std::move(session)));

@@ -6,7 +6,8 @@
 // briefly and sends only what changed since (pages written or added, the token tail)
 // plus the commit chunk. Downtime is proportional to what changed, not to context.
 //
-// Import stages pages in tier 0 where no session can see them, verifies every page's
+// Import stages pages where no session can see them (tier 0, or tier 1 when tier 0
+// is held by sessions that cannot move: the session then arrives offloaded), verifies every page's
 // checksum, the shape and the model id, and on the commit chunk creates the session
 // atomically. Any error frees the staging pages: the cache is as before the import.
 //
@@ -115,7 +116,7 @@ class SessionImporter {
   //   FAILED_PRECONDITION  model id or shape differ from this cache; import aborted
   //   INVALID_ARGUMENT     malformed chunk, chunk order, missing pages or tokens
   //   ALREADY_EXISTS       the session id is in use
-  //   RESOURCE_EXHAUSTED   no tier-0 room for staging after the pressure policy
+  //   RESOURCE_EXHAUSTED   no room for staging in either tier after the pressure policy
   absl::Status Add(const KvChunk& chunk);
   bool committed() const { return committed_; }
   const std::string& session_id() const { return session_id_; }
@@ -123,7 +124,7 @@ class SessionImporter {
  private:
   SessionImporter(KvTransferPort* p, ImportOptions o) : port_(p), options_(std::move(o)) {}
   struct Staged {
-    PageId id = kNoPage;
+    StagingPage page;
     int64_t received = 0;
     PageChecksum sum = 0;
     bool verified = false;

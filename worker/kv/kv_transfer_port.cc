@@ -38,15 +38,16 @@ ExportView KvCacheManager::TransferPort::ViewOf(const Session& s) const {
   return v;
 }
 
-bool KvCacheManager::TransferPort::IsStaging(PageId page) const {
-  return m_->pool_[0].Valid(page) && m_->pool_[0].IsStaging(page);
+bool KvCacheManager::TransferPort::IsStaging(StagingPage page) const {
+  return (page.tier == 0 || page.tier == 1) && m_->pool_[page.tier].Valid(page.id) &&
+         m_->pool_[page.tier].IsStaging(page.id);
 }
 
-void KvCacheManager::TransferPort::FreeStagingLocked(absl::Span<const PageId> pages) {
-  for (const PageId page : pages) {
+void KvCacheManager::TransferPort::FreeStagingLocked(absl::Span<const StagingPage> pages) {
+  for (const StagingPage page : pages) {
     if (!IsStaging(page)) continue;
-    m_->pool_[0].FreeStaging(page);
-    --m_->staging_pages_;
+    m_->pool_[page.tier].FreeStaging(page.id);
+    --m_->staging_pages_[page.tier];
   }
 }
 
@@ -122,29 +123,43 @@ absl::Status KvCacheManager::TransferPort::CheckImportId(const std::string& sess
   return absl::OkStatus();
 }
 
-absl::StatusOr<PageId> KvCacheManager::TransferPort::AllocateStaging() {
+absl::StatusOr<StagingPage> KvCacheManager::TransferPort::AllocateStaging() {
   absl::MutexLock l(&m_->mu_);
-  KVCACHE_RETURN_IF_ERROR(m_->MakeRoom(1, nullptr, nullptr));
-  const PageId page = m_->pool_[0].Allocate(/*staging=*/true);
-  ++m_->staging_pages_;
-  return page;
+  int tier = 0;
+  if (absl::Status room = m_->MakeRoom(1, nullptr, nullptr); !room.ok()) {
+    // Tier 0 is held by sessions that cannot move now. A session arriving by
+    // migration is better offloaded here than lost to its source's shutdown.
+    if (!absl::IsResourceExhausted(room)) return room;
+    if (m_->pool_[1].num_free() == 0) m_->DropTier1(1, nullptr);
+    if (m_->pool_[1].num_free() == 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(room.message(), ", and tier 1 has no page to give"));
+    }
+    tier = 1;
+  }
+  const PageId page = m_->pool_[tier].Allocate(/*staging=*/true);
+  ++m_->staging_pages_[tier];
+  return StagingPage{tier, page};
 }
 
-absl::Status KvCacheManager::TransferPort::WriteStaging(PageId page, int64_t offset,
+absl::Status KvCacheManager::TransferPort::WriteStaging(StagingPage page, int64_t offset,
                                                         absl::Span<const uint8_t> bytes) {
   absl::MutexLock l(&m_->mu_);
-  if (!IsStaging(page)) return absl::InvalidArgumentError(absl::StrCat("page ", page, " is not staging"));
-  if (offset < 0 || offset + static_cast<int64_t>(bytes.size()) > m_->storage_[0]->page_bytes()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bytes [", offset, ", +", bytes.size(), ") leave staging page ", page));
+  if (!IsStaging(page)) {
+    return absl::InvalidArgumentError(absl::StrCat("tier-", page.tier, " page ", page.id, " is not staging"));
   }
-  return m_->storage_[0]->WritePage(page, offset, bytes);
+  if (offset < 0 || offset + static_cast<int64_t>(bytes.size()) > m_->storage_[page.tier]->page_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bytes [", offset, ", +", bytes.size(), ") leave staging page ", page.id));
+  }
+  return m_->storage_[page.tier]->WritePage(page.id, offset, bytes);
 }
 
-absl::StatusOr<PageChecksum> KvCacheManager::TransferPort::StagingChecksum(PageId page) {
+absl::StatusOr<PageChecksum> KvCacheManager::TransferPort::StagingChecksum(StagingPage page) {
   absl::MutexLock l(&m_->mu_);
-  if (!IsStaging(page)) return absl::InvalidArgumentError(absl::StrCat("page ", page, " is not staging"));
-  return m_->storage_[0]->Checksum(page);
+  if (!IsStaging(page)) {
+    return absl::InvalidArgumentError(absl::StrCat("tier-", page.tier, " page ", page.id, " is not staging"));
+  }
+  return m_->storage_[page.tier]->Checksum(page.id);
 }
 
 void KvCacheManager::TransferPort::CountChecksumFailure() {
@@ -152,7 +167,7 @@ void KvCacheManager::TransferPort::CountChecksumFailure() {
   ++m_->counters_.checksum_failures;
 }
 
-void KvCacheManager::TransferPort::FreeStaging(absl::Span<const PageId> pages) {
+void KvCacheManager::TransferPort::FreeStaging(absl::Span<const StagingPage> pages) {
   absl::MutexLock l(&m_->mu_);
   FreeStagingLocked(pages);
 }
@@ -173,15 +188,25 @@ absl::Status KvCacheManager::TransferPort::CommitImport(ImportedSession in) {
     bad = absl::InvalidArgumentError(
         absl::StrCat(who, "first live page ", in.first_live_page, ", the window implies ", first_live));
   }
-  absl::flat_hash_set<PageId> seen;
+  absl::flat_hash_set<std::pair<int, PageId>> seen;
+  // A tier-1 page's checksum, which a restore verifies, is taken before anything
+  // changes: it is the one step that can fail.
+  std::vector<PageChecksum> tier1_sums(in.staged.size());
   for (int64_t i = 0; i < static_cast<int64_t>(in.staged.size()) && bad.ok(); ++i) {
-    const PageId page = in.staged[i];
-    if (page == kNoPage) {
+    const StagingPage page = in.staged[i];
+    if (page.id == kNoPage) {
       if (i >= first_live && i < n_pages) {
         bad = absl::InvalidArgumentError(absl::StrCat(who, "page ", i, " missing"));
       }
-    } else if (!IsStaging(page) || !seen.insert(page).second) {
+    } else if (!IsStaging(page) || !seen.insert({page.tier, page.id}).second) {
       bad = absl::InvalidArgumentError(absl::StrCat(who, "page ", i, " is not a staging page of its own"));
+    } else if (page.tier == 1 && i >= first_live && i < n_pages) {
+      absl::StatusOr<PageChecksum> sum = m_->storage_[1]->Checksum(page.id);
+      if (sum.ok()) {
+        tier1_sums[i] = *sum;
+      } else {
+        bad = sum.status();
+      }
     }
   }
   if (bad.ok() && static_cast<int64_t>(in.staged.size()) < n_pages) {
@@ -205,21 +230,26 @@ absl::Status KvCacheManager::TransferPort::CommitImport(ImportedSession in) {
   s->pages.resize(n_pages);
   s->page_epoch.assign(n_pages, ++m_->write_epoch_);
   for (int64_t i = 0; i < static_cast<int64_t>(in.staged.size()); ++i) {
-    const PageId page = in.staged[i];
-    if (page == kNoPage) continue;
+    const StagingPage page = in.staged[i];
+    if (page.id == kNoPage) continue;
     if (i >= first_live && i < n_pages) {
-      m_->pool_[0].CommitStaging(page);
-      s->pages[i] = PageLoc{0, page};
+      m_->pool_[page.tier].CommitStaging(page.id);
+      s->pages[i] = PageLoc{static_cast<int8_t>(page.tier), page.id};
+      if (page.tier == 1) {
+        m_->tier1_checksum_[page.id] = tier1_sums[i];
+        ++s->tier1_pages;
+      }
     } else {
-      m_->pool_[0].FreeStaging(page);
+      m_->pool_[page.tier].FreeStaging(page.id);
     }
-    --m_->staging_pages_;
+    --m_->staging_pages_[page.tier];
   }
   m_->closed_ids_.erase(in.session_id);
   m_->Touch(*s);
   Session* raw = s.get();
   m_->sessions_.emplace(in.session_id, std::move(s));
   m_->Emit(KvEventType::kSessionPlaced, raw, n_pages - first_live);
+  if (raw->tier1_pages > 0) m_->Emit(KvEventType::kSessionOffloaded, raw, raw->tier1_pages);
   m_->PublishFullPages(*raw);
   return absl::OkStatus();
 }

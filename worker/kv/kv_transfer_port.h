@@ -13,7 +13,7 @@
 //   (or UnfreezeExport(h))    final phase abandoned
 // Import:
 //   CheckImportId(id)         fail early when the id is taken
-//   AllocateStaging()         a tier-0 page no session can see
+//   AllocateStaging()         a page no session can see: tier 0, else tier 1
 //   WriteStaging / StagingChecksum
 //   CommitImport(session)     the session appears atomically; takes the staging pages
 //   (or FreeStaging(pages))   import abandoned
@@ -65,16 +65,25 @@ struct ExportView {
   uint64_t write_epoch = 0;  // the manager's write epoch when the view was taken
 };
 
+// A staging page and its tier: 0 when the pressure policy could make room there,
+// else 1 (the imported session then starts with that page offloaded).
+struct StagingPage {
+  int tier = 0;
+  PageId id = kNoPage;
+
+  bool operator==(const StagingPage& o) const { return tier == o.tier && id == o.id; }
+};
+
 // What an importer hands over to create a session.
 struct ImportedSession {
   std::string session_id;
   std::string tenant;
   std::vector<int32_t> tokens;
   int64_t first_live_page = 0;  // must be what the sliding window implies for tokens
-  // Staging pages by page index, kNoPage where none. The entries in
-  // [first_live_page, ceil(tokens / page_tokens)) become the session's pages; any
-  // other staging page listed is freed.
-  std::vector<PageId> staged;
+  // Staging pages by page index, id kNoPage where none. The entries in
+  // [first_live_page, ceil(tokens / page_tokens)) become the session's pages, in the
+  // tier they were staged in; any other staging page listed is freed.
+  std::vector<StagingPage> staged;
 };
 
 // ReadPage's `max_epoch` that reads a page whenever it is written.
@@ -119,25 +128,29 @@ class KvTransferPort {
   // ALREADY_EXISTS ("'id' already exists") when a session has this id now. A check
   // only: CommitImport checks again.
   virtual absl::Status CheckImportId(const std::string& session_id) = 0;
-  // Takes a tier-0 page for staging (counted in TierStats::in_flight_pages), running
-  // the pressure policy without preemption when none is free. The caller owns it
-  // until it passes it to CommitImport or FreeStaging. RESOURCE_EXHAUSTED when no
-  // page could be made free.
-  virtual absl::StatusOr<PageId> AllocateStaging() = 0;
+  // Takes a page for staging (counted in its tier's TierStats::in_flight_pages): in
+  // tier 0, running the pressure policy without preemption when none is free there;
+  // when that finds no room (tier 0 held by running, pinned or frozen sessions), in
+  // tier 1, dropping offloaded sessions' tier-1 pages as an offload would. So a
+  // migration onto a busy worker lands offloaded instead of failing. The caller owns
+  // the page until it passes it to CommitImport or FreeStaging. RESOURCE_EXHAUSTED
+  // when neither tier has a page to give.
+  virtual absl::StatusOr<StagingPage> AllocateStaging() = 0;
   // Copies `bytes` into staging page `page` at byte `offset`.
   // INVALID_ARGUMENT when `page` is not a staging page or the range leaves it.
-  virtual absl::Status WriteStaging(PageId page, int64_t offset, absl::Span<const uint8_t> bytes) = 0;
+  virtual absl::Status WriteStaging(StagingPage page, int64_t offset, absl::Span<const uint8_t> bytes) = 0;
   // Checksum of the whole staging page. INVALID_ARGUMENT when it is not one.
-  virtual absl::StatusOr<PageChecksum> StagingChecksum(PageId page) = 0;
+  virtual absl::StatusOr<PageChecksum> StagingChecksum(StagingPage page) = 0;
   // Counts a page rejected by its checksum (KvStats::checksum_failures).
   virtual void CountChecksumFailure() = 0;
-  // Returns staging pages to the free list; ids that are not staging pages (kNoPage
-  // among them) are skipped.
-  virtual void FreeStaging(absl::Span<const PageId> pages) = 0;
+  // Returns staging pages to their tier's free list; pages that are not staging
+  // pages (kNoPage among them) are skipped.
+  virtual void FreeStaging(absl::Span<const StagingPage> pages) = 0;
   // Creates the session from verified staging pages in one step: it appears with
-  // all its pages (tier 0), a kSessionPlaced event, then its full pages in the
-  // prefix cache (kPrefixStored). Takes every listed staging page whatever the
-  // outcome: on error they are freed and nothing else changed.
+  // all its pages, each in the tier it was staged in, a kSessionPlaced event
+  // (kSessionOffloaded after it when some pages are in tier 1), then its full pages
+  // in the prefix index of their tier (kPrefixStored). Takes every listed staging
+  // page whatever the outcome: on error they are freed and nothing else changed.
   // ALREADY_EXISTS when the id is in use (it may have appeared since CheckImportId);
   // INVALID_ARGUMENT for an empty id or tenant, more than max_session_tokens tokens,
   // a first_live_page the sliding window does not imply, or a live page missing,

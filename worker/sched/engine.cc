@@ -1368,14 +1368,16 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
     absl::MutexLock lock(&mu_);
     if (state.pinned) {
       KVCACHE_ASSIGN_OR_RETURN(kv::SessionInfo info, kv_->GetSession(key));
-      absl::Status quota = CheckPinQuota(name.tenant, key, info.tier0_pages + info.tier1_pages);
-      if (quota.ok()) {
-        KVCACHE_RETURN_IF_ERROR(kv_->PinSession(key));
-      } else if (state.unpin_over_quota) {
+      // Pinning restores what the import staged in tier 1, which fails while
+      // running or pinned sessions hold tier 0; a drain's move then goes on
+      // unpinned, as over the quota.
+      absl::Status pin = CheckPinQuota(name.tenant, key, info.tier0_pages + info.tier1_pages);
+      if (pin.ok()) pin = kv_->PinSession(key);
+      if (!pin.ok() && state.unpin_over_quota && absl::IsResourceExhausted(pin)) {
         KV_LOG_WARN("session '{}' moves in from a draining worker unpinned: {}", name.id,
-                    std::string(quota.message()));
-      } else {
-        return quota;
+                    std::string(pin.message()));
+      } else if (!pin.ok()) {
+        return pin;
       }
     }
     const int64_t last_reply =

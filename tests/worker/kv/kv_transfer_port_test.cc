@@ -28,8 +28,8 @@ std::vector<KvEventType> EventTypesAfter(const KvCacheManager& m, uint64_t seq) 
 }
 
 // Stages one page filled with `fill`.
-PageId StagePage(KvTransferPort& port, uint8_t fill) {
-  const absl::StatusOr<PageId> page = port.AllocateStaging();
+StagingPage StagePage(KvTransferPort& port, uint8_t fill) {
+  const absl::StatusOr<StagingPage> page = port.AllocateStaging();
   EXPECT_TRUE(page.ok()) << page.status();
   const std::vector<uint8_t> bytes(static_cast<size_t>(port.shape().page_bytes()), fill);
   EXPECT_TRUE(port.WriteStaging(*page, 0, bytes).ok());
@@ -112,10 +112,15 @@ TEST(KvTransferPortTest, FrozenSessionIsLeftAloneByThePolicy) {
   ASSERT_OK(m->MarkIdle("s"));
   ExportView v = std::move(port.OpenExport("s")).value();
   ASSERT_TRUE(port.FreezeExport(v.handle).ok());
-  const PageId a = std::move(port.AllocateStaging()).value();
-  EXPECT_EQ(port.AllocateStaging().status().code(), absl::StatusCode::kResourceExhausted);
+  const StagingPage a = std::move(port.AllocateStaging()).value();
+  EXPECT_EQ(a.tier, 0);
+  // Tier 0 is full and the frozen session stays: the next page is staged in tier 1.
+  const StagingPage c = std::move(port.AllocateStaging()).value();
+  EXPECT_EQ(c.tier, 1);
   EXPECT_EQ(m->GetSession("s")->tier1_pages, 0);
   EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 1);
+  EXPECT_EQ(m->GetStats().tier[1].in_flight_pages, 1);
+  EXPECT_EQ(m->GetStats().tier[1].free_pages, 3);
   EXPECT_INVARIANTS(*m);
 
   const uint64_t seq = m->ReadEvents(0).last_seq;
@@ -126,14 +131,16 @@ TEST(KvTransferPortTest, FrozenSessionIsLeftAloneByThePolicy) {
   EXPECT_EQ(b.events[0].session_id, "s");
   EXPECT_EQ(b.events[0].pages, 3);
   EXPECT_EQ(b.events[0].num_tokens, 12);
-  // Unfrozen: the policy may offload it now to make staging room.
-  const PageId b2 = std::move(port.AllocateStaging()).value();
+  // Unfrozen: the policy may offload it now to make staging room in tier 0.
+  const StagingPage b2 = std::move(port.AllocateStaging()).value();
+  EXPECT_EQ(b2.tier, 0);
   EXPECT_EQ(m->GetSession("s")->tier1_pages, 3);
   EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 2);
   EXPECT_INVARIANTS(*m);
-  const PageId both[] = {a, b2};
-  port.FreeStaging(both);
+  const StagingPage all[] = {a, b2, c};
+  port.FreeStaging(all);
   EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 0);
+  EXPECT_EQ(m->GetStats().tier[1].in_flight_pages, 0);
   ASSERT_OK(m->Restore("s"));
   ASSERT_OK(VerifyKv(*m, "s"));
   EXPECT_INVARIANTS(*m);
@@ -187,8 +194,8 @@ TEST(KvTransferPortTest, StagingPagesAreOwnedAndFreedOnce) {
   KvTransferPort& port = m->transfer_port();
   ASSERT_OK(m->CreateSession("s", "t"));
   ASSERT_OK(AppendWithKv(*m, "s", Seq(1, 4)));
-  const PageId session_page = m->GetSession("s")->page_ids[0];
-  const PageId page = StagePage(port, 0xab);
+  const StagingPage session_page{0, m->GetSession("s")->page_ids[0]};
+  const StagingPage page = StagePage(port, 0xab);
   EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 1);
   EXPECT_EQ(m->GetStats().tier[0].free_pages, 2);
   EXPECT_INVARIANTS(*m);
@@ -200,12 +207,14 @@ TEST(KvTransferPortTest, StagingPagesAreOwnedAndFreedOnce) {
             absl::StatusCode::kInvalidArgument);
   ASSERT_OK(VerifyKv(*m, "s"));
   // Its checksum is that of its bytes.
-  EXPECT_EQ(*port.StagingChecksum(page), *m->tier_storage(0).Checksum(page));
-  EXPECT_EQ(m->tier_storage(0).PageData(page)[0], 0xab);
+  EXPECT_EQ(*port.StagingChecksum(page), *m->tier_storage(0).Checksum(page.id));
+  EXPECT_EQ(m->tier_storage(0).PageData(page.id)[0], 0xab);
+  // The same id in the other tier is not staging either.
+  EXPECT_EQ(port.WriteStaging(StagingPage{1, page.id}, 0, junk).code(), absl::StatusCode::kInvalidArgument);
   port.CountChecksumFailure();
   EXPECT_EQ(m->GetStats().checksum_failures, 1);
   // Freed once, however often it is listed; other ids are skipped.
-  const PageId twice[] = {page, page, kNoPage, session_page};
+  const StagingPage twice[] = {page, page, StagingPage{}, session_page};
   port.FreeStaging(twice);
   EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 0);
   EXPECT_EQ(m->GetStats().tier[0].free_pages, 3);
@@ -258,21 +267,21 @@ TEST(KvTransferPortTest, CommitImportValidatesAndTakesEveryStagingPage) {
   in.tenant = "t";
   in.tokens = Seq(1, 10);
   in.first_live_page = 0;  // the window implies 1
-  in.staged = {kNoPage, StagePage(port, 1), StagePage(port, 2)};
+  in.staged = {StagingPage{}, StagePage(port, 1), StagePage(port, 2)};
   EXPECT_EQ(port.CommitImport(in).code(), absl::StatusCode::kInvalidArgument);
   stats_ok();
   in.first_live_page = 1;
-  in.staged = {kNoPage, StagePage(port, 1)};  // page 2 missing
+  in.staged = {StagingPage{}, StagePage(port, 1)};  // page 2 missing
   absl::Status st = port.CommitImport(in);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("page 2 missing"));
   stats_ok();
-  const PageId dup = StagePage(port, 1);
-  in.staged = {kNoPage, dup, dup};
+  const StagingPage dup = StagePage(port, 1);
+  in.staged = {StagingPage{}, dup, dup};
   EXPECT_EQ(port.CommitImport(in).code(), absl::StatusCode::kInvalidArgument);
   stats_ok();
   in.tenant = "";
-  in.staged = {kNoPage, StagePage(port, 1), StagePage(port, 2)};
+  in.staged = {StagingPage{}, StagePage(port, 1), StagePage(port, 2)};
   EXPECT_EQ(port.CommitImport(in).code(), absl::StatusCode::kInvalidArgument);
   stats_ok();
   EXPECT_EQ(m->GetSession("s").status().code(), absl::StatusCode::kNotFound);
@@ -280,14 +289,14 @@ TEST(KvTransferPortTest, CommitImportValidatesAndTakesEveryStagingPage) {
   // Valid: live pages become the session's, the dead one and the extra are freed.
   in.tenant = "t";
   in.staged = {StagePage(port, 0), StagePage(port, 1), StagePage(port, 2), StagePage(port, 3)};
-  const std::vector<PageId> staged = in.staged;
+  const std::vector<StagingPage> staged = in.staged;
   const uint64_t seq = m->ReadEvents(0).last_seq;
   ASSERT_OK(port.CommitImport(in));
   const SessionInfo info = *m->GetSession("s");
   EXPECT_EQ(info.num_tokens, 10);
   EXPECT_EQ(info.first_live_page, 1);
   EXPECT_EQ(info.page_tiers, (std::vector<int32_t>{-1, 0, 0}));
-  EXPECT_EQ(info.page_ids, (std::vector<PageId>{kNoPage, staged[1], staged[2]}));
+  EXPECT_EQ(info.page_ids, (std::vector<PageId>{kNoPage, staged[1].id, staged[2].id}));
   EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 0);
   EXPECT_EQ(m->GetStats().tier[0].free_pages, 6);
   EXPECT_EQ(EventTypesAfter(*m, seq),
@@ -297,7 +306,7 @@ TEST(KvTransferPortTest, CommitImportValidatesAndTakesEveryStagingPage) {
   EXPECT_EQ(m->ReadEvents(seq).events[1].pages, 1);
   EXPECT_INVARIANTS(*m);
   // The same id again: ALREADY_EXISTS, its pages freed, the session untouched.
-  in.staged = {kNoPage, StagePage(port, 7), StagePage(port, 8)};
+  in.staged = {StagingPage{}, StagePage(port, 7), StagePage(port, 8)};
   EXPECT_EQ(port.CheckImportId("s").code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(port.CommitImport(in).code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(m->GetStats().tier[0].in_flight_pages, 0);

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/worker/kv/kv_test_util.h"
@@ -190,11 +191,69 @@ TEST(KvTransferTest, ImportLargerThanTier0IsRefusedAndFreesStaging) {
     absl::Status st;
     for (size_t i = 0; i < chunks.size() && st.ok(); ++i) st = imp->Add(chunks[i]);
     EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
-    EXPECT_THAT(st.message(), HasSubstr("(20 tokens): tier 0 ran out with 2 of its pages staged"));
+    EXPECT_THAT(st.message(), HasSubstr("(20 tokens): no room with 2 of its pages staged"));
+    EXPECT_THAT(st.message(), HasSubstr("tier 1 has no page to give"));
   }
   EXPECT_EQ(dst->GetSession("s").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(dst->GetStats().tier[0].free_pages, 2);
   EXPECT_INVARIANTS(*dst);
+}
+
+// A migration onto a worker whose tier 0 is held by sessions that cannot move
+// (running, pinned) stages what does not fit in tier 1: the session arrives
+// offloaded, byte for byte, findable by prefix there, and restores on its next
+// step. Only when neither tier has room is it refused.
+TEST(KvTransferTest, ImportOntoAHeldTier0ArrivesOffloaded) {
+  auto src = MakeManager(8, 0);
+  ASSERT_OK(src->CreateSession("s", "t"));
+  ASSERT_OK(AppendWithKv(*src, "s", Seq(1, 18)));  // 5 pages, tail partial
+  const auto chunks = std::move(ExportSession(src.get(), "s")).value();
+  for (const int free_tier0 : {0, 2}) {
+    SCOPED_TRACE(absl::StrCat(free_tier0, " tier-0 pages free"));
+    auto dst = MakeManager(6, 8);
+    ASSERT_OK(dst->CreateSession("busy", "t"));
+    ASSERT_OK(AppendWithKv(*dst, "busy", Seq(500, 4 * (6 - free_tier0))));
+    ASSERT_OK(dst->PinSession("busy"));
+    const uint64_t seq = dst->ReadEvents(0).last_seq;
+    ASSERT_OK(ImportSession(dst.get(), chunks));
+    const SessionInfo info = *dst->GetSession("s");
+    std::vector<int32_t> tiers(5, 1);
+    for (int i = 0; i < free_tier0; ++i) tiers[i] = 0;
+    EXPECT_EQ(info.page_tiers, tiers);
+    EXPECT_EQ(info.tier1_pages, 5 - free_tier0);
+    EXPECT_EQ(PageBytes(*src, "s"), PageBytes(*dst, "s"));
+    ASSERT_OK(VerifyKv(*dst, "s"));
+    EXPECT_EQ(dst->GetStats().tier[0].in_flight_pages, 0);
+    EXPECT_EQ(dst->GetStats().tier[1].in_flight_pages, 0);
+    EXPECT_EQ(dst->GetStats().offloaded_sessions, 1);
+    std::vector<KvEventType> types;
+    for (const KvEvent& e : dst->ReadEvents(seq).events) types.push_back(e.type);
+    EXPECT_EQ(types[0], KvEventType::kSessionPlaced);
+    EXPECT_EQ(types[1], KvEventType::kSessionOffloaded);
+    EXPECT_EQ(dst->ReadEvents(seq).events[1].pages, 5 - free_tier0);
+    // Its 4 full pages are findable by prefix in whichever tier holds them.
+    EXPECT_EQ(dst->LookupPrefix("t", Seq(1, 18)), 16);
+    EXPECT_INVARIANTS(*dst);
+    // Once the pinned session lets go, the next step restores it and goes on.
+    ASSERT_OK(dst->UnpinSession("busy"));
+    ASSERT_OK(dst->MarkIdle("busy"));
+    ASSERT_OK(AppendWithKv(*dst, "s", Seq(19, 3)));
+    EXPECT_EQ(dst->GetSession("s")->tier1_pages, 0);
+    ASSERT_OK(VerifyKv(*dst, "s"));
+    EXPECT_INVARIANTS(*dst);
+  }
+  // No tier 1 and tier 0 held: refused, nothing left staged.
+  auto full = MakeManager(6, 0);
+  ASSERT_OK(full->CreateSession("busy", "t"));
+  ASSERT_OK(AppendWithKv(*full, "busy", Seq(500, 20)));
+  ASSERT_OK(full->PinSession("busy"));
+  const absl::Status st = ImportSession(full.get(), chunks);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("no room with 1 of its pages staged"));
+  EXPECT_EQ(full->GetSession("s").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(full->GetStats().tier[0].in_flight_pages, 0);
+  EXPECT_EQ(full->GetStats().tier[0].free_pages, 1);
+  EXPECT_INVARIANTS(*full);
 }
 
 TEST(KvTransferTest, PreCopyFinalPhaseSendsOnlyWhatChanged) {

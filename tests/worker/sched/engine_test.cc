@@ -899,6 +899,66 @@ TEST_F(EngineTest, AMovedSessionKeepsWhatARequestThatEndedEarlyDropped) {
   EXPECT_EQ(c.tokens, Expected(seen, 3));
 }
 
+// A pinned session moving in while pinned sessions hold all of tier 0 is
+// staged in tier 1, and pinning it would need a restore there is no room for:
+// a drain's move (unpin_over_quota) goes on unpinned, as over the pin quota,
+// rather than lose the session; any other import is refused and leaves nothing.
+TEST_F(EngineTest, APinnedSessionMovingOntoAHeldTier0ArrivesUnpinnedOnADrain) {
+  Build(/*tier0_pages=*/4, /*tier1_pages=*/16);
+  Collector first;
+  ASSERT_TRUE(engine_->Submit(Req("m", RequestMode::kFullContext, Prompt(40, 1), 3), &first).ok());
+  first.Wait();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  const std::vector<int32_t> context = *engine_->Context("m", "t");
+  std::vector<kv::KvChunk> chunks;
+  {
+    auto exporter = engine_->BeginExport("m", "t", kv::ExportOptions{});
+    ASSERT_TRUE(exporter.ok()) << exporter.status();
+    kv::KvChunk chunk;
+    while (*(*exporter)->NextBulk(&chunk)) chunks.push_back(chunk);
+    while (*(*exporter)->NextFinal(&chunk)) chunks.push_back(chunk);
+    exporter->reset();
+    engine_->EndExport("m", "t", /*handed_to=*/"w2");
+  }
+  GenerateRequest hold = Req("hold", RequestMode::kFullContext, Prompt(60, 2), 3);
+  hold.pin = true;  // 4 pages: all of tier 0
+  Collector held;
+  ASSERT_TRUE(engine_->Submit(hold, &held).ok());
+  held.Wait();
+  ASSERT_TRUE(held.status.ok()) << held.status;
+
+  for (const bool drain : {false, true}) {
+    SCOPED_TRACE(drain ? "a drain's move" : "an import");
+    auto importer = engine_->BeginImport();
+    ASSERT_TRUE(importer.ok()) << importer.status();
+    for (const kv::KvChunk& chunk : chunks) ASSERT_TRUE((*importer)->Add(chunk).ok());
+    ImportedState state;
+    state.pinned = true;
+    state.unpin_over_quota = drain;
+    const absl::StatusOr<kv::SessionName> name = engine_->FinishImport(**importer, context, state);
+    if (!drain) {
+      EXPECT_EQ(name.status().code(), absl::StatusCode::kResourceExhausted) << name.status();
+      EXPECT_FALSE(engine_->View("m", "t").ok());
+      EXPECT_EQ(kv_->GetStats().tier[1].free_pages, 16);
+      continue;
+    }
+    ASSERT_TRUE(name.ok()) << name.status();
+    const kv::SessionInfo info = *kv_->GetSession(kv::SessionKey("t", "m"));
+    EXPECT_FALSE(info.user_pinned);
+    EXPECT_EQ(info.tier1_pages, 3);
+  }
+  ASSERT_TRUE(engine_->CloseSession("hold", "t").ok());
+  Collector next;
+  ASSERT_TRUE(engine_->Submit(Req("m", RequestMode::kAppend, Prompt(3, 7), 3), &next).ok());
+  next.Wait();
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  std::vector<int32_t> whole = context;
+  for (int32_t t : Prompt(3, 7)) whole.push_back(t);
+  EXPECT_EQ(next.tokens, Expected(whole, 3));
+  EXPECT_EQ(next.result.cached_tokens, 42);    // all it cached (the last sampled token had no K/V)
+  EXPECT_EQ(next.result.restored_tokens, 42);  // from tier 1
+}
+
 // A router or client retries an APPEND that ended before its first token (a
 // drain cut it, or it found no room) as it was sent, tokens_read included: the
 // retry counts it against the same reply and continues the same conversation.
