@@ -77,10 +77,13 @@ struct Engine::Request {
   bool prepared = false;
   bool started = false;
   bool done = false;
-  bool decoding = false;            // the prompt is in the cache; pending holds the sampled token
-  bool created_session = false;     // Prepare created the (named) session for this request
-  bool had_session = false;         // the engine knew the session before this request (see Finish)
-  int64_t closed_turn = 0;          // close_turn tokens Prepare put before the input
+  bool decoding = false;         // the prompt is in the cache; pending holds the sampled token
+  bool created_session = false;  // Prepare created the (named) session for this request
+  bool had_session = false;      // the engine knew the session before this request (see Finish)
+  int64_t closed_turn = 0;       // close_turn tokens Prepare put before the input
+  // An APPEND's context, once Prepare dropped what tokens_read drops, ended inside
+  // an open reply: so it does again after a tokens_read = 0 drops this request.
+  bool reply_open_at_start = false;
   std::vector<int32_t> context;     // every token of the conversation so far
   std::vector<int32_t> pending;     // tokens of `context` without K/V yet, in order
   int64_t prefix_restored = 0;      // of the cached tokens attached before it started, from tier 1
@@ -383,6 +386,7 @@ bool Engine::Prepare(Request& r) {
     }
     r.context = std::move(known);
     r.context.resize(r.context.size() - static_cast<size_t>(unread));
+    r.reply_open_at_start = reply_open;
     if (reply_open && !r.context.empty() && !IsEndOfGeneration(r.context.back())) {
       r.context.insert(r.context.end(), q.close_turn.begin(), q.close_turn.end());
       r.closed_turn = static_cast<int64_t>(q.close_turn.size());
@@ -511,7 +515,10 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
           held.context = r.context;
           held.last_reply = std::min(reply, static_cast<int64_t>(held.context.size()));
           held.last_request = std::min(added, static_cast<int64_t>(held.context.size()));
-          held.reply_open_before = append && held.reply_open;
+          // What a tokens_read = 0 after it goes back to: the context as this
+          // request found it once its own tokens_read had cut it (a reply cut
+          // short is open even when the whole reply had ended its turn).
+          held.reply_open_before = append && r.reply_open_at_start;
           held.reply_open = reply > 0 && !IsEndOfGeneration(held.context.back());
           held.ended_early.reset();
         } else {

@@ -1176,6 +1176,58 @@ TEST_F(EngineTest, AnAppendChatTurnClosesAReplyCutShort) {
   EXPECT_EQ(raw.tokens, Expected(seen, 2));
 }
 
+// A reply that ended its turn, cut short by the next request's tokens_read, is
+// open: that request closes it first, and a tokens_read = 0 after it, which
+// goes back to before that request, closes it again. Before, the worker
+// remembered the whole reply's state (closed) for tokens_read = 0, and the
+// next message followed the cut reply without its end of turn, answered OK
+// (qa22's s207 divergence, isolated by qa24).
+TEST_F(EngineTest, ATokensReadZeroAfterCuttingAFinishedReplyClosesItAgain) {
+  const std::vector<int32_t> close = {Prompt(2, 5)[0], Prompt(2, 5)[1]};  // stands in for <|im_end|>
+  const std::vector<int32_t> reply = Prompt(4, 11);
+  // A reply of 5 tokens that ended with end of generation, as a stream
+  // continued from another worker carries it.
+  GenerateRequest ended = Req("s", RequestMode::kFullContext, Prompt(20), 8);
+  ended.input.insert(ended.input.end(), reply.begin(), reply.end());
+  ended.input.push_back(tokenizer_->eos_id());
+  ended.continued = 5;
+  Collector first;
+  ASSERT_TRUE(engine_->Submit(ended, &first).ok());
+  first.Wait();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  ASSERT_EQ(first.result.finish, FinishReason::kStop);
+  ASSERT_TRUE(first.tokens.empty());
+
+  // The client read 2 tokens of it: the reply is cut there and closed.
+  std::vector<int32_t> seen = Prompt(20);
+  seen.insert(seen.end(), reply.begin(), reply.begin() + 2);
+  seen.insert(seen.end(), close.begin(), close.end());
+  GenerateRequest cut = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
+  cut.close_turn = close;
+  cut.tokens_read = 2;
+  Collector second;
+  ASSERT_TRUE(engine_->Submit(cut, &second).ok());
+  second.Wait();
+  ASSERT_TRUE(second.status.ok()) << second.status;
+  std::vector<int32_t> want = seen;
+  for (int32_t t : Prompt(3, 7)) want.push_back(t);
+  EXPECT_EQ(second.result.prompt_tokens, static_cast<int64_t>(want.size()));
+  EXPECT_EQ(second.tokens, Expected(want, 3));
+
+  // It read none of that request's reply: back to the cut reply, closed again.
+  GenerateRequest redo = Req("s", RequestMode::kAppend, Prompt(3, 9), 3);
+  redo.close_turn = close;
+  redo.tokens_read = 0;
+  Collector third;
+  ASSERT_TRUE(engine_->Submit(redo, &third).ok());
+  third.Wait();
+  ASSERT_TRUE(third.status.ok()) << third.status;
+  want = seen;
+  for (int32_t t : Prompt(3, 9)) want.push_back(t);
+  EXPECT_EQ(third.result.prompt_tokens, static_cast<int64_t>(want.size()));
+  EXPECT_EQ(third.tokens, Expected(want, 3));
+}
+
 // "Stop generating" on a request that asked to pin its session: the session
 // keeps the tokens sent, and is pinned as a completed request's would be. It
 // used to be left unpinned.
