@@ -32,6 +32,11 @@ int Executor::threads() const {
   return static_cast<int>(threads_.size());
 }
 
+int Executor::idle_threads() const {
+  absl::MutexLock lock(&mu_);
+  return idle_;
+}
+
 void Executor::Shutdown() {
   absl::MutexLock join(&join_mu_);
   std::vector<std::thread> threads;

@@ -52,6 +52,8 @@ class Executor {
 
   // Threads started so far.
   int threads() const;
+  // Of those, the ones waiting for a task.
+  int idle_threads() const;
 
  private:
   void Loop();
