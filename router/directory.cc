@@ -559,6 +559,11 @@ std::vector<std::pair<SessionKey, WorkerId>> Directory::TakeStaleCopies() {
   return std::exchange(stale_listed_, {});
 }
 
+uint64_t Directory::sessions_lost() const {
+  absl::MutexLock lock(&mu_);
+  return lost_count_;
+}
+
 size_t Directory::stale_copies() const {
   absl::MutexLock lock(&mu_);
   size_t n = 0;

@@ -119,6 +119,9 @@ class Directory {
   std::vector<std::pair<SessionKey, WorkerId>> TakeStaleCopies();
   // Marks held: for tests and metrics.
   size_t stale_copies() const;
+  // Sessions lost with their worker (each time one was, for LostWith) over this
+  // directory's life: for metrics.
+  uint64_t sessions_lost() const;
 
   std::optional<SessionLocation> FindSession(const SessionKey& key) const;
   // A request on the session finished on `worker` with `tokens` in its context

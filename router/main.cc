@@ -268,6 +268,7 @@ int Run() {
   (*process)->SetCollectHook([&] {
     metrics.SetWorkers(pool.Workers());
     metrics.SetStaleCopies(directory.stale_copies());
+    metrics.SetSessionsLost(directory.sessions_lost());
   });
 
   // Readiness follows the pool: a router without enough healthy workers takes

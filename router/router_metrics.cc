@@ -54,7 +54,21 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                .Help("Session copies held back: ones a FULL_CONTEXT turn moved off a worker out of reach, "
                      "and the sessions of workers forgotten as unreachable")
                .Register(r)
-               .Add({})) {}
+               .Add({})),
+      sessions_lost_(&prometheus::BuildCounter()
+                          .Name("kvcache_router_sessions_lost_total")
+                          .Help("Sessions lost with their worker (forgotten as unreachable, or back without "
+                                "them) that no other worker held: their clients must resend the whole "
+                                "conversation")
+                          .Register(r)
+                          .Add({})) {}
+
+void RouterMetrics::SetSessionsLost(uint64_t total) {
+  absl::MutexLock lock(&mu_);
+  if (total <= sessions_lost_seen_) return;
+  sessions_lost_->Increment(static_cast<double>(total - sessions_lost_seen_));
+  sessions_lost_seen_ = total;
+}
 
 void RouterMetrics::SetWorkers(const std::vector<WorkerView>& workers) {
   absl::MutexLock lock(&mu_);

@@ -35,6 +35,8 @@ class RouterMetrics {
   void SetWorkers(const std::vector<WorkerView>& workers);
   // Copies of sessions held back as stale (Directory::stale_copies).
   void SetStaleCopies(size_t n) { stale_copies_->Set(static_cast<double>(n)); }
+  // Advances kvcache_router_sessions_lost_total to `total` (Directory::sessions_lost).
+  void SetSessionsLost(uint64_t total);
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -47,8 +49,10 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& migrations_;
   prometheus::Family<prometheus::Counter>& dns_;
   prometheus::Gauge* stale_copies_;
+  prometheus::Counter* sessions_lost_;
   absl::Mutex mu_;  // SetWorkers runs on the rebalancer and on scrapes
   absl::flat_hash_map<std::string, prometheus::Gauge*> up_series_ ABSL_GUARDED_BY(mu_);
+  uint64_t sessions_lost_seen_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvcache::router

@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
-#include <regex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -144,9 +143,8 @@ class DnsLifecycleTest : public ::testing::Test {
   int RouterCounter(const std::string& name, const std::string& label, const std::string& value) {
     auto body = testing::HttpGet(router_->metrics_port(), "/metrics");
     if (!body.ok()) return -1;
-    std::smatch m;
-    std::regex re("kvcache_router_" + name + "_total\\{" + label + "=\"" + value + "\"\\} ([0-9.e+]+)");
-    return std::regex_search(*body, m, re) ? static_cast<int>(std::stod(m[1])) : 0;
+    const std::string series = "kvcache_router_" + name + "_total{" + label + "=\"" + value + "\"}";
+    return static_cast<int>(testing::MetricSample(*body, series).value_or(0));
   }
   int DnsResults(const std::string& result) { return RouterCounter("dns_resolutions", "result", result); }
   // Free fraction of tier-0 pages of the worker at `ip`, as the router sees it.

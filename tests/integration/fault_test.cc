@@ -212,10 +212,7 @@ TEST_F(FaultTest, FrozenWorkerIsAvoidedThenRejoinsWithItsSessions) {
 int StaleCopies(const testing::ServerUnderTest& router) {
   auto body = testing::HttpGet(router.metrics_port(), "/metrics");
   if (!body.ok()) return -1;
-  const std::string kName = "\nkvcache_router_stale_session_copies ";
-  const size_t at = body->find(kName);
-  if (at == std::string::npos) return -1;
-  return std::atoi(body->c_str() + at + kName.size());
+  return static_cast<int>(testing::MetricSample(*body, "kvcache_router_stale_session_copies").value_or(-1));
 }
 
 // A worker frozen past --health_timeout and past the router's close of its

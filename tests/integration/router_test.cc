@@ -992,6 +992,10 @@ TEST_F(RouterTest, ASessionLostWithARestartedWorkerIsSaidToBeLost) {
   EXPECT_EQ(next.status.error_code(), grpc::UNAVAILABLE) << next.status.error_message();
   EXPECT_THAT(next.status.error_message(), ::testing::HasSubstr("was lost with worker"));
   EXPECT_THAT(next.status.error_message(), ::testing::HasSubstr("FULL_CONTEXT"));
+  // And counted, for the operators' alert.
+  auto metrics = testing::HttpGet(router->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(testing::MetricSample(*metrics, "kvcache_router_sessions_lost_total"), 1.0);
   // Resent whole, it is a session again.
   Reply again = Generate(stub.get(), Text("gone", "a conversation and then?", 2));
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();

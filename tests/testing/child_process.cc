@@ -325,6 +325,19 @@ int ThreadCount(pid_t pid) {
   return -1;
 }
 
+std::optional<double> MetricSample(const std::string& exposition, const std::string& series) {
+  const std::string line_start = series + " ";
+  for (size_t at = 0; at < exposition.size();) {
+    size_t end = exposition.find('\n', at);
+    if (end == std::string::npos) end = exposition.size();
+    if (exposition.compare(at, line_start.size(), line_start) == 0) {
+      return std::strtod(exposition.c_str() + at + line_start.size(), nullptr);
+    }
+    at = end + 1;
+  }
+  return std::nullopt;
+}
+
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(strerror(errno));

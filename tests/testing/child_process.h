@@ -12,6 +12,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -138,6 +139,10 @@ int ThreadCount(pid_t pid);
 
 // HTTP/1.0 GET of http://127.0.0.1:port/path; returns the body on status 200.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+// The value of one sample of a Prometheus text exposition, named as it is
+// written there (`name` or `name{label="value",...}`); nullopt when absent.
+std::optional<double> MetricSample(const std::string& exposition, const std::string& series);
 
 }  // namespace kvcache::testing
 
