@@ -379,20 +379,35 @@ int Run() {
     // the sessions keep what was sent, so they can move too), wait for the
     // sessions to leave, then end the Watch streams so the server can stop. All
     // within --shutdown_deadline.
+    // A router watching now is the one to move the sessions; if it goes while
+    // the streams finish (a restart, a replica rolled), another may come back.
+    const bool watched = hub.subscribers() > 0;
     service.BeginDrain();
     const absl::Duration left = deadline - absl::Now();
     // Kept for the server's own stop after this: the health Watch streams end
     // OK (ServerProcess::Serve), not cancelled at a deadline already passed.
     const absl::Time sessions_deadline = deadline - std::min(absl::Seconds(1), left / 10);
     service.FinishOrCutStreams(std::min(left * 2 / 3, so.drain_deadline), left / 3);
-    // Only a router that watches us can move the sessions.
-    if (hub.subscribers() == 0) {
-      const size_t left = (*engine)->Sessions().size();
-      if (left > 0)
-        KV_LOG_WARN("shutting down with {} sessions and no router to move them: they end here", left);
-    } else if (!(*engine)->WaitNoSessions(sessions_deadline - absl::Now())) {
-      KV_LOG_WARN("shutting down with {} sessions still here (no router moved them in time)",
-                  (*engine)->Sessions().size());
+    // Only a router that watches us can move the sessions. With none watching
+    // since before the drain (a lone worker, or its routers stopped first, as a
+    // whole deployment's teardown does) they end now; with one gone since, the
+    // worker waits for one to return within the deadline.
+    const size_t sessions = (*engine)->Sessions().size();
+    const bool watched_now = hub.subscribers() > 0;
+    if (!watched && !watched_now) {
+      if (sessions > 0)
+        KV_LOG_WARN("shutting down with {} sessions and no router to move them: they end here", sessions);
+    } else {
+      if (!watched_now && sessions > 0) {
+        KV_LOG_WARN(
+            "the routers that watched this worker went during its drain; waiting up to {} for one to "
+            "return and move its {} sessions",
+            absl::FormatDuration(sessions_deadline - absl::Now()), sessions);
+      }
+      if (!(*engine)->WaitNoSessions(sessions_deadline - absl::Now())) {
+        KV_LOG_WARN("shutting down with {} sessions still here (no router moved them in time)",
+                    (*engine)->Sessions().size());
+      }
     }
     hub.Stop();
   });

@@ -1001,6 +1001,70 @@ TEST_F(RouterTest, ASessionLostWithARestartedWorkerIsSaidToBeLost) {
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
 }
 
+// A worker whose router goes while the worker's streams finish (the router
+// restarting, or a replica rolled, during a SIGTERM's drain) waits, within
+// --shutdown_deadline, for a router to return and move its sessions. Before, it
+// ended them as soon as its streams were done (qa23: 1 of 3 tries lost its
+// sessions when the router died 1 s into the drain). A worker no router
+// watched when the drain began still ends them at once (teardowns stop
+// routers first).
+TEST_F(RouterTest, AWorkerWhoseRouterGoesDuringItsDrainWaitsForOneToReturn) {
+  // A model slow enough that a 1,500-token stream outlasts the router.
+  const std::string slow = ::testing::TempDir() + "/kvcache_router_test_slow.gguf";
+  gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
+  o.n_layer = 4;
+  o.n_ctx = 2048;
+  ASSERT_TRUE(gguf::WriteTinyLlama(o, slow).ok());
+  StartWorkers(2, {"--model=" + slow, "--shutdown_deadline=60s"});
+  auto router = StartRouter({"--model=" + slow});
+  ASSERT_NE(router, nullptr);
+  std::map<std::string, std::vector<std::string>> by_worker;
+  {
+    auto stub = v1::KvCache::NewStub(router->channel());
+    for (int s = 0; s < 4; ++s) {
+      const std::string id = "r-" + std::to_string(s);
+      Reply r = Generate(stub.get(), testing::TokensRequest(id, std::vector<int32_t>(40, 3 + s), 2));
+      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+      by_worker[r.final.worker_id()].push_back(id);
+    }
+  }
+  const std::string leaving = by_worker["w0"].empty() ? "w1" : "w0";
+  const std::string staying = leaving == "w0" ? "w1" : "w0";
+  testing::ServerUnderTest& server = *workers_[leaving == "w0" ? 0 : 1];
+  {
+    auto worker_stub = v1::Worker::NewStub(server.channel());
+    v1::GenerateRequest long_req = testing::TokensRequest("long", std::vector<int32_t>(20, 5), 1500);
+    long_req.mutable_sampling()->set_ignore_eos(true);
+    testing::PartialStream stream(worker_stub.get(), long_req);
+    ASSERT_TRUE(stream.ReadTokens(1));
+    server.process().Signal(SIGTERM);
+    ASSERT_TRUE(testing::WaitUntil(
+        [&] { return testing::HealthCheck(server.channel(), "readiness").value_or("") == "NOT_SERVING"; }));
+    router->process().Signal(SIGKILL);
+    ASSERT_TRUE(router->process().Wait(absl::Seconds(30)).ok());
+    router.reset();
+    // The stream runs to its end; with it the worker's drain reaches its
+    // sessions, and no router watches.
+    const Reply& whole = stream.Finish();
+    ASSERT_TRUE(whole.status.ok()) << whole.status.error_message();
+    ASSERT_EQ(whole.tokens.size(), 1500u);
+  }
+
+  router = StartRouter({"--model=" + slow, "--min_ready_workers=1"});
+  ASSERT_NE(router, nullptr);
+  // (It exits some seconds after its sessions leave: the fixture's idle
+  // channel to it answers the server's GOAWAY only at its next poll.)
+  ASSERT_TRUE(server.process().Wait(absl::Seconds(30)).ok()) << "the new router did not move its sessions";
+  auto stub = v1::KvCache::NewStub(router->channel());
+  for (const std::string& id : by_worker[leaving]) {
+    Reply r = Generate(stub.get(), testing::TokensRequest(id, {7, 8}, 2, v1::APPEND));
+    ASSERT_TRUE(r.status.ok()) << id << ": " << r.status.error_message();
+    EXPECT_EQ(r.final.worker_id(), staying);
+    EXPECT_GE(r.final.usage().cached_tokens(), 40) << id << " was recomputed, not moved";
+  }
+  std::remove(slow.c_str());
+}
+
 // A worker that drained and exited comes back at the same address (a
 // restarted process, a rescheduled pod with the same name): it takes work
 // again, after an admin drain and after a SIGTERM that cut a stream. Before,
