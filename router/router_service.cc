@@ -38,6 +38,13 @@ bool Retryable(grpc::StatusCode code) {
   return code == grpc::RESOURCE_EXHAUSTED || code == grpc::UNAVAILABLE || code == grpc::OUT_OF_RANGE;
 }
 
+// Codes a worker answers with itself, never a transport's: a call that ended
+// with one reached a live worker.
+bool WorkerAnswered(grpc::StatusCode code) {
+  return code == grpc::RESOURCE_EXHAUSTED || code == grpc::OUT_OF_RANGE || code == grpc::INVALID_ARGUMENT ||
+         code == grpc::FAILED_PRECONDITION || code == grpc::DATA_LOSS;
+}
+
 }  // namespace
 
 absl::StatusOr<PlacementMode> ParsePlacementMode(const std::string& s) {
@@ -358,6 +365,11 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
                                     emitted_.size(), " tokens; session '", request_.session_id(),
                                     "' keeps them and moves to another worker: continue it with APPEND")));
     }
+    // A worker that answers after tokens came with a status of its own (out of
+    // room mid-reply, say) is there, and so is the session, with the tokens
+    // sent: the client gets that status, not a loss. Before, it was told to
+    // resend the whole conversation (qa25).
+    if (append_ && lost_midstream && WorkerAnswered(st.error_code())) return Finish(st);
     if (append_ && (lost_midstream || st.error_code() == grpc::UNAVAILABLE)) {
       return Finish(grpc::Status(
           grpc::UNAVAILABLE,

@@ -971,6 +971,41 @@ TEST_F(RouterTest, ADrainOntoAWorkerWhoseDeviceTierIsHeldLandsInItsHostTier) {
   EXPECT_GE(next.final.usage().cached_tokens(), 400);
 }
 
+// An APPEND that runs out of tier-0 room after its first tokens (a pinned
+// session holds the rest) gets the worker's RESOURCE_EXHAUSTED through the
+// router, and its session keeps the tokens sent: the next turn continues it
+// there. Before, the router told the client the session was lost with its
+// worker and to resend the whole conversation (qa25).
+TEST_F(RouterTest, AnAppendOutOfRoomMidReplyIsNotSaidToBeLost) {
+  StartWorkers(1, {"--tier0_bytes=131072", "--tier1_bytes=0"});  // 32 pages of 16 tokens
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(350, 9), 2);
+  hold.set_pin(true);  // 22 pages
+  ASSERT_TRUE(Generate(stub.get(), hold).status.ok());
+  ASSERT_TRUE(Generate(stub.get(), testing::TokensRequest("x", std::vector<int32_t>(40, 5), 2)).status.ok());
+  v1::GenerateRequest grow = testing::TokensRequest("x", {6, 7}, 400, v1::APPEND);
+  grow.mutable_sampling()->set_ignore_eos(true);
+  Reply r = Generate(stub.get(), grow);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_THAT(r.status.error_message(), ::testing::Not(::testing::HasSubstr("was lost")));
+  ASSERT_GT(r.tokens.size(), 0u);
+  {
+    grpc::ClientContext ctx;
+    v1::SessionRequest get;
+    get.set_session_id("x");
+    v1::SessionInfo info;
+    ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
+    EXPECT_GE(info.tokens_cached(), 40 + 2 + static_cast<int>(r.tokens.size()) - 1);
+  }
+  v1::GenerateRequest next = testing::TokensRequest("x", {8}, 2, v1::APPEND);
+  next.set_tokens_read(4);  // what the client kept of that reply
+  Reply after = Generate(stub.get(), next);
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_GE(after.final.usage().cached_tokens(), 40 + 2 + 4);
+}
+
 // A worker killed and restarted at the same address (a rescheduled pod of a
 // StatefulSet) comes back without the sessions it held: an APPEND to one of
 // them is told it was lost with that worker, so that the client resends the
