@@ -63,16 +63,22 @@ class HttpGatewayTest : public ::testing::Test {
     delete model_;
   }
 
-  void SetUp() override {
+  void SetUp() override { StartServers(*model_); }
+
+  // A worker and a router serving `model` (the suite's, or another a test
+  // needs), replacing any the fixture runs.
+  void StartServers(const std::string& model) {
+    router_.reset();
+    worker_.reset();
     auto w = testing::ServerUnderTest::Start(
         testing::BinaryPath("worker/kvcache-worker"),
-        {"--model=" + *model_, "--worker_id=w0", "--threads=1", "--load_report_interval=100ms",
+        {"--model=" + model, "--worker_id=w0", "--threads=1", "--load_report_interval=100ms",
          "--max_running=256", "--max_batch_tokens=8192"});
     ASSERT_TRUE(w.ok()) << w.status();
     worker_ = std::move(*w);
     auto r = testing::ServerUnderTest::Start(
         testing::BinaryPath("router/kvcache-router"),
-        {"--workers=" + worker_->grpc_address(), "--model=" + *model_, "--rebalance_interval=0s",
+        {"--workers=" + worker_->grpc_address(), "--model=" + model, "--rebalance_interval=0s",
          "--http_listen=127.0.0.1:0", "--served_model_name=tiny, tiny-alias"});
     ASSERT_TRUE(r.ok()) << r.status();
     router_ = std::move(*r);
@@ -273,6 +279,15 @@ TEST_F(HttpGatewayTest, AClientThatGoesAwayCancelsTheWorkersRequest) {
 // ran to max_tokens for nobody, holding its tenant's request slot and its
 // session (qa21: 6 of 6).
 TEST_F(HttpGatewayTest, AClientThatResetsItsConnectionCancelsTheWorkersRequest) {
+  // A model slow enough that the request (to the end of its 1,024-token
+  // context) outlasts a load report: on the suite's, it could run between two
+  // of them on an idle machine, and the test waited for a busy one in vain.
+  const std::string slow = ::testing::TempDir() + "/kvcache_http_gateway_test_slow.gguf";
+  gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
+  o.n_layer = 4;
+  o.n_ctx = 1024;
+  ASSERT_TRUE(gguf::WriteTinyLlama(o, slow).ok());
+  ASSERT_NO_FATAL_FAILURE(StartServers(slow));
   grpc::ClientContext watch_ctx;
   watch_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto watch = v1::Worker::NewStub(worker_->channel())->Watch(&watch_ctx, v1::WatchRequest());
@@ -306,6 +321,7 @@ TEST_F(HttpGatewayTest, AClientThatResetsItsConnectionCancelsTheWorkersRequest) 
   EXPECT_THAT(metrics, HasSubstr("kvcache_requests_total{code=\"CANCELLED\"} 1"));
   EXPECT_THAT(metrics, ::testing::Not(HasSubstr("kvcache_requests_total{code=\"OK\"}")));
   EXPECT_EQ(HttpFetch(port_, "GET", "/ready").status, 200) << "the router carries on";
+  std::remove(slow.c_str());
 }
 
 // SIGTERM lets running streams finish (within --shutdown_deadline) while new
