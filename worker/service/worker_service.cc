@@ -736,9 +736,12 @@ v1::DrainResponse WorkerService::DrainAndMigrate(const std::vector<std::string>&
     }
     if (moved) {
       out.set_sessions_migrated(out.sessions_migrated() + 1);
-    } else if (engine_->Offload(s.id, s.tenant).ok()) {
+      continue;
+    }
+    const absl::Status offloaded = engine_->Offload(s.id, s.tenant);
+    if (offloaded.ok()) {
       out.set_sessions_offloaded(out.sessions_offloaded() + 1);
-    } else {
+    } else if (!absl::IsNotFound(offloaded)) {  // gone meanwhile: a router moved it, or its client closed it
       out.set_sessions_dropped(out.sessions_dropped() + 1);
     }
   }
