@@ -1094,8 +1094,11 @@ TEST_F(WorkerTest, ManyMigrationsLeaveNoThreadsBehind) {
     grpc::Status back = migrate(sb.get(), a->grpc_address());
     ASSERT_TRUE(back.ok()) << i << ": " << back.error_message();
   }
-  EXPECT_LE(testing::ThreadCount(pa), threads_a + 2) << "40 migrations left threads on the source";
-  EXPECT_LE(testing::ThreadCount(pb), threads_b + 2);
+  // A leak would leave one thread per migration (40). gRPC's own pools may grow
+  // by a few under load: a clean-clone CI run beside other work saw +3 on the
+  // target (21 against 18) with the bound at +2.
+  EXPECT_LE(testing::ThreadCount(pa), threads_a + 8) << "40 migrations left threads on the source";
+  EXPECT_LE(testing::ThreadCount(pb), threads_b + 8);
   EXPECT_TRUE(Generate(sa.get(), Text("ball", " still whole?", 2, v1::APPEND)).status.ok());
 }
 
