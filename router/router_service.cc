@@ -972,8 +972,24 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
     }
     dest = w->address;
   } else {
-    // The session's context must fit the target's tier 0.
-    auto p = Place(session_id, loc->tenant, false, {}, loc->tokens, {loc->worker});
+    // The session's context must fit the target's tier 0. Workers with the
+    // free pages to take it now come first: another would stage it in its host
+    // tier (or refuse it), and it would wait there for room to be restored.
+    std::vector<WorkerId> exclude = {loc->worker};
+    std::vector<WorkerId> no_room;
+    bool some_room = false;
+    for (const WorkerView& w : pool_->Healthy()) {
+      if (w.address == loc->worker) continue;
+      const int32_t page_tokens = w.kv_shape.page_tokens();
+      const int64_t pages = page_tokens > 0 ? (loc->tokens + page_tokens - 1) / page_tokens : 0;
+      if (w.load.pages_total_device() > 0 && w.load.pages_free_device() < pages) {
+        no_room.push_back(w.address);
+      } else {
+        some_room = true;
+      }
+    }
+    if (some_room) exclude.insert(exclude.end(), no_room.begin(), no_room.end());
+    auto p = Place(session_id, loc->tenant, false, {}, loc->tokens, exclude);
     if (!p.ok()) {
       return std::move(done)(absl::UnavailableError(
           absl::StrCat("no other worker can take session '", session_id, "': ", p.status().message())));

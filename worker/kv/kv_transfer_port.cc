@@ -4,6 +4,7 @@
 #include <memory>
 #include <utility>
 
+#include "absl/algorithm/container.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -215,6 +216,22 @@ absl::Status KvCacheManager::TransferPort::CommitImport(ImportedSession in) {
   }
   if (bad.ok() && m_->sessions_.contains(in.session_id)) {
     bad = absl::AlreadyExistsError(QuoteSession(in.session_id) + " already exists");
+  }
+  // Pages staged in tier 1 come back on the session's next step, into what
+  // pinned sessions leave of tier 0 (they never leave it): a session larger
+  // than that could never run here, and belongs on another worker.
+  if (bad.ok() &&
+      absl::c_any_of(in.staged, [](const StagingPage& p) { return p.id != kNoPage && p.tier == 1; })) {
+    int64_t pinned = 0;
+    for (const auto& [id, other] : m_->sessions_) {
+      if (other->user_pinned) pinned += static_cast<int64_t>(other->pages.size()) - other->first_live;
+    }
+    const int64_t room = m_->pool_[0].capacity() - pinned;
+    if (n_pages - first_live > room) {
+      bad = absl::ResourceExhaustedError(absl::StrCat(
+          who, n_pages - first_live, " pages could never be restored here: pinned sessions hold ", pinned,
+          " of the ", m_->pool_[0].capacity(), " tier-0 pages"));
+    }
   }
   if (!bad.ok()) {
     FreeStagingLocked(in.staged);

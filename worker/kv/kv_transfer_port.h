@@ -154,7 +154,9 @@ class KvTransferPort {
   // ALREADY_EXISTS when the id is in use (it may have appeared since CheckImportId);
   // INVALID_ARGUMENT for an empty id or tenant, more than max_session_tokens tokens,
   // a first_live_page the sliding window does not imply, or a live page missing,
-  // repeated or not a staging page.
+  // repeated or not a staging page; RESOURCE_EXHAUSTED when some pages are in tier
+  // 1 and the session has more live pages than pinned sessions leave of tier 0 (it
+  // could never be restored here).
   virtual absl::Status CommitImport(ImportedSession session) = 0;
 };
 

@@ -199,10 +199,11 @@ TEST(KvTransferTest, ImportLargerThanTier0IsRefusedAndFreesStaging) {
   EXPECT_INVARIANTS(*dst);
 }
 
-// A migration onto a worker whose tier 0 is held by sessions that cannot move
-// (running, pinned) stages what does not fit in tier 1: the session arrives
-// offloaded, byte for byte, findable by prefix there, and restores on its next
-// step. Only when neither tier has room is it refused.
+// A migration onto a worker whose tier 0 is held by a running session (in a
+// step: it cannot move now) stages what does not fit in tier 1: the session
+// arrives offloaded, byte for byte, findable by prefix there, and restores on
+// its next step. One larger than what pinned sessions leave of tier 0 could
+// never be restored there and is refused, as is one with room in neither tier.
 TEST(KvTransferTest, ImportOntoAHeldTier0ArrivesOffloaded) {
   auto src = MakeManager(8, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
@@ -213,7 +214,7 @@ TEST(KvTransferTest, ImportOntoAHeldTier0ArrivesOffloaded) {
     auto dst = MakeManager(6, 8);
     ASSERT_OK(dst->CreateSession("busy", "t"));
     ASSERT_OK(AppendWithKv(*dst, "busy", Seq(500, 4 * (6 - free_tier0))));
-    ASSERT_OK(dst->PinSession("busy"));
+    ASSERT_TRUE(dst->BeginStep("busy", 0).ok());  // running: held in tier 0 for now
     const uint64_t seq = dst->ReadEvents(0).last_seq;
     ASSERT_OK(ImportSession(dst.get(), chunks));
     const SessionInfo info = *dst->GetSession("s");
@@ -234,26 +235,43 @@ TEST(KvTransferTest, ImportOntoAHeldTier0ArrivesOffloaded) {
     // Its 4 full pages are findable by prefix in whichever tier holds them.
     EXPECT_EQ(dst->LookupPrefix("t", Seq(1, 18)), 16);
     EXPECT_INVARIANTS(*dst);
-    // Once the pinned session lets go, the next step restores it and goes on.
-    ASSERT_OK(dst->UnpinSession("busy"));
+    // Once the running session's step ends, the next step restores it and goes on.
+    ASSERT_OK(dst->CommitStep("busy", {}));
     ASSERT_OK(dst->MarkIdle("busy"));
     ASSERT_OK(AppendWithKv(*dst, "s", Seq(19, 3)));
     EXPECT_EQ(dst->GetSession("s")->tier1_pages, 0);
     ASSERT_OK(VerifyKv(*dst, "s"));
     EXPECT_INVARIANTS(*dst);
   }
+  // Pinned sessions hold 2 of 6 tier-0 pages for good and a running one the
+  // rest: the 5-page session could never be restored, so it is refused.
+  auto pinned = MakeManager(6, 8);
+  ASSERT_OK(pinned->CreateSession("pin", "t"));
+  ASSERT_OK(AppendWithKv(*pinned, "pin", Seq(700, 8)));
+  ASSERT_OK(pinned->PinSession("pin"));
+  ASSERT_OK(pinned->CreateSession("busy", "t"));
+  ASSERT_OK(AppendWithKv(*pinned, "busy", Seq(500, 16)));
+  ASSERT_TRUE(pinned->BeginStep("busy", 0).ok());
+  absl::Status st = ImportSession(pinned.get(), chunks);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("could never be restored here"));
+  EXPECT_EQ(pinned->GetSession("s").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(pinned->GetStats().tier[1].in_flight_pages, 0);
+  EXPECT_EQ(pinned->GetStats().tier[1].free_pages, 8);
+  EXPECT_INVARIANTS(*pinned);
   // No tier 1 and tier 0 held: refused, nothing left staged.
   auto full = MakeManager(6, 0);
   ASSERT_OK(full->CreateSession("busy", "t"));
   ASSERT_OK(AppendWithKv(*full, "busy", Seq(500, 20)));
-  ASSERT_OK(full->PinSession("busy"));
-  const absl::Status st = ImportSession(full.get(), chunks);
+  ASSERT_TRUE(full->BeginStep("busy", 0).ok());
+  st = ImportSession(full.get(), chunks);
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(st.message()), HasSubstr("no room with 1 of its pages staged"));
   EXPECT_EQ(full->GetSession("s").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(full->GetStats().tier[0].in_flight_pages, 0);
   EXPECT_EQ(full->GetStats().tier[0].free_pages, 1);
   EXPECT_INVARIANTS(*full);
+  ASSERT_OK(full->AbortStep("busy"));
 }
 
 TEST(KvTransferTest, PreCopyFinalPhaseSendsOnlyWhatChanged) {
