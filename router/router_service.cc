@@ -7,6 +7,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/block_hash.h"
@@ -972,23 +973,28 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
     }
     dest = w->address;
   } else {
-    // The session's context must fit the target's tier 0. Workers with the
-    // free pages to take it now come first: another would stage it in its host
-    // tier (or refuse it), and it would wait there for room to be restored.
+    // The session's context must fit the target's tier 0. Workers whose free
+    // device pages hold it twice over (itself and room to grow) come first,
+    // then those that hold it once: another would stage it in its host tier,
+    // where it waits for room to be restored, or refuse it. The placement's
+    // session and load caps alone sent sessions to a worker whose pins left
+    // them no room to run (qa26).
     std::vector<WorkerId> exclude = {loc->worker};
-    std::vector<WorkerId> no_room;
-    bool some_room = false;
+    std::vector<std::pair<WorkerId, int64_t>> others;  // worker, free pages over the session's
     for (const WorkerView& w : pool_->Healthy()) {
       if (w.address == loc->worker) continue;
       const int32_t page_tokens = w.kv_shape.page_tokens();
       const int64_t pages = page_tokens > 0 ? (loc->tokens + page_tokens - 1) / page_tokens : 0;
-      if (w.load.pages_total_device() > 0 && w.load.pages_free_device() < pages) {
-        no_room.push_back(w.address);
-      } else {
-        some_room = true;
-      }
+      const int64_t room = w.load.pages_total_device() > 0 ? w.load.pages_free_device() : pages * 2;
+      others.emplace_back(w.address, pages > 0 ? room / pages : 2);
     }
-    if (some_room) exclude.insert(exclude.end(), no_room.begin(), no_room.end());
+    for (const int64_t times : {2, 1}) {
+      if (absl::c_none_of(others, [times](const auto& o) { return o.second >= times; })) continue;
+      for (const auto& [worker, fits] : others) {
+        if (fits < times) exclude.push_back(worker);
+      }
+      break;
+    }
     auto p = Place(session_id, loc->tenant, false, {}, loc->tokens, exclude);
     if (!p.ok()) {
       return std::move(done)(absl::UnavailableError(
