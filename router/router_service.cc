@@ -1082,12 +1082,27 @@ void RouterService::CloseListedStaleCopies() {
   for (auto& [key, worker] : directory_->TakeStaleCopies()) CloseStaleCopy(key, worker);
 }
 
+void RouterService::RefreshSessionTokens(const SessionLocation& s) {
+  auto channel = pool_->Channel(s.worker);
+  if (channel == nullptr) return;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::SessionRequest req;
+  req.set_session_id(s.session_id);
+  req.set_tenant(s.tenant);
+  v1::SessionInfo info;
+  if (v1::Worker::NewStub(channel)->GetSession(&ctx, req, &info).ok()) {
+    directory_->NoteSessionTokens(s.key(), s.worker, info.tokens_cached());
+  }
+}
+
 void RouterService::EvacuateDraining() {
   for (const WorkerView& w : pool_->Workers()) {
     // An admin drain moves its own sessions (worker Drain with targets) until
     // its call ends.
     if (!w.connected || !w.draining || w.admin_draining) continue;
     for (const SessionLocation& s : directory_->SessionsOn(w.address)) {
+      RefreshSessionTokens(s);
       auto r = Migrate(s.key(), "", "drain");
       if (r.ok()) {
         KV_LOG_INFO("worker {} is draining: moved session '{}' to {}", w.address, s.session_id,

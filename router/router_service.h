@@ -185,6 +185,10 @@ class RouterService final : public v1::KvCache::CallbackService {
   void Rebalance();
   // Moves the sessions of workers that report `draining` (SIGTERM) elsewhere.
   void EvacuateDraining();
+  // Asks the session's worker how long it is (the directory knows the lengths of
+  // sessions this router served, not of those another router or a direct
+  // client grew), so that the move can be sized. Blocks up to 2 s.
+  void RefreshSessionTokens(const SessionLocation& s);
 
   const RouterOptions options_;
   WorkerPool* const pool_;
