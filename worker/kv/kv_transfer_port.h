@@ -70,8 +70,6 @@ struct ExportView {
 struct StagingPage {
   int tier = 0;
   PageId id = kNoPage;
-
-  bool operator==(const StagingPage& o) const { return tier == o.tier && id == o.id; }
 };
 
 // What an importer hands over to create a session.

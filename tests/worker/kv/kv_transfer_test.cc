@@ -204,6 +204,13 @@ TEST(KvTransferTest, ImportLargerThanTier0IsRefusedAndFreesStaging) {
 // arrives offloaded, byte for byte, findable by prefix there, and restores on
 // its next step. One larger than what pinned sessions leave of tier 0 could
 // never be restored there and is refused, as is one with room in neither tier.
+// Session "busy" of `tokens` tokens, held in tier 0 by a step (a request running).
+absl::Status HoldInAStep(KvCacheManager& m, int tokens) {
+  if (absl::Status st = m.CreateSession("busy", "t"); !st.ok()) return st;
+  if (absl::Status st = AppendWithKv(m, "busy", Seq(500, tokens)); !st.ok()) return st;
+  return m.BeginStep("busy", 0).status();
+}
+
 TEST(KvTransferTest, ImportOntoAHeldTier0ArrivesOffloaded) {
   auto src = MakeManager(8, 0);
   ASSERT_OK(src->CreateSession("s", "t"));
@@ -212,9 +219,7 @@ TEST(KvTransferTest, ImportOntoAHeldTier0ArrivesOffloaded) {
   for (const int free_tier0 : {0, 2}) {
     SCOPED_TRACE(absl::StrCat(free_tier0, " tier-0 pages free"));
     auto dst = MakeManager(6, 8);
-    ASSERT_OK(dst->CreateSession("busy", "t"));
-    ASSERT_OK(AppendWithKv(*dst, "busy", Seq(500, 4 * (6 - free_tier0))));
-    ASSERT_TRUE(dst->BeginStep("busy", 0).ok());  // running: held in tier 0 for now
+    ASSERT_OK(HoldInAStep(*dst, 4 * (6 - free_tier0)));  // running: held in tier 0 for now
     const uint64_t seq = dst->ReadEvents(0).last_seq;
     ASSERT_OK(ImportSession(dst.get(), chunks));
     const SessionInfo info = *dst->GetSession("s");
@@ -243,34 +248,30 @@ TEST(KvTransferTest, ImportOntoAHeldTier0ArrivesOffloaded) {
     ASSERT_OK(VerifyKv(*dst, "s"));
     EXPECT_INVARIANTS(*dst);
   }
+  // Refused, saying `why`, with nothing staged left behind.
+  auto refused = [&](KvCacheManager& m, const std::string& why) {
+    const absl::Status st = ImportSession(&m, chunks);
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(std::string(st.message()), HasSubstr(why));
+    EXPECT_EQ(m.GetSession("s").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(m.GetStats().tier[0].in_flight_pages, 0);
+    EXPECT_EQ(m.GetStats().tier[1].in_flight_pages, 0);
+    EXPECT_INVARIANTS(m);
+  };
   // Pinned sessions hold 2 of 6 tier-0 pages for good and a running one the
   // rest: the 5-page session could never be restored, so it is refused.
   auto pinned = MakeManager(6, 8);
   ASSERT_OK(pinned->CreateSession("pin", "t"));
   ASSERT_OK(AppendWithKv(*pinned, "pin", Seq(700, 8)));
   ASSERT_OK(pinned->PinSession("pin"));
-  ASSERT_OK(pinned->CreateSession("busy", "t"));
-  ASSERT_OK(AppendWithKv(*pinned, "busy", Seq(500, 16)));
-  ASSERT_TRUE(pinned->BeginStep("busy", 0).ok());
-  absl::Status st = ImportSession(pinned.get(), chunks);
-  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(st.message()), HasSubstr("could never be restored here"));
-  EXPECT_EQ(pinned->GetSession("s").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(pinned->GetStats().tier[1].in_flight_pages, 0);
+  ASSERT_OK(HoldInAStep(*pinned, 16));
+  refused(*pinned, "could never be restored here");
   EXPECT_EQ(pinned->GetStats().tier[1].free_pages, 8);
-  EXPECT_INVARIANTS(*pinned);
-  // No tier 1 and tier 0 held: refused, nothing left staged.
+  // No tier 1 and tier 0 held: refused.
   auto full = MakeManager(6, 0);
-  ASSERT_OK(full->CreateSession("busy", "t"));
-  ASSERT_OK(AppendWithKv(*full, "busy", Seq(500, 20)));
-  ASSERT_TRUE(full->BeginStep("busy", 0).ok());
-  st = ImportSession(full.get(), chunks);
-  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(st.message()), HasSubstr("no room with 1 of its pages staged"));
-  EXPECT_EQ(full->GetSession("s").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(full->GetStats().tier[0].in_flight_pages, 0);
+  ASSERT_OK(HoldInAStep(*full, 20));
+  refused(*full, "no room with 1 of its pages staged");
   EXPECT_EQ(full->GetStats().tier[0].free_pages, 1);
-  EXPECT_INVARIANTS(*full);
   ASSERT_OK(full->AbortStep("busy"));
 }
 

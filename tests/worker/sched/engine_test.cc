@@ -36,6 +36,30 @@ class EngineTest : public ::testing::Test {
     }
   }
 
+  // Exports session `id` whole, as a migration's source does, and hands it
+  // over: it leaves this engine. Empty (a test failure) when the export fails.
+  std::vector<kv::KvChunk> ExportAway(const std::string& id) {
+    std::vector<kv::KvChunk> chunks;
+    auto exporter = engine_->BeginExport(id, "t", kv::ExportOptions{});
+    EXPECT_TRUE(exporter.ok()) << exporter.status();
+    if (!exporter.ok()) return chunks;
+    kv::KvChunk chunk;
+    while (*(*exporter)->NextBulk(&chunk)) chunks.push_back(chunk);
+    while (*(*exporter)->NextFinal(&chunk)) chunks.push_back(chunk);
+    exporter->reset();
+    engine_->EndExport(id, "t", /*handed_to=*/"w2");
+    return chunks;
+  }
+
+  // An importer fed every chunk (staged, not yet adopted: FinishImport).
+  std::unique_ptr<kv::SessionImporter> StageImport(const std::vector<kv::KvChunk>& chunks) {
+    auto importer = engine_->BeginImport();
+    EXPECT_TRUE(importer.ok()) << importer.status();
+    if (!importer.ok()) return nullptr;
+    for (const kv::KvChunk& chunk : chunks) EXPECT_TRUE((*importer)->Add(chunk).ok());
+    return std::move(*importer);
+  }
+
   static std::vector<int32_t> Prompt(int n, int salt = 0) {
     std::vector<int32_t> p;
     for (int i = 0; i < n; ++i) p.push_back(kFirstByteToken + 'A' + (i * 7 + salt) % 26);
@@ -865,27 +889,17 @@ TEST_F(EngineTest, AMovedSessionKeepsWhatARequestThatEndedEarlyDropped) {
   ASSERT_TRUE(view.ok() && view->ended_early.has_value());
   EXPECT_EQ(view->ended_early->unread, 0);
   const std::vector<int32_t> context = *engine_->Context("s", "t");
-  std::vector<kv::KvChunk> chunks;
-  {
-    auto exporter = engine_->BeginExport("s", "t", kv::ExportOptions{});
-    ASSERT_TRUE(exporter.ok()) << exporter.status();
-    kv::KvChunk chunk;
-    while (*(*exporter)->NextBulk(&chunk)) chunks.push_back(chunk);
-    while (*(*exporter)->NextFinal(&chunk)) chunks.push_back(chunk);
-    exporter->reset();
-    engine_->EndExport("s", "t", /*handed_to=*/"w2");
-  }
+  const std::vector<kv::KvChunk> chunks = ExportAway("s");
   ASSERT_FALSE(engine_->View("s", "t").ok());
-  auto importer = engine_->BeginImport();
-  ASSERT_TRUE(importer.ok()) << importer.status();
-  for (const kv::KvChunk& chunk : chunks) ASSERT_TRUE((*importer)->Add(chunk).ok());
+  auto importer = StageImport(chunks);
+  ASSERT_NE(importer, nullptr);
   ImportedState state;
   state.last_reply_tokens = view->last_reply_tokens;
   state.last_request_tokens = view->last_request_tokens;
   state.reply_open = view->reply_open;
   state.reply_open_before = view->reply_open_before;
   state.ended_early = view->ended_early;
-  ASSERT_TRUE(engine_->FinishImport(**importer, context, state).ok());
+  ASSERT_TRUE(engine_->FinishImport(*importer, context, state).ok());
 
   GenerateRequest next = Req("s", RequestMode::kAppend, Prompt(3, 7), 3);
   next.tokens_read = 0;
@@ -911,28 +925,18 @@ TEST_F(EngineTest, APinnedSessionMovingOntoAHeldTier0ArrivesUnpinnedOnADrain) {
   first.Wait();
   ASSERT_TRUE(first.status.ok()) << first.status;
   const std::vector<int32_t> context = *engine_->Context("m", "t");
-  std::vector<kv::KvChunk> chunks;
-  {
-    auto exporter = engine_->BeginExport("m", "t", kv::ExportOptions{});
-    ASSERT_TRUE(exporter.ok()) << exporter.status();
-    kv::KvChunk chunk;
-    while (*(*exporter)->NextBulk(&chunk)) chunks.push_back(chunk);
-    while (*(*exporter)->NextFinal(&chunk)) chunks.push_back(chunk);
-    exporter->reset();
-    engine_->EndExport("m", "t", /*handed_to=*/"w2");
-  }
+  const std::vector<kv::KvChunk> chunks = ExportAway("m");
   Collector held;  // 2 of the 4 pages, in a step
   ASSERT_TRUE(SubmitHeldInItsThirdStep("hold", &held).ok());
 
   for (const bool drain : {false, true}) {
     SCOPED_TRACE(drain ? "a drain's move" : "an import");
-    auto importer = engine_->BeginImport();
-    ASSERT_TRUE(importer.ok()) << importer.status();
-    for (const kv::KvChunk& chunk : chunks) ASSERT_TRUE((*importer)->Add(chunk).ok());
+    auto importer = StageImport(chunks);
+    ASSERT_NE(importer, nullptr);
     ImportedState state;
     state.pinned = true;
     state.unpin_over_quota = drain;
-    const absl::StatusOr<kv::SessionName> name = engine_->FinishImport(**importer, context, state);
+    const absl::StatusOr<kv::SessionName> name = engine_->FinishImport(*importer, context, state);
     if (!drain) {
       EXPECT_EQ(name.status().code(), absl::StatusCode::kResourceExhausted) << name.status();
       EXPECT_FALSE(engine_->View("m", "t").ok());
@@ -2050,19 +2054,8 @@ TEST_F(EngineTest, AppendDuringAnImportsAdoptionWaitsForIt) {
     ASSERT_TRUE(engine_->Submit(Req(id, RequestMode::kFullContext, Prompt(40, round), 3), &first).ok());
     first.Wait();
     const std::vector<int32_t> context = *engine_->Context(id, "t");
-    std::vector<kv::KvChunk> chunks;
-    {
-      auto exporter = engine_->BeginExport(id, "t", kv::ExportOptions{});
-      ASSERT_TRUE(exporter.ok()) << exporter.status();
-      kv::KvChunk chunk;
-      while (*(*exporter)->NextBulk(&chunk)) chunks.push_back(chunk);
-      while (*(*exporter)->NextFinal(&chunk)) chunks.push_back(chunk);
-      exporter->reset();
-      engine_->EndExport(id, "t", /*handed_to=*/"w2");  // it left
-    }
-    auto importer = engine_->BeginImport();
-    ASSERT_TRUE(importer.ok()) << importer.status();
-    for (const kv::KvChunk& chunk : chunks) ASSERT_TRUE((*importer)->Add(chunk).ok());
+    auto importer = StageImport(ExportAway(id));  // it left, and comes back
+    ASSERT_NE(importer, nullptr);
     ASSERT_TRUE(kv_->GetSession(kv::SessionKey("t", id)).ok());  // in the cache, not yet adopted
     Collector append;
     absl::StatusOr<uint64_t> submitted;
@@ -2072,7 +2065,7 @@ TEST_F(EngineTest, AppendDuringAnImportsAdoptionWaitsForIt) {
       submitted = engine_->Submit(Req(id, RequestMode::kAppend, Prompt(3, 1), 2), &append);
     });
     go.WaitForNotification();
-    ASSERT_TRUE(engine_->FinishImport(**importer, context).ok());
+    ASSERT_TRUE(engine_->FinishImport(*importer, context).ok());
     client.join();
     ASSERT_TRUE(submitted.ok()) << "round " << round << ": " << submitted.status();
     append.Wait();
