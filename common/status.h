@@ -24,6 +24,12 @@ inline constexpr char kWorkerDrainingMessage[] = "worker is draining";
 inline constexpr char kStreamCutByDrainMessage[] =
     "worker is draining: stream cut; the session keeps the tokens sent and moves to another worker";
 
+// How a worker's RESOURCE_EXHAUSTED for a request begins when its tier 0 has no
+// page for it: running requests, pinned sessions and sessions moving in or out
+// hold the rest. Another worker may have room: a router moves an APPEND's
+// session to one that has, and runs the request there.
+inline constexpr char kNoKvMemoryMessage[] = "no KV cache memory";
+
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

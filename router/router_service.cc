@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "absl/algorithm/container.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/block_hash.h"
@@ -357,6 +358,18 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       if (router_->executor_.Schedule([this, from, wait] { FollowMovedSession(from, wait); })) return;
       return Finish(st);
     }
+    // An APPEND its worker had no KV memory for (running requests and pinned
+    // sessions hold that tier 0) moves with its session to a worker with room,
+    // and runs there. Before, the client got RESOURCE_EXHAUSTED however much
+    // room other workers had: a session that an admin drain left in a pinned
+    // worker's host tier could not grow again while the pins stayed (qa26).
+    if (append_ && st.error_code() == grpc::RESOURCE_EXHAUSTED && !lost_midstream &&
+        absl::StartsWith(st.error_message(), kNoKvMemoryMessage) &&
+        attempts_ < router_->options_.max_attempts) {
+      const WorkerId from = placement_.worker;
+      if (router_->executor_.Schedule([this, from] { MoveSessionForRoom(from); })) return;
+      return Finish(st);
+    }
     if (st.error_code() == grpc::UNAVAILABLE && !drain_refusal && !drain_cut)
       router_->pool_->MarkSuspect(placement_.worker);
     if (append_ && drain_cut) {
@@ -381,6 +394,21 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     KV_LOG_WARN("request on worker {} failed ({}); trying another worker", placement_.worker,
                 st.error_message());
     NextAttempt();
+  }
+
+  // After `from` had no KV memory for this APPEND: moves the session to a
+  // worker with room for it and the request (its input and max_tokens), then
+  // follows it there; else the client gets that RESOURCE_EXHAUSTED.
+  void MoveSessionForRoom(const WorkerId& from) {
+    if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
+    const SessionKey key{request_.tenant(), request_.session_id()};
+    const int64_t grow = static_cast<int64_t>(tokens_.size()) + std::max(0, request_.sampling().max_tokens());
+    if (absl::Status moved = router_->MoveForRoom(key, from, grow); !moved.ok()) {
+      KV_LOG_INFO("session '{}' has no KV memory on {} and stays there: {}", request_.session_id(), from,
+                  moved.ToString());
+      return Finish(last_);
+    }
+    FollowMovedSession(from, router_->options_.session_lookup_wait);
   }
 
   // After `from` answered an APPEND NOT_FOUND: follows the session if the
@@ -955,6 +983,62 @@ void RouterService::MigrateByIdAsync(const std::string& session_id, const std::s
   }
 }
 
+absl::StatusOr<WorkerId> RouterService::MoveTarget(const SessionLocation& loc, int64_t grow_tokens,
+                                                   bool need_room) {
+  // The session's context must fit the target's tier 0. Workers whose free
+  // device pages hold it twice over (itself and room to grow) come first, then
+  // those that hold it once: another would stage it in its host tier, where it
+  // waits for room to be restored, or refuse it. The placement's session and
+  // load caps alone sent sessions to a worker whose pins left them no room to
+  // run (qa26).
+  const int64_t tokens = loc.tokens + grow_tokens;
+  std::vector<WorkerId> exclude = {loc.worker};
+  std::vector<std::pair<WorkerId, int64_t>> others;  // worker, free pages over the session's
+  for (const WorkerView& w : pool_->Healthy()) {
+    if (w.address == loc.worker) continue;
+    const int32_t page_tokens = w.kv_shape.page_tokens();
+    const int64_t pages = page_tokens > 0 ? (tokens + page_tokens - 1) / page_tokens : 0;
+    const int64_t room = w.load.pages_total_device() > 0 ? w.load.pages_free_device() : pages * 2;
+    others.emplace_back(w.address, pages > 0 ? room / pages : 2);
+  }
+  bool roomy = false;
+  for (const int64_t times : {2, 1}) {
+    if (absl::c_none_of(others, [times](const auto& o) { return o.second >= times; })) continue;
+    for (const auto& [worker, fits] : others) {
+      if (fits < times) exclude.push_back(worker);
+    }
+    roomy = true;
+    break;
+  }
+  if (need_room && !roomy) {
+    return absl::ResourceExhaustedError(absl::StrCat("no other worker has free device pages for session '",
+                                                     loc.session_id, "' (", tokens, " tokens)"));
+  }
+  auto p = Place(loc.session_id, loc.tenant, false, {}, tokens, exclude);
+  if (!p.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("no other worker can take session '", loc.session_id, "': ", p.status().message()));
+  }
+  return p->worker;
+}
+
+absl::Status RouterService::MoveForRoom(const SessionKey& key, const WorkerId& from, int64_t grow_tokens) {
+  std::optional<SessionLocation> loc = directory_->FindSession(key);
+  if (loc.has_value() && loc->worker == from) {
+    RefreshSessionTokens(*loc);
+    loc = directory_->FindSession(key);
+  }
+  if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
+  if (loc->worker != from) return absl::OkStatus();  // moved meanwhile
+  absl::StatusOr<WorkerId> dest = MoveTarget(*loc, grow_tokens, /*need_room=*/true);
+  if (!dest.ok()) return dest.status();
+  absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, "room");
+  if (!moved.ok()) return moved.status();
+  KV_LOG_INFO("session '{}' ({} tokens) had no KV memory on {} for {} more: moved it to {}", key.session_id,
+              loc->tokens, from, grow_tokens, *dest);
+  return absl::OkStatus();
+}
+
 void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
                                  Done<v1::MigrateSessionResponse> done) {
   const std::string& session_id = key.session_id;
@@ -973,34 +1057,9 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
     }
     dest = w->address;
   } else {
-    // The session's context must fit the target's tier 0. Workers whose free
-    // device pages hold it twice over (itself and room to grow) come first,
-    // then those that hold it once: another would stage it in its host tier,
-    // where it waits for room to be restored, or refuse it. The placement's
-    // session and load caps alone sent sessions to a worker whose pins left
-    // them no room to run (qa26).
-    std::vector<WorkerId> exclude = {loc->worker};
-    std::vector<std::pair<WorkerId, int64_t>> others;  // worker, free pages over the session's
-    for (const WorkerView& w : pool_->Healthy()) {
-      if (w.address == loc->worker) continue;
-      const int32_t page_tokens = w.kv_shape.page_tokens();
-      const int64_t pages = page_tokens > 0 ? (loc->tokens + page_tokens - 1) / page_tokens : 0;
-      const int64_t room = w.load.pages_total_device() > 0 ? w.load.pages_free_device() : pages * 2;
-      others.emplace_back(w.address, pages > 0 ? room / pages : 2);
-    }
-    for (const int64_t times : {2, 1}) {
-      if (absl::c_none_of(others, [times](const auto& o) { return o.second >= times; })) continue;
-      for (const auto& [worker, fits] : others) {
-        if (fits < times) exclude.push_back(worker);
-      }
-      break;
-    }
-    auto p = Place(session_id, loc->tenant, false, {}, loc->tokens, exclude);
-    if (!p.ok()) {
-      return std::move(done)(absl::UnavailableError(
-          absl::StrCat("no other worker can take session '", session_id, "': ", p.status().message())));
-    }
-    dest = p->worker;
+    absl::StatusOr<WorkerId> picked = MoveTarget(*loc, 0, /*need_room=*/false);
+    if (!picked.ok()) return std::move(done)(picked.status());
+    dest = *std::move(picked);
   }
   if (dest == loc->worker) {
     return std::move(done)(absl::FailedPreconditionError("the session already lives on that worker"));

@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -1009,6 +1010,75 @@ TEST_F(RouterTest, AnAppendOutOfRoomMidReplyIsNotSaidToBeLost) {
   Reply after = Generate(stub.get(), next);
   ASSERT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_GE(after.final.usage().cached_tokens(), 40 + 2 + 4);
+}
+
+// An APPEND whose worker has no KV memory for it (a pinned session holds most
+// of that tier 0) moves with its session to a worker that has room, and runs
+// there on the session's K/V, answering what the conversation gives on a worker
+// that always had room. Before, the client got RESOURCE_EXHAUSTED while the
+// other worker stood empty (qa26: a session an admin drain left beside pins
+// could not grow again).
+TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
+  StartWorkers(2, {"--tier0_bytes=524288"});  // 128 pages of 16 tokens
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto ids = [](int n, int salt) {
+    std::vector<int32_t> v;
+    for (int k = 0; k < n; ++k) v.push_back(3 + (k * 7 + salt) % 250);
+    return v;
+  };
+  // Both sessions on w0, made there directly: the router learns of them from
+  // w0's events, without their lengths.
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  v1::GenerateRequest hold = testing::TokensRequest("hold", ids(1580, 1), 2);
+  hold.set_pin(true);  // 99 pages
+  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
+  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("s", ids(400, 2), 2)).status.ok());  // 26 pages
+  // 3 pages are left; the turn needs 6 more.
+  const v1::GenerateRequest turn = testing::TokensRequest("s", ids(100, 3), 4, v1::APPEND);
+  Reply r = Generate(stub.get(), turn);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), "w1");
+  // All but the last reply token, whose K/V this turn computes.
+  EXPECT_EQ(r.final.usage().cached_tokens(), 401);
+  EXPECT_EQ(r.final.usage().recomputed_tokens(), 0);
+  auto metrics = testing::HttpGet(router->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(testing::MetricSample(*metrics, "kvcache_router_migrations_total{reason=\"room\"}"), 1.0);
+  // The same conversation on the worker with room all along.
+  auto w1 = v1::Worker::NewStub(workers_[1]->channel());
+  ASSERT_TRUE(Generate(w1.get(), testing::TokensRequest("ref", ids(400, 2), 2)).status.ok());
+  v1::GenerateRequest ref_turn = turn;
+  ref_turn.set_session_id("ref");
+  Reply ref = Generate(w1.get(), ref_turn);
+  ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+  EXPECT_EQ(r.tokens, ref.tokens);
+  // Where no worker has room, the APPEND gets its worker's RESOURCE_EXHAUSTED
+  // and its session stays.
+  v1::GenerateRequest hold1 = testing::TokensRequest("hold1", ids(1100, 4), 2);
+  hold1.set_pin(true);  // 69 pages, beside s's 32 (ref shares them): 26 or fewer are left
+  ASSERT_TRUE(Generate(w1.get(), hold1).status.ok());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w1's load since
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
+    return absl::c_any_of(resp.workers(), [](const v1::WorkerInfo& w) {
+      return w.worker_id() == "w1" && w.load().pages_free_device() < 32;
+    });
+  }));
+  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("t", ids(400, 5), 2)).status.ok());
+  Reply refused = Generate(stub.get(), testing::TokensRequest("t", ids(100, 6), 4, v1::APPEND));
+  EXPECT_EQ(refused.status.error_code(), grpc::RESOURCE_EXHAUSTED) << refused.status.error_message();
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("no KV cache memory"));
+  grpc::ClientContext ctx;
+  v1::SessionRequest get;
+  get.set_session_id("t");
+  v1::SessionInfo info;
+  ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
+  EXPECT_EQ(info.worker_id(), "w0");
+  EXPECT_EQ(info.tokens_cached(), 401);
 }
 
 // A worker killed and restarted at the same address (a rescheduled pod of a

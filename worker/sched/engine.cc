@@ -1083,8 +1083,8 @@ void Engine::Loop() {
         if (victim != nullptr) {
           Finish(*victim,
                  absl::ResourceExhaustedError(absl::StrCat(
-                     victim->result.output.empty() ? "no KV cache memory to start the request"
-                                                   : "no KV cache memory for the context to grow",
+                     kNoKvMemoryMessage,
+                     victim->result.output.empty() ? " to start the request" : " for the context to grow",
                      ": tier 0 holds ", kv_->tier_capacity_pages(0), " pages (--tier0_bytes); ",
                      kv_->GetStats().tier[0].free_pages,
                      " are free, too few for this step, and the others are held by running requests, "
