@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -330,7 +331,7 @@ absl::Status ServerProcess::Serve(const std::vector<grpc::Service*>& services,
   // the server's shutdown until the deadline).
   health_.Shutdown();
   for (Frontend* f : frontends_) f->Drain(deadline);
-  server->Shutdown(absl::ToChronoTime(deadline));
+  server->Shutdown(absl::ToChronoTime(std::min(deadline, absl::Now() + options_.stop_grace)));
   server->Wait();
   for (Frontend* f : frontends_) f->Stop();
   {

@@ -53,6 +53,13 @@ struct ServerOptions {
   std::string metrics_address = "127.0.0.1:0";
   // How long running RPCs may take to finish after SIGTERM before being cancelled.
   absl::Duration shutdown_deadline = absl::Seconds(10);
+  // Once Serve's `on_shutdown` has returned, how long the calls still running
+  // may hold the server's stop, within shutdown_deadline. gRPC closes a
+  // client's idle connection only when its client reads the GOAWAY, or at this
+  // point: a process whose on_shutdown has finished its work (a worker whose
+  // sessions have left) would otherwise wait out the deadline for clients that
+  // hold idle channels without polling them.
+  absl::Duration stop_grace = absl::InfiniteDuration();
   // Largest gRPC message received, in bytes.
   int max_receive_message_bytes = 8 << 20;
   // Pings of the connections it accepts (and, in the binaries, of the channels

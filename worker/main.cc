@@ -256,6 +256,9 @@ absl::StatusOr<TierBudgets> FitMemoryLimit(const backend::DeviceSpec& device, co
 int Run() {
   auto options = ServerOptionsFromFlags(kName);
   if (!options.ok()) DieWith(kName, options.status());
+  // Its shutdown hook returns once the streams are done and the sessions have
+  // left (or the deadline is near): what is left are stragglers.
+  options->stop_grace = absl::Seconds(1);
   if (absl::Status st = CheckFlags(); !st.ok()) DieWith(kName, st);
   auto cluster_token = PeerAuthFromOptions(*options);
   if (!cluster_token.ok()) DieWith(kName, cluster_token.status());
