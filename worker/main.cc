@@ -391,6 +391,9 @@ int Run() {
     // OK (ServerProcess::Serve), not cancelled at a deadline already passed.
     const absl::Time sessions_deadline = deadline - std::min(absl::Seconds(1), left / 10);
     service.FinishOrCutStreams(std::min(left * 2 / 3, so.drain_deadline), left / 3);
+    if (!service.WaitNoImports(sessions_deadline - absl::Now())) {
+      KV_LOG_WARN("shutting down with a session import still in flight");
+    }
     // Only a router that watches us can move the sessions. With none watching
     // since before the drain (a lone worker, or its routers stopped first, as a
     // whole deployment's teardown does) they end now; with one gone since, the

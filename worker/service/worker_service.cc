@@ -235,6 +235,13 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
   ImportReactor(WorkerService* service, v1::SessionInfo* response) : service_(service), response_(response) {}
 
   void Start() {
+    {
+      // Counted before the drain check, so that a drain that begins after the
+      // check waits for this import (WaitNoImports).
+      absl::MutexLock lock(&service_->mu_);
+      ++service_->imports_in_flight_;
+      counted_ = true;
+    }
     if (absl::Status st = service_->RefuseWhileDraining(); !st.ok()) return Done(st);
     auto importer = service_->engine_->BeginImport();
     if (!importer.ok()) return Done(importer.status());
@@ -257,6 +264,11 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     ++next_index_;
     if (chunk_.has_begin()) {
       if (absl::Status st = ValidateSessionId(chunk_.begin().session_id()); !st.ok()) return Done(st);
+    }
+    // A worker that began draining takes no session in: the exporter keeps it
+    // and tries elsewhere (a drain its next target, a router another worker).
+    if (chunk_.has_commit()) {
+      if (absl::Status st = service_->RefuseWhileDraining(); !st.ok()) return Done(st);
     }
     const sched::ImportedState state =
         chunk_.has_commit() ? CommitState(chunk_.commit()) : sched::ImportedState{};
@@ -283,10 +295,16 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
  private:
   void Done(const absl::Status& st) {
     importer_.reset();  // frees staging pages unless committed
+    if (counted_) {
+      absl::MutexLock lock(&service_->mu_);
+      --service_->imports_in_flight_;
+      counted_ = false;
+    }
     Finish(ToGrpcStatus(st));
   }
 
   WorkerService* const service_;
+  bool counted_ = false;  // in imports_in_flight_
   v1::SessionInfo* const response_;
   std::unique_ptr<kv::SessionImporter> importer_;
   v1::SessionChunk chunk_;
@@ -708,6 +726,13 @@ void WorkerService::BeginDrain() {
   KV_LOG_INFO("draining: readiness NOT_SERVING, new requests refused");
 }
 
+bool WorkerService::WaitNoImports(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(
+                                  +[](int* n) { return *n == 0; }, &imports_in_flight_),
+                              timeout);
+}
+
 void WorkerService::FinishOrCutStreams(absl::Duration streams_for, absl::Duration cut_wait) {
   if (engine_->WaitIdle(streams_for)) return;
   const int cut = engine_->CutRequests(absl::UnavailableError(kStreamCutByDrainMessage));
@@ -721,6 +746,7 @@ v1::DrainResponse WorkerService::DrainAndMigrate(const std::vector<std::string>&
   BeginDrain();
   constexpr absl::Duration kCutWait = absl::Seconds(10);  // the next step boundary
   FinishOrCutStreams(deadline, kCutWait);
+  WaitNoImports(kCutWait);
   v1::DrainResponse out;
   size_t next = 0;
   for (const kv::SessionName& s : engine_->Sessions()) {

@@ -72,6 +72,12 @@ class WorkerService : public v1::Worker::CallbackService {
   // was sent, so the sessions can move) and waits up to `cut_wait` for them to
   // end (the next step boundary).
   void FinishOrCutStreams(absl::Duration streams_for, absl::Duration cut_wait);
+  // Waits up to `timeout` for the imports in flight to end (a draining worker
+  // refuses their commits, see ImportReactor, or took them before it drained:
+  // then they are sessions, which the drain moves on). True when none is left.
+  // Before, a worker SIGTERMed during an import counted no session, exited, and
+  // the import committed into the exiting process: the session was lost (qa27).
+  bool WaitNoImports(absl::Duration timeout);
   // Drains: waits for running requests (bounded by `deadline`, then cut), then
   // migrates idle sessions to `targets` in turn (offloads them when there are
   // none).
@@ -158,6 +164,7 @@ class WorkerService : public v1::Worker::CallbackService {
   };
   mutable absl::Mutex mu_;
   std::vector<Background> background_ ABSL_GUARDED_BY(mu_);
+  int imports_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // ImportReactors between Start and Done
 };
 
 }  // namespace kvcache::service
