@@ -403,21 +403,30 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     const SessionKey key{request_.tenant(), request_.session_id()};
     const int64_t grow = static_cast<int64_t>(tokens_.size()) + std::max(0, request_.sampling().max_tokens());
-    if (absl::Status moved = router_->MoveForRoom(key, from, grow); !moved.ok()) {
+    absl::StatusOr<WorkerId> moved = router_->MoveForRoom(key, from, grow);
+    // NOT_FOUND: the session left `from` meanwhile (a concurrent request on it
+    // moved it, a drain): follow it, where that request's worker answers this
+    // one (ABORTED while it runs), instead of saying there is no room.
+    if (!moved.ok() && !absl::IsNotFound(moved.status())) {
       KV_LOG_INFO("session '{}' has no KV memory on {} and stays there: {}", request_.session_id(), from,
-                  moved.ToString());
+                  moved.status().ToString());
       return Finish(last_);
     }
-    FollowMovedSession(from, router_->options_.session_lookup_wait);
+    FollowMovedSession(from, router_->options_.session_lookup_wait, moved.ok() ? *moved : WorkerId());
   }
 
   // After `from` answered an APPEND NOT_FOUND: follows the session if the
   // directory shows it on another worker within `wait`; else the client gets
   // that NOT_FOUND (a session that is gone for good costs the client `wait`).
-  void FollowMovedSession(const WorkerId& from, absl::Duration wait) {
+  // `moved_to`: the worker this router just moved the session to; if the
+  // directory never shows it there, the session was lost with that worker.
+  void FollowMovedSession(const WorkerId& from, absl::Duration wait, const WorkerId& moved_to = "") {
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     const SessionKey key{request_.tenant(), request_.session_id()};
     std::optional<SessionLocation> loc = router_->directory_->AwaitSessionOff(key, from, wait);
+    if (!loc.has_value() && !moved_to.empty()) {
+      return Finish(ToGrpcStatus(Directory::LostError(key, moved_to)));
+    }
     if (!loc.has_value()) {
       // A process restarted at the worker's address answers NOT_FOUND for what
       // the one before held: once its snapshot is in, the directory says so.
@@ -1022,21 +1031,30 @@ absl::StatusOr<WorkerId> RouterService::MoveTarget(const SessionLocation& loc, i
   return p->worker;
 }
 
-absl::Status RouterService::MoveForRoom(const SessionKey& key, const WorkerId& from, int64_t grow_tokens) {
+absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const WorkerId& from,
+                                                    int64_t grow_tokens) {
   std::optional<SessionLocation> loc = directory_->FindSession(key);
   if (loc.has_value() && loc->worker == from) {
-    RefreshSessionTokens(*loc);
+    AskSession(*loc);
     loc = directory_->FindSession(key);
   }
   if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
-  if (loc->worker != from) return absl::OkStatus();  // moved meanwhile
+  if (loc->worker != from) return loc->worker;  // moved meanwhile
   absl::StatusOr<WorkerId> dest = MoveTarget(*loc, grow_tokens, /*need_room=*/true);
   if (!dest.ok()) return dest.status();
   absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, "room");
-  if (!moved.ok()) return moved.status();
+  if (!moved.ok()) {
+    // Another request's move (or a drain) took the session meanwhile: the
+    // migration then fails NOT_FOUND, or FAILED_PRECONDITION when the session
+    // left during the export. The caller follows it.
+    if (absl::IsNotFound(AskSession(*loc).status())) {
+      return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' left ", from, " meanwhile"));
+    }
+    return moved.status();
+  }
   KV_LOG_INFO("session '{}' ({} tokens) had no KV memory on {} for {} more: moved it to {}", key.session_id,
               loc->tokens, from, grow_tokens, *dest);
-  return absl::OkStatus();
+  return *dest;
 }
 
 void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
@@ -1141,37 +1159,53 @@ void RouterService::CloseListedStaleCopies() {
   for (auto& [key, worker] : directory_->TakeStaleCopies()) CloseStaleCopy(key, worker);
 }
 
-void RouterService::RefreshSessionTokens(const SessionLocation& s) {
+absl::StatusOr<v1::SessionInfo> RouterService::AskSession(const SessionLocation& s) {
   auto channel = pool_->Channel(s.worker);
-  if (channel == nullptr) return;
+  if (channel == nullptr) return absl::UnavailableError(absl::StrCat("worker ", s.worker, " is gone"));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::SessionRequest req;
   req.set_session_id(s.session_id);
   req.set_tenant(s.tenant);
   v1::SessionInfo info;
-  if (v1::Worker::NewStub(channel)->GetSession(&ctx, req, &info).ok()) {
-    directory_->NoteSessionTokens(s.key(), s.worker, info.tokens_cached());
+  if (grpc::Status st = v1::Worker::NewStub(channel)->GetSession(&ctx, req, &info); !st.ok()) {
+    return FromGrpcStatus(st);
   }
+  directory_->NoteSessionTokens(s.key(), s.worker, info.tokens_cached());
+  return info;
 }
 
 void RouterService::EvacuateDraining() {
+  // A running session's move waits for its stream to end (or to be cut at the
+  // drain deadline), so the idle sessions of every draining worker move first.
+  // Before, the idle sessions after a running one in the directory's order
+  // waited for its cut, and those the rest of the deadline could not move were
+  // lost with the worker (qa27: 7 of 30).
+  std::vector<SessionLocation> running;
+  auto move = [this](const SessionLocation& s) {
+    auto r = Migrate(s.key(), "", "drain");
+    if (r.ok()) {
+      KV_LOG_INFO("worker {} is draining: moved session '{}' to {}", s.worker, s.session_id,
+                  r->session().worker_id());
+    } else {
+      KV_LOG_WARN("worker {} is draining: could not move session '{}': {}", s.worker, s.session_id,
+                  r.status().ToString());
+    }
+  };
   for (const WorkerView& w : pool_->Workers()) {
     // An admin drain moves its own sessions (worker Drain with targets) until
     // its call ends.
     if (!w.connected || !w.draining || w.admin_draining) continue;
     for (const SessionLocation& s : directory_->SessionsOn(w.address)) {
-      RefreshSessionTokens(s);
-      auto r = Migrate(s.key(), "", "drain");
-      if (r.ok()) {
-        KV_LOG_INFO("worker {} is draining: moved session '{}' to {}", w.address, s.session_id,
-                    r->session().worker_id());
+      absl::StatusOr<v1::SessionInfo> info = AskSession(s);
+      if (info.ok() && info->state() == v1::SESSION_RUNNING) {
+        running.push_back(s);
       } else {
-        KV_LOG_WARN("worker {} is draining: could not move session '{}': {}", w.address, s.session_id,
-                    r.status().ToString());
+        move(s);
       }
     }
   }
+  for (const SessionLocation& s : running) move(s);
 }
 
 void RouterService::Rebalance() {

@@ -185,20 +185,21 @@ class RouterService final : public v1::KvCache::CallbackService {
   void Rebalance();
   // Moves the sessions of workers that report `draining` (SIGTERM) elsewhere.
   void EvacuateDraining();
-  // Asks the session's worker how long it is (the directory knows the lengths of
-  // sessions this router served, not of those another router or a direct
-  // client grew), so that the move can be sized. Blocks up to 2 s.
-  void RefreshSessionTokens(const SessionLocation& s);
+  // Asks the session's worker about it (GetSession) and notes its length in the
+  // directory, which knows the lengths of sessions this router served, not of
+  // those another router or a direct client grew, so that a move can be sized.
+  // Blocks up to 2 s.
+  absl::StatusOr<v1::SessionInfo> AskSession(const SessionLocation& s);
   // Where a move of the session at `loc` goes when no target is named: workers
   // whose free device pages hold the session, and `grow_tokens` more, twice over
   // come first, then those that hold them once. Past those, any worker placement
   // takes, unless `need_room` (then RESOURCE_EXHAUSTED).
   absl::StatusOr<WorkerId> MoveTarget(const SessionLocation& loc, int64_t grow_tokens, bool need_room);
   // Moves session `key` off worker `from`, which had no KV memory for a request
-  // that would add `grow_tokens` to it, to a worker with room for both. OK
-  // without a move when the session is on another worker already. Blocks
-  // (the executor's threads only).
-  absl::Status MoveForRoom(const SessionKey& key, const WorkerId& from, int64_t grow_tokens);
+  // that would add `grow_tokens` to it, to a worker with room for both, and
+  // returns that worker; the directory's worker, without a move, when that is
+  // another already. Blocks (the executor's threads only).
+  absl::StatusOr<WorkerId> MoveForRoom(const SessionKey& key, const WorkerId& from, int64_t grow_tokens);
 
   const RouterOptions options_;
   WorkerPool* const pool_;

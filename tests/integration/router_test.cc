@@ -1081,6 +1081,43 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   EXPECT_EQ(info.tokens_cached(), 401);
 }
 
+// Two APPENDs at once on a session whose worker has no room for them: one
+// moves the session and runs; the other follows it and runs after it or is
+// ABORTED (the session is busy), never told there is no room. Before, the
+// second, whose own move found the session gone, got the first worker's
+// RESOURCE_EXHAUSTED (qa27: 11 of 15 rounds).
+TEST_F(RouterTest, TwoAppendsAtOnceOnASessionWithoutRoomAreNeverToldThereIsNone) {
+  StartWorkers(2, {"--tier0_bytes=524288"});  // 128 pages of 16 tokens
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(1580, 9), 2);
+  hold.set_pin(true);  // 99 pages
+  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
+  for (int round = 0; round < 3; ++round) {
+    const std::string id = "c" + std::to_string(round);
+    // 26 pages: 3 are left, and each turn needs 6 more.
+    ASSERT_TRUE(
+        Generate(w0.get(), testing::TokensRequest(id, std::vector<int32_t>(400, 3 + round), 2)).status.ok());
+    const v1::GenerateRequest turn = testing::TokensRequest(id, std::vector<int32_t>(100, 7), 4, v1::APPEND);
+    Reply replies[2];
+    std::thread other([&] { replies[1] = Generate(stub.get(), turn); });
+    replies[0] = Generate(stub.get(), turn);
+    other.join();
+    int ok = 0;
+    for (const Reply& r : replies) {
+      EXPECT_TRUE(r.status.ok() || r.status.error_code() == grpc::ABORTED)
+          << id << ": " << r.status.error_code() << " " << r.status.error_message();
+      if (r.status.ok()) {
+        ++ok;
+        EXPECT_EQ(r.final.worker_id(), "w1");
+      }
+    }
+    EXPECT_GE(ok, 1) << id;
+  }
+}
+
 // A worker killed and restarted at the same address (a rescheduled pod of a
 // StatefulSet) comes back without the sessions it held: an APPEND to one of
 // them is told it was lost with that worker, so that the client resends the
@@ -1162,8 +1199,6 @@ TEST_F(RouterTest, AWorkerWhoseRouterGoesDuringItsDrainWaitsForOneToReturn) {
 
   router = StartRouter({"--model=" + slow, "--min_ready_workers=1"});
   ASSERT_NE(router, nullptr);
-  // (It exits some seconds after its sessions leave: the fixture's idle
-  // channel to it answers the server's GOAWAY only at its next poll.)
   ASSERT_TRUE(server.process().Wait(absl::Seconds(30)).ok()) << "the new router did not move its sessions";
   auto stub = v1::KvCache::NewStub(router->channel());
   for (const std::string& id : by_worker[leaving]) {
@@ -1172,6 +1207,53 @@ TEST_F(RouterTest, AWorkerWhoseRouterGoesDuringItsDrainWaitsForOneToReturn) {
     EXPECT_EQ(r.final.worker_id(), staying);
     EXPECT_GE(r.final.usage().cached_tokens(), 40) << id << " was recomputed, not moved";
   }
+  std::remove(slow.c_str());
+}
+
+// A SIGTERMed worker's idle sessions move while a stream still runs on it:
+// the router moves a running session last, since its move waits for the
+// stream. Before, the idle sessions after it in the directory's order waited
+// for the stream's end or cut, and those the deadline then left no time for
+// were lost with the worker (qa27: 7 of 30).
+TEST_F(RouterTest, ADrainMovesIdleSessionsWhileAStreamStillRuns) {
+  // A model slow enough (SmolLM2's shape, 30 layers) that a 1,500-token stream
+  // outlasts the moves by seconds.
+  const std::string slow = ::testing::TempDir() + "/kvcache_router_test_slower.gguf";
+  gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
+  o.n_ctx = 2048;
+  ASSERT_TRUE(gguf::WriteTinyLlama(o, slow).ok());
+  StartWorkers(2, {"--model=" + slow, "--shutdown_deadline=60s"});
+  auto router = StartRouter({"--model=" + slow});
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  auto worker_of = [&](const std::string& id) {
+    grpc::ClientContext ctx;
+    v1::SessionRequest get;
+    get.set_session_id(id);
+    v1::SessionInfo info;
+    return stub->GetSession(&ctx, get, &info).ok() ? info.worker_id() : std::string();
+  };
+  std::vector<std::string> idle;
+  for (int i = 0; i < 6; ++i) {
+    idle.push_back("idle-" + std::to_string(i));
+    ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest(idle.back(), std::vector<int32_t>(40, 3 + i), 2))
+                    .status.ok());
+  }
+  v1::GenerateRequest long_req = testing::TokensRequest("long", std::vector<int32_t>(20, 5), 1500);
+  long_req.mutable_sampling()->set_ignore_eos(true);
+  testing::PartialStream stream(w0.get(), long_req);
+  ASSERT_TRUE(stream.ReadTokens(1));
+  ASSERT_TRUE(testing::WaitUntil([&] { return worker_of("long") == "w0"; }));
+  workers_[0]->process().Signal(SIGTERM);
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] { return absl::c_all_of(idle, [&](const std::string& id) { return worker_of(id) == "w1"; }); },
+      absl::Seconds(20)))
+      << "the idle sessions did not move while the stream ran";
+  EXPECT_EQ(worker_of("long"), "w0") << "the stream ended before the idle sessions had moved";
+  stream.Cancel();  // its session keeps what was sent, and moves too
+  ASSERT_TRUE(workers_[0]->process().Wait(absl::Seconds(30)).ok()) << "the running session did not move";
+  EXPECT_EQ(worker_of("long"), "w1");
   std::remove(slow.c_str());
 }
 
