@@ -29,6 +29,10 @@ inline constexpr char kStreamCutByDrainMessage[] =
 // hold the rest. Another worker may have room: a router moves an APPEND's
 // session to one that has, and runs the request there.
 inline constexpr char kNoKvMemoryMessage[] = "no KV cache memory";
+// How a worker's OUT_OF_RANGE for a request begins when its context needs more
+// KV pages than the worker's whole tier 0 holds: a worker with a larger tier 0
+// may hold it, and a router moves an APPEND's session to one with room.
+inline constexpr char kContextOverTier0Message[] = "context over this worker's tier 0";
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);

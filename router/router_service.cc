@@ -363,9 +363,13 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     // and runs there. Before, the client got RESOURCE_EXHAUSTED however much
     // room other workers had: a session that an admin drain left in a pinned
     // worker's host tier could not grow again while the pins stayed (qa26).
-    if (append_ && st.error_code() == grpc::RESOURCE_EXHAUSTED && !lost_midstream &&
-        absl::StartsWith(st.error_message(), kNoKvMemoryMessage) &&
-        attempts_ < router_->options_.max_attempts) {
+    // So does one whose context outgrew that worker's whole tier 0 (workers
+    // of different sizes).
+    const bool no_room = (st.error_code() == grpc::RESOURCE_EXHAUSTED &&
+                          absl::StartsWith(st.error_message(), kNoKvMemoryMessage)) ||
+                         (st.error_code() == grpc::OUT_OF_RANGE &&
+                          absl::StartsWith(st.error_message(), kContextOverTier0Message));
+    if (append_ && no_room && !lost_midstream && attempts_ < router_->options_.max_attempts) {
       const WorkerId from = placement_.worker;
       if (router_->executor_.Schedule([this, from] { MoveSessionForRoom(from); })) return;
       return Finish(st);

@@ -1081,6 +1081,35 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   EXPECT_EQ(info.tokens_cached(), 401);
 }
 
+// An APPEND whose context outgrew its worker's whole tier 0 (a fleet of
+// workers of different sizes) moves with its session to a worker whose tier 0
+// has room for it. Before, the client got OUT_OF_RANGE from its worker, and
+// the conversation could go on only resent whole.
+TEST_F(RouterTest, AnAppendOverItsWorkersTier0MovesToALargerWorker) {
+  StartWorkers(1, {"--tier0_bytes=131072"});  // w0: 32 pages of 16 tokens
+  StartWorkers(1, {"--tier0_bytes=524288"});  // w1: 128 pages
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2)).status.ok());
+  // 402 + 200 tokens need 38 pages, more than w0 holds.
+  Reply r = Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(200, 6), 4, v1::APPEND));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), "w1");
+  EXPECT_EQ(r.final.usage().cached_tokens(), 401);
+  // Over every worker's tier 0: OUT_OF_RANGE, and the session stays.
+  Reply over =
+      Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(1600, 7), 4, v1::APPEND));
+  EXPECT_EQ(over.status.error_code(), grpc::OUT_OF_RANGE) << over.status.error_message();
+  grpc::ClientContext ctx;
+  v1::SessionRequest get;
+  get.set_session_id("s");
+  v1::SessionInfo info;
+  ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
+  EXPECT_EQ(info.worker_id(), "w1");
+}
+
 // Two APPENDs at once on a session whose worker has no room for them: one
 // moves the session and runs; the other follows it and runs after it or is
 // ABORTED (the session is busy), never told there is no room. Before, the

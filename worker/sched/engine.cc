@@ -236,9 +236,9 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   // Never, on this worker: OUT_OF_RANGE, not the RESOURCE_EXHAUSTED of a full
   // moment (which clients retry).
   if (pages > kv_->tier_capacity_pages(0)) {
-    return absl::OutOfRangeError(absl::StrCat("context of ", context, " tokens needs ", pages,
-                                              " KV pages; this worker's tier 0 holds ",
-                                              kv_->tier_capacity_pages(0), " (--tier0_bytes)"));
+    return absl::OutOfRangeError(absl::StrCat(kContextOverTier0Message, ": ", context, " tokens need ", pages,
+                                              " KV pages, and it holds ", kv_->tier_capacity_pages(0),
+                                              " (--tier0_bytes)"));
   }
   const TenantLimits& limits = options_.tenant_limits;
   if (OverRequestLimitLocked(request.tenant)) {
