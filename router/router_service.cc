@@ -369,7 +369,15 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
                           absl::StartsWith(st.error_message(), kNoKvMemoryMessage)) ||
                          (st.error_code() == grpc::OUT_OF_RANGE &&
                           absl::StartsWith(st.error_message(), kContextOverTier0Message));
-    if (append_ && no_room && !lost_midstream && attempts_ < router_->options_.max_attempts) {
+    // A FULL_CONTEXT turn on a session there moves it too, so that the worker
+    // it is retried on has the conversation's K/V (before, it computed them
+    // all again, qa27).
+    const bool session_there =
+        append_ || (!request_.session_id().empty() &&
+                    router_->directory_->FindSession({request_.tenant(), request_.session_id()})
+                            .value_or(SessionLocation())
+                            .worker == placement_.worker);
+    if (no_room && session_there && !lost_midstream && attempts_ < router_->options_.max_attempts) {
       const WorkerId from = placement_.worker;
       if (router_->executor_.Schedule([this, from] { MoveSessionForRoom(from); })) return;
       return Finish(st);
@@ -400,14 +408,26 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     NextAttempt();
   }
 
-  // After `from` had no KV memory for this APPEND: moves the session to a
+  // After `from` had no KV memory for this request: moves the session to a
   // worker with room for it and the request (its input and max_tokens), then
-  // follows it there; else the client gets that RESOURCE_EXHAUSTED.
+  // follows it there; else an APPEND gets that refusal, and a FULL_CONTEXT
+  // turn is retried elsewhere as any refused one.
   void MoveSessionForRoom(const WorkerId& from) {
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     const SessionKey key{request_.tenant(), request_.session_id()};
-    const int64_t grow = static_cast<int64_t>(tokens_.size()) + std::max(0, request_.sampling().max_tokens());
-    absl::StatusOr<WorkerId> moved = router_->MoveForRoom(key, from, grow);
+    absl::StatusOr<WorkerId> moved =
+        router_->MoveForRoom(key, from, static_cast<int64_t>(tokens_.size()),
+                             std::max(0, request_.sampling().max_tokens()), append_);
+    if (!append_) {
+      if (moved.ok()) {
+        // Placed once the directory shows it there (with its pages).
+        router_->directory_->AwaitSessionOff(key, from, router_->options_.session_lookup_wait);
+      } else {
+        KV_LOG_INFO("session '{}' has no KV memory on {} and no worker took it: {}", request_.session_id(),
+                    from, moved.status().ToString());
+      }
+      return NextAttempt();
+    }
     // NOT_FOUND: the session left `from` meanwhile (a concurrent request on it
     // moved it, a drain): follow it, where that request's worker answers this
     // one (ABORTED while it runs), instead of saying there is no room.
@@ -1036,7 +1056,8 @@ absl::StatusOr<WorkerId> RouterService::MoveTarget(const SessionLocation& loc, i
 }
 
 absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const WorkerId& from,
-                                                    int64_t grow_tokens) {
+                                                    int64_t input_tokens, int64_t reply_tokens,
+                                                    bool appends) {
   std::optional<SessionLocation> loc = directory_->FindSession(key);
   if (loc.has_value() && loc->worker == from) {
     AskSession(*loc);
@@ -1044,6 +1065,10 @@ absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const
   }
   if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
   if (loc->worker != from) return loc->worker;  // moved meanwhile
+  // An APPEND's input follows the session's tokens; a FULL_CONTEXT input is the
+  // whole context, of which the session holds a prefix.
+  const int64_t context = appends ? loc->tokens + input_tokens : std::max<int64_t>(loc->tokens, input_tokens);
+  const int64_t grow_tokens = context + reply_tokens - loc->tokens;
   absl::StatusOr<WorkerId> dest = MoveTarget(*loc, grow_tokens, /*need_room=*/true);
   if (!dest.ok()) return dest.status();
   absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, "room");

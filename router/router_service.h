@@ -196,10 +196,13 @@ class RouterService final : public v1::KvCache::CallbackService {
   // takes, unless `need_room` (then RESOURCE_EXHAUSTED).
   absl::StatusOr<WorkerId> MoveTarget(const SessionLocation& loc, int64_t grow_tokens, bool need_room);
   // Moves session `key` off worker `from`, which had no KV memory for a request
-  // that would add `grow_tokens` to it, to a worker with room for both, and
-  // returns that worker; the directory's worker, without a move, when that is
-  // another already. Blocks (the executor's threads only).
-  absl::StatusOr<WorkerId> MoveForRoom(const SessionKey& key, const WorkerId& from, int64_t grow_tokens);
+  // of `input_tokens` (what an APPEND adds to the session, if `appends`, else
+  // the whole context) and `reply_tokens`, to a worker with room for the
+  // session and the request, and returns that worker; the directory's worker,
+  // without a move, when that is another already. Blocks (the executor's
+  // threads only).
+  absl::StatusOr<WorkerId> MoveForRoom(const SessionKey& key, const WorkerId& from, int64_t input_tokens,
+                                       int64_t reply_tokens, bool appends);
 
   const RouterOptions options_;
   WorkerPool* const pool_;

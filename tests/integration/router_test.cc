@@ -1054,10 +1054,22 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   Reply ref = Generate(w1.get(), ref_turn);
   ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
   EXPECT_EQ(r.tokens, ref.tokens);
+  // A FULL_CONTEXT turn on a session there moves it too, and is served from
+  // its K/V. Before, it was retried on w1 computing them all again.
+  Reply f = Generate(w0.get(), testing::TokensRequest("f", ids(400, 7), 2));  // 26 pages
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  std::vector<int32_t> whole = ids(400, 7);
+  whole.insert(whole.end(), f.tokens.begin(), f.tokens.end());
+  const std::vector<int32_t> more = ids(100, 8);
+  whole.insert(whole.end(), more.begin(), more.end());
+  Reply full = Generate(stub.get(), testing::TokensRequest("f", whole, 4));
+  ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+  EXPECT_EQ(full.final.worker_id(), "w1");
+  EXPECT_EQ(full.final.usage().cached_tokens(), 401);
   // Where no worker has room, the APPEND gets its worker's RESOURCE_EXHAUSTED
   // and its session stays.
-  v1::GenerateRequest hold1 = testing::TokensRequest("hold1", ids(1100, 4), 2);
-  hold1.set_pin(true);  // 69 pages, beside s's 32 (ref shares them): 26 or fewer are left
+  v1::GenerateRequest hold1 = testing::TokensRequest("hold1", ids(500, 4), 2);
+  hold1.set_pin(true);  // 32 pages, beside s's and f's 32 each (ref shares s's): 25 or fewer are left
   ASSERT_TRUE(Generate(w1.get(), hold1).status.ok());
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
   ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w1's load since
