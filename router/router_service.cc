@@ -1017,7 +1017,7 @@ void RouterService::MigrateByIdAsync(const std::string& session_id, const std::s
 }
 
 absl::StatusOr<WorkerId> RouterService::MoveTarget(const SessionLocation& loc, int64_t grow_tokens,
-                                                   bool need_room) {
+                                                   bool need_room, const std::vector<WorkerId>& refused) {
   // The session's context must fit the target's tier 0. Workers whose free
   // device pages hold it twice over (itself and room to grow) come first, then
   // those that hold it once: another would stage it in its host tier, where it
@@ -1029,6 +1029,10 @@ absl::StatusOr<WorkerId> RouterService::MoveTarget(const SessionLocation& loc, i
   std::vector<std::pair<WorkerId, int64_t>> others;  // worker, free pages over the session's
   for (const WorkerView& w : pool_->Healthy()) {
     if (w.address == loc.worker) continue;
+    if (absl::c_linear_search(refused, w.address)) {
+      exclude.push_back(w.address);
+      continue;
+    }
     const int32_t page_tokens = w.kv_shape.page_tokens();
     const int64_t pages = page_tokens > 0 ? (tokens + page_tokens - 1) / page_tokens : 0;
     const int64_t room = w.load.pages_total_device() > 0 ? w.load.pages_free_device() : pages * 2;
@@ -1069,27 +1073,47 @@ absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const
   // whole context, of which the session holds a prefix.
   const int64_t context = appends ? loc->tokens + input_tokens : std::max<int64_t>(loc->tokens, input_tokens);
   const int64_t grow_tokens = context + reply_tokens - loc->tokens;
-  absl::StatusOr<WorkerId> dest = MoveTarget(*loc, grow_tokens, /*need_room=*/true);
-  if (!dest.ok()) return dest.status();
-  absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, "room");
-  if (!moved.ok()) {
+  // A target that refuses (it began draining, or its room went meanwhile)
+  // leaves the session where it was: the next one with room is tried. Before,
+  // the first refusal ended the move, and the client was told there was no
+  // room while another worker had it (qa28).
+  constexpr int kMaxTargets = 3;
+  std::vector<WorkerId> refused;
+  absl::Status last;
+  for (int i = 0; i < kMaxTargets; ++i) {
+    absl::StatusOr<WorkerId> dest = MoveTarget(*loc, grow_tokens, /*need_room=*/true, refused);
+    if (!dest.ok()) return last.ok() ? dest.status() : last;
+    // From `from`, whatever the directory shows: a target that refused the
+    // session after committing it (over its pin quota) announced it placed,
+    // then dropped, and the directory may show it there meanwhile.
+    absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, "room", from);
+    if (moved.ok()) {
+      KV_LOG_INFO("session '{}' ({} tokens) had no KV memory on {} for {} more: moved it to {}",
+                  key.session_id, loc->tokens, from, grow_tokens, *dest);
+      return *dest;
+    }
     // Another request's move (or a drain) took the session meanwhile: the
     // migration then fails NOT_FOUND, or FAILED_PRECONDITION when the session
     // left during the export. The caller follows it.
     if (absl::IsNotFound(AskSession(*loc).status())) {
       return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' left ", from, " meanwhile"));
     }
-    return moved.status();
+    KV_LOG_INFO("session '{}' had no KV memory on {}, and {} did not take it: {}", key.session_id, from,
+                *dest, moved.status().ToString());
+    refused.push_back(*dest);
+    last = moved.status();
   }
-  KV_LOG_INFO("session '{}' ({} tokens) had no KV memory on {} for {} more: moved it to {}", key.session_id,
-              loc->tokens, from, grow_tokens, *dest);
-  return *dest;
+  return last;
 }
 
 void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
-                                 Done<v1::MigrateSessionResponse> done) {
+                                 Done<v1::MigrateSessionResponse> done, const WorkerId& source) {
   const std::string& session_id = key.session_id;
-  auto loc = directory_->FindSession(key);
+  std::optional<SessionLocation> loc = directory_->FindSession(key);
+  if (!source.empty()) {
+    if (!loc.has_value()) loc = SessionLocation{key.session_id, source, v1::TIER_DEVICE, 0, key.tenant};
+    loc->worker = source;
+  }
   if (!loc.has_value()) {
     return std::move(done)(absl::NotFoundError(absl::StrCat("session '", session_id, "' not found")));
   }
@@ -1140,13 +1164,17 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
 
 absl::StatusOr<v1::MigrateSessionResponse> RouterService::Migrate(const SessionKey& key,
                                                                   const std::string& target,
-                                                                  const char* reason) {
+                                                                  const char* reason,
+                                                                  const WorkerId& source) {
   absl::Notification answered;
   absl::StatusOr<v1::MigrateSessionResponse> result;
-  MigrateAsync(key, target, reason, [&](absl::StatusOr<v1::MigrateSessionResponse> r) {
-    result = std::move(r);
-    answered.Notify();
-  });
+  MigrateAsync(
+      key, target, reason,
+      [&](absl::StatusOr<v1::MigrateSessionResponse> r) {
+        result = std::move(r);
+        answered.Notify();
+      },
+      source);
   answered.WaitForNotification();
   return result;
 }

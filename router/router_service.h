@@ -125,9 +125,10 @@ class RouterService final : public v1::KvCache::CallbackService {
   using Done = absl::AnyInvocable<void(absl::StatusOr<T>) &&>;
   absl::StatusOr<v1::ListWorkersResponse> ListWorkers() const;
   // Moves session `key` to worker `target` (address or id; empty: wherever
-  // placement puts a new session).
+  // placement puts a new session), from `source` (empty: the worker the
+  // directory shows it on).
   void MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
-                    Done<v1::MigrateSessionResponse> done);
+                    Done<v1::MigrateSessionResponse> done, const WorkerId& source = "");
   // The admin API names a session by id alone (AdminMigrateRequest carries no
   // tenant): moves whichever tenant's session has that id, and refuses with
   // FAILED_PRECONDITION when several tenants use it.
@@ -137,7 +138,7 @@ class RouterService final : public v1::KvCache::CallbackService {
   // MigrateAsync, waiting for the answer: for the router's own threads
   // (evacuation, rebalancing), never for a gRPC callback.
   absl::StatusOr<v1::MigrateSessionResponse> Migrate(const SessionKey& key, const std::string& target,
-                                                     const char* reason);
+                                                     const char* reason, const WorkerId& source = "");
 
   const Authenticator& auth() const { return *auth_; }
 
@@ -193,8 +194,9 @@ class RouterService final : public v1::KvCache::CallbackService {
   // Where a move of the session at `loc` goes when no target is named: workers
   // whose free device pages hold the session, and `grow_tokens` more, twice over
   // come first, then those that hold them once. Past those, any worker placement
-  // takes, unless `need_room` (then RESOURCE_EXHAUSTED).
-  absl::StatusOr<WorkerId> MoveTarget(const SessionLocation& loc, int64_t grow_tokens, bool need_room);
+  // takes, unless `need_room` (then RESOURCE_EXHAUSTED). Never one of `refused`.
+  absl::StatusOr<WorkerId> MoveTarget(const SessionLocation& loc, int64_t grow_tokens, bool need_room,
+                                      const std::vector<WorkerId>& refused = {});
   // Moves session `key` off worker `from`, which had no KV memory for a request
   // of `input_tokens` (what an APPEND adds to the session, if `appends`, else
   // the whole context) and `reply_tokens`, to a worker with room for the

@@ -1093,6 +1093,45 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   EXPECT_EQ(info.tokens_cached(), 401);
 }
 
+// A move for room that its first target refuses (here its pin quota; a
+// target that began draining refuses so too) tries the next worker with room.
+// Before, the first refusal ended it, and the client was told there was no
+// room while another worker had it (qa28: 6 of 7 runs).
+TEST_F(RouterTest, AMoveForRoomThatATargetRefusesTriesTheNext) {
+  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w0
+  StartWorkers(1, {"--tier0_bytes=524288", "--tenant_max_pinned_pages=8"});  // w1
+  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w2
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  auto w2 = v1::Worker::NewStub(workers_[2]->channel());
+  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(1580, 9), 2);
+  hold.set_pin(true);  // 99 of w0's 128 pages
+  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
+  v1::GenerateRequest s = testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2);
+  s.set_pin(true);  // 26 pages: w1's pin quota cannot take it
+  ASSERT_TRUE(Generate(w0.get(), s).status.ok());
+  // w2 holds the session and the turn (32 pages) once, w1 twice: w1 is tried
+  // first.
+  v1::GenerateRequest fill = testing::TokensRequest("fill", std::vector<int32_t>(1100, 4), 2);
+  fill.set_pin(true);  // 69 pages: 59 are left
+  ASSERT_TRUE(Generate(w2.get(), fill).status.ok());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w2's load since
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
+    return absl::c_any_of(resp.workers(), [](const v1::WorkerInfo& w) {
+      return w.worker_id() == "w2" && w.load().pages_free_device() < 64;
+    });
+  }));
+  Reply r = Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(100, 6), 4, v1::APPEND));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), "w2");
+  EXPECT_EQ(r.final.usage().cached_tokens(), 401);
+}
+
 // An APPEND whose context outgrew its worker's whole tier 0 (a fleet of
 // workers of different sizes) moves with its session to a worker whose tier 0
 // has room for it. Before, the client got OUT_OF_RANGE from its worker, and
