@@ -1020,13 +1020,21 @@ absl::StatusOr<WorkerId> RouterService::MoveTarget(const SessionLocation& loc, i
                                                    bool need_room, const std::vector<WorkerId>& refused) {
   // The session's context must fit the target's tier 0. Workers whose free
   // device pages hold it twice over (itself and room to grow) come first, then
-  // those that hold it once: another would stage it in its host tier, where it
-  // waits for room to be restored, or refuse it. The placement's session and
-  // load caps alone sent sessions to a worker whose pins left them no room to
-  // run (qa26).
+  // those that hold it once, then those that would hold it once they offload
+  // idle sessions (pages not held, WorkerLoad.pages_held_device): another
+  // would stage it in its host tier, where it waits for room to be restored,
+  // or refuse it. The placement's session and load caps alone sent sessions to
+  // a worker whose pins left them no room to run (qa26). Before the third
+  // tier, a fleet whose tier 0s were full of idle sessions (a cache's steady
+  // state) had no worker with room for a move.
   const int64_t tokens = loc.tokens + grow_tokens;
   std::vector<WorkerId> exclude = {loc.worker};
-  std::vector<std::pair<WorkerId, int64_t>> others;  // worker, free pages over the session's
+  struct Other {
+    WorkerId worker;
+    int64_t free_fits;  // times the free pages hold the session
+    bool reclaimable;   // the pages not held hold it
+  };
+  std::vector<Other> others;
   for (const WorkerView& w : pool_->Healthy()) {
     if (w.address == loc.worker) continue;
     if (absl::c_linear_search(refused, w.address)) {
@@ -1035,21 +1043,31 @@ absl::StatusOr<WorkerId> RouterService::MoveTarget(const SessionLocation& loc, i
     }
     const int32_t page_tokens = w.kv_shape.page_tokens();
     const int64_t pages = page_tokens > 0 ? (tokens + page_tokens - 1) / page_tokens : 0;
-    const int64_t room = w.load.pages_total_device() > 0 ? w.load.pages_free_device() : pages * 2;
-    others.emplace_back(w.address, pages > 0 ? room / pages : 2);
+    const int64_t total = w.load.pages_total_device();
+    if (pages == 0 || total <= 0) {  // its shape or load not known yet
+      others.push_back({w.address, 2, true});
+      continue;
+    }
+    others.push_back(
+        {w.address, w.load.pages_free_device() / pages, total - w.load.pages_held_device() >= pages});
   }
+  using Fits = std::function<bool(const Other&)>;
+  const Fits tiers[] = {[](const Other& o) { return o.free_fits >= 2; },
+                        [](const Other& o) { return o.free_fits >= 1; },
+                        [](const Other& o) { return o.reclaimable; }};
   bool roomy = false;
-  for (const int64_t times : {2, 1}) {
-    if (absl::c_none_of(others, [times](const auto& o) { return o.second >= times; })) continue;
-    for (const auto& [worker, fits] : others) {
-      if (fits < times) exclude.push_back(worker);
+  for (const Fits& fits : tiers) {
+    if (absl::c_none_of(others, fits)) continue;
+    for (const Other& o : others) {
+      if (!fits(o)) exclude.push_back(o.worker);
     }
     roomy = true;
     break;
   }
   if (need_room && !roomy) {
-    return absl::ResourceExhaustedError(absl::StrCat("no other worker has free device pages for session '",
-                                                     loc.session_id, "' (", tokens, " tokens)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no other worker has device pages to spare for session '", loc.session_id, "' (", tokens,
+                     " tokens)"));
   }
   auto p = Place(loc.session_id, loc.tenant, false, {}, tokens, exclude);
   if (!p.ok()) {
@@ -1064,8 +1082,10 @@ absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const
                                                     bool appends) {
   std::optional<SessionLocation> loc = directory_->FindSession(key);
   if (loc.has_value() && loc->worker == from) {
-    AskSession(*loc);
-    loc = directory_->FindSession(key);
+    // Its length, noted in the directory (a direct client or another router
+    // may have grown it).
+    const bool gone = absl::IsNotFound(AskSession(*loc).status());  // from `from`, meanwhile
+    loc = gone ? std::nullopt : directory_->FindSession(key);
   }
   if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
   if (loc->worker != from) return loc->worker;  // moved meanwhile

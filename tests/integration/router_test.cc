@@ -1068,8 +1068,8 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   EXPECT_EQ(full.final.usage().cached_tokens(), 401);
   // Where no worker has room, the APPEND gets its worker's RESOURCE_EXHAUSTED
   // and its session stays.
-  v1::GenerateRequest hold1 = testing::TokensRequest("hold1", ids(500, 4), 2);
-  hold1.set_pin(true);  // 32 pages, beside s's and f's 32 each (ref shares s's): 25 or fewer are left
+  v1::GenerateRequest hold1 = testing::TokensRequest("hold1", ids(1540, 4), 2);
+  hold1.set_pin(true);  // 97 pages (w1 offloads idle sessions for them): 31 are left to take
   ASSERT_TRUE(Generate(w1.get(), hold1).status.ok());
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
   ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w1's load since
@@ -1077,7 +1077,7 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
     v1::ListWorkersResponse resp;
     if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
     return absl::c_any_of(resp.workers(), [](const v1::WorkerInfo& w) {
-      return w.worker_id() == "w1" && w.load().pages_free_device() < 32;
+      return w.worker_id() == "w1" && w.load().pages_held_device() >= 97;
     });
   }));
   ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("t", ids(400, 5), 2)).status.ok());
@@ -1091,6 +1091,51 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
   EXPECT_EQ(info.worker_id(), "w0");
   EXPECT_EQ(info.tokens_cached(), 401);
+}
+
+// A move for room counts the device pages a worker can take from idle
+// sessions (it offloads them to its host tier), not only its free ones: in a
+// fleet whose tier 0s are full of idle sessions, a cache's steady state, a
+// session that its worker's pins leave no room still moves. Before, no
+// worker had free pages for it, and the APPEND was refused.
+TEST_F(RouterTest, AMoveForRoomCountsThePagesOfIdleSessions) {
+  StartWorkers(2, {"--tier0_bytes=524288"});  // 128 pages of 16 tokens
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  auto w1 = v1::Worker::NewStub(workers_[1]->channel());
+  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(1580, 9), 2);
+  hold.set_pin(true);  // 99 pages
+  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
+  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2)).status.ok());
+  std::vector<std::string> idle;
+  for (int i = 0; i < 4; ++i) {  // 28 pages each: 16 of w1's are left
+    idle.push_back("idle-" + std::to_string(i));
+    ASSERT_TRUE(Generate(w1.get(), testing::TokensRequest(idle.back(), std::vector<int32_t>(440, 10 + i), 2))
+                    .status.ok());
+  }
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w1's load since
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse resp;
+    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
+    return absl::c_any_of(resp.workers(), [](const v1::WorkerInfo& w) {
+      return w.worker_id() == "w1" && w.load().pages_free_device() < 32 && w.load().pages_held_device() == 0;
+    });
+  }));
+  Reply r = Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(100, 6), 4, v1::APPEND));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), "w1");
+  EXPECT_EQ(r.final.usage().cached_tokens(), 401);
+  for (const std::string& id : idle) {  // offloaded, not lost
+    grpc::ClientContext ctx;
+    v1::SessionRequest get;
+    get.set_session_id(id);
+    v1::SessionInfo info;
+    ASSERT_TRUE(w1->GetSession(&ctx, get, &info).ok()) << id;
+    EXPECT_EQ(info.tokens_cached(), 441) << id;
+  }
 }
 
 // A move for room that its first target refuses (here its pin quota; a

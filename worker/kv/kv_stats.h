@@ -17,6 +17,12 @@ struct TierStats {
   int64_t prefix_shared_pages = 0;        // ref >= 1 and in the prefix cache (tier 0 only)
   int64_t cached_unreferenced_pages = 0;  // ref == 0, in the prefix cache: evictable, LRU
   int64_t in_flight_pages = 0;            // staging pages of imports not yet committed
+  // Tier 0: pages of sessions running, pinned, in a step, exporting or
+  // restoring, each once: the pressure policy frees none of them short of
+  // preempting. The rest of the tier (free, cached, idle sessions' pages,
+  // which it offloads or drops), less in_flight_pages, is what a request or a
+  // session moving in can have.
+  int64_t held_pages = 0;
 };
 
 struct KvStats {

@@ -119,6 +119,7 @@ v1::WorkerLoad WatchHub::CurrentLoad() const {
   v1::WorkerLoad load;
   load.set_pages_total_device(st.tier[0].capacity_pages);
   load.set_pages_free_device(st.tier[0].free_pages + st.tier[0].cached_unreferenced_pages);
+  load.set_pages_held_device(st.tier[0].held_pages + st.tier[0].in_flight_pages);
   load.set_pages_total_host(st.tier[1].capacity_pages);
   load.set_pages_free_host(st.tier[1].free_pages);
   load.set_running_requests(el.running);

@@ -466,6 +466,8 @@ TEST(KvCacheManagerTest, PinnedAndSteppingSessionsAreNeverMoved) {
   ASSERT_TRUE(r.ok());
   // 2 more pages: only 1 free; pinned and stepping sessions are untouchable.
   EXPECT_EQ(m->BeginStep("x", 8).status().code(), absl::StatusCode::kResourceExhausted);
+  // What routers count as not to be had (WorkerLoad.pages_held_device).
+  EXPECT_EQ(m->GetStats().tier[0].held_pages, 3);
   EXPECT_EQ(m->GetSession("pinned")->tier0_pages, 2);
   EXPECT_EQ(m->GetSession("step")->tier0_pages, 1);
   EXPECT_EQ(m->GetSession("x")->tier0_pages, 0);
@@ -477,6 +479,7 @@ TEST(KvCacheManagerTest, PinnedAndSteppingSessionsAreNeverMoved) {
   ASSERT_OK(m->CommitStep("step", Seq(10, 4)));
   ASSERT_OK(m->UnpinSession("pinned"));
   ASSERT_OK(m->MarkIdle("step"));
+  EXPECT_EQ(m->GetStats().tier[0].held_pages, 0);
   ASSERT_OK(AppendWithKv(*m, "x", Seq(20, 8)));  // now the idle ones move
   ASSERT_OK(VerifyKv(*m, "pinned"));
   ASSERT_OK(VerifyKv(*m, "step"));
@@ -494,6 +497,7 @@ TEST(KvCacheManagerTest, PressureMovesOutSessionsThatFreePagesFirst) {
   ASSERT_OK(m->PinSession("base"));
   ASSERT_OK(m->Fork("base", "twin"));  // shares both pages
   ASSERT_OK(m->MarkIdle("twin"));
+  EXPECT_EQ(m->GetStats().tier[0].held_pages, 2);  // the pinned base's, counted once
   ASSERT_OK(m->CreateSession("lone", "t"));
   ASSERT_OK(AppendWithKv(*m, "lone", Seq(100, 8)));  // 2 pages of its own, used last
   ASSERT_OK(m->MarkIdle("lone"));
