@@ -1182,6 +1182,12 @@ TEST_F(WorkerTest, AWorkerToldToStopRefusesTheCommitOfAnImportInFlight) {
   v1::SessionInfo info;
   auto writer = d->ImportSession(&c, &info);
   for (size_t i = 0; i + 1 < chunks.size(); ++i) ASSERT_TRUE(writer->Write(chunks[i]));
+  // Under way there: the pages are staged.
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    auto m = testing::HttpGet(dst->metrics_port(), "/metrics");
+    return m.ok() &&
+           testing::MetricSample(*m, "kvcache_kv_pages{state=\"in_flight\",tier=\"device\"}").value_or(0) > 0;
+  }));
   dst->process().Signal(SIGTERM);
   ASSERT_TRUE(testing::WaitUntil([&] {
     auto ready = testing::HealthCheck(dst->channel(), "readiness");
