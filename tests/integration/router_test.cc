@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -41,6 +43,32 @@ v1::GenerateRequest Text(const std::string& session, const std::string& text, in
 template <typename Stub>
 Reply Generate(Stub* stub, const v1::GenerateRequest& req, const std::string& token = "") {
   return testing::Generate(stub, req, absl::Seconds(60), token);
+}
+
+// `n` token ids of the byte range, in a pattern `salt` varies: prompts that
+// share no page.
+std::vector<int32_t> Ids(int n, int salt) {
+  std::vector<int32_t> v;
+  for (int k = 0; k < n; ++k) v.push_back(3 + (k * 7 + salt) % 250);
+  return v;
+}
+
+// `req`, pinning its session.
+v1::GenerateRequest Pinned(v1::GenerateRequest req) {
+  req.set_pin(true);
+  return req;
+}
+
+// Session `id` as `stub` (the router's or a worker's) describes it; nullopt
+// when it does not answer OK.
+template <typename Stub>
+std::optional<v1::SessionInfo> SessionOf(Stub* stub, const std::string& id) {
+  grpc::ClientContext ctx;
+  v1::SessionRequest get;
+  get.set_session_id(id);
+  v1::SessionInfo info;
+  if (!stub->GetSession(&ctx, get, &info).ok()) return std::nullopt;
+  return info;
 }
 
 class RouterTest : public ::testing::Test {
@@ -96,17 +124,38 @@ class RouterTest : public ::testing::Test {
     workers_[i] = std::move(*w);
   }
 
-  // Whether the router lists worker `id` SERVING within the wait.
-  static bool BecomesServing(v1::KvCacheAdmin::Stub* admin, const std::string& id) {
+  // Whether the router lists worker `id` as `want` has it within the wait.
+  static bool RouterSees(v1::KvCacheAdmin::Stub* admin, const std::string& id,
+                         const std::function<bool(const v1::WorkerInfo&)>& want) {
     return testing::WaitUntil([&] {
       grpc::ClientContext ctx;
       v1::ListWorkersResponse resp;
       if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
-      for (const auto& w : resp.workers()) {
-        if (w.worker_id() == id) return w.health() == "SERVING";
-      }
-      return false;
+      return absl::c_any_of(resp.workers(),
+                            [&](const v1::WorkerInfo& w) { return w.worker_id() == id && want(w); });
     });
+  }
+  // Whether the router lists worker `id` SERVING within the wait.
+  static bool BecomesServing(v1::KvCacheAdmin::Stub* admin, const std::string& id) {
+    return RouterSees(admin, id, [](const v1::WorkerInfo& w) { return w.health() == "SERVING"; });
+  }
+
+  // Pins a 1,580-token session "hold" on worker `w`: 99 of a 128-page tier 0.
+  static void HoldMostOfTier0(v1::Worker::Stub* w) {
+    const Reply hold = Generate(w, Pinned(testing::TokensRequest("hold", std::vector<int32_t>(1580, 9), 2)));
+    ASSERT_TRUE(hold.status.ok()) << hold.status.error_message();
+  }
+
+  // A model of SmolLM2's shape with `layers` layers, slow enough that a long
+  // stream outlasts what a test does meanwhile. The caller removes the file.
+  static std::string WriteSlowModel(int layers) {
+    const std::string path =
+        absl::StrCat(::testing::TempDir(), "/kvcache_router_test_slow_", layers, ".gguf");
+    gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
+    o.n_layer = layers;
+    o.n_ctx = 2048;
+    EXPECT_TRUE(gguf::WriteTinyLlama(o, path).ok());
+    return path;
   }
 
   static std::string* model_;
@@ -876,17 +925,10 @@ TEST_F(RouterTest, DrainMovesSessionsAndLosesNone) {
 // gets the drained worker's index and `target` big's worker id.
 v1::DrainResponse DrainBesideAPinnedSession(v1::KvCache::Stub* stub, v1::KvCacheAdmin::Stub* admin,
                                             int* leaving, std::string* target) {
-  auto ids = [](int n, int salt) {
-    std::vector<int32_t> v;
-    for (int k = 0; k < n; ++k) v.push_back(3 + (k * 7 + salt) % 250);
-    return v;
-  };
   v1::DrainResponse drained;
-  Reply s = Generate(stub, testing::TokensRequest("s", ids(400, 1), 2));  // 26 pages
+  Reply s = Generate(stub, testing::TokensRequest("s", Ids(400, 1), 2));  // 26 pages
   EXPECT_TRUE(s.status.ok()) << s.status.error_message();
-  v1::GenerateRequest big_req = testing::TokensRequest("big", ids(1900, 2), 2);  // 119 pages, pinned
-  big_req.set_pin(true);
-  Reply big = Generate(stub, big_req);
+  Reply big = Generate(stub, Pinned(testing::TokensRequest("big", Ids(1900, 2), 2)));  // 119 pages
   EXPECT_TRUE(big.status.ok()) << big.status.error_message();
   EXPECT_NE(big.final.worker_id(), s.final.worker_id());
   *leaving = s.final.worker_id() == "w0" ? 0 : 1;
@@ -947,16 +989,9 @@ TEST_F(RouterTest, ADrainMovesASessionPastAWorkerWhosePinsLeaveItNoRoom) {
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
-  auto ids = [](int n, int salt) {
-    std::vector<int32_t> v;
-    for (int k = 0; k < n; ++k) v.push_back(3 + (k * 7 + salt) % 250);
-    return v;
-  };
-  Reply s = Generate(stub.get(), testing::TokensRequest("s", ids(400, 1), 2));  // 26 pages
+  Reply s = Generate(stub.get(), testing::TokensRequest("s", Ids(400, 1), 2));  // 26 pages
   ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-  v1::GenerateRequest big_req = testing::TokensRequest("big", ids(1900, 2), 2);  // 119 pages, pinned
-  big_req.set_pin(true);
-  Reply big = Generate(stub.get(), big_req);
+  Reply big = Generate(stub.get(), Pinned(testing::TokensRequest("big", Ids(1900, 2), 2)));  // 119 pages
   ASSERT_TRUE(big.status.ok()) << big.status.error_message();
   ASSERT_NE(big.final.worker_id(), s.final.worker_id());
   auto index = [](const std::string& id) { return id[1] - '0'; };
@@ -987,9 +1022,9 @@ TEST_F(RouterTest, AnAppendOutOfRoomMidReplyIsNotSaidToBeLost) {
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
-  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(350, 9), 2);
-  hold.set_pin(true);  // 22 pages
-  ASSERT_TRUE(Generate(stub.get(), hold).status.ok());
+  ASSERT_TRUE(  // 22 pages
+      Generate(stub.get(), Pinned(testing::TokensRequest("hold", std::vector<int32_t>(350, 9), 2)))
+          .status.ok());
   ASSERT_TRUE(Generate(stub.get(), testing::TokensRequest("x", std::vector<int32_t>(40, 5), 2)).status.ok());
   v1::GenerateRequest grow = testing::TokensRequest("x", {6, 7}, 400, v1::APPEND);
   grow.mutable_sampling()->set_ignore_eos(true);
@@ -997,14 +1032,9 @@ TEST_F(RouterTest, AnAppendOutOfRoomMidReplyIsNotSaidToBeLost) {
   EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
   EXPECT_THAT(r.status.error_message(), ::testing::Not(::testing::HasSubstr("was lost")));
   ASSERT_GT(r.tokens.size(), 0u);
-  {
-    grpc::ClientContext ctx;
-    v1::SessionRequest get;
-    get.set_session_id("x");
-    v1::SessionInfo info;
-    ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
-    EXPECT_GE(info.tokens_cached(), 40 + 2 + static_cast<int>(r.tokens.size()) - 1);
-  }
+  const std::optional<v1::SessionInfo> x = SessionOf(stub.get(), "x");
+  ASSERT_TRUE(x.has_value());
+  EXPECT_GE(x->tokens_cached(), 40 + 2 + static_cast<int>(r.tokens.size()) - 1);
   v1::GenerateRequest next = testing::TokensRequest("x", {8}, 2, v1::APPEND);
   next.set_tokens_read(4);  // what the client kept of that reply
   Reply after = Generate(stub.get(), next);
@@ -1023,20 +1053,13 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
-  auto ids = [](int n, int salt) {
-    std::vector<int32_t> v;
-    for (int k = 0; k < n; ++k) v.push_back(3 + (k * 7 + salt) % 250);
-    return v;
-  };
   // Both sessions on w0, made there directly: the router learns of them from
   // w0's events, without their lengths.
   auto w0 = v1::Worker::NewStub(workers_[0]->channel());
-  v1::GenerateRequest hold = testing::TokensRequest("hold", ids(1580, 1), 2);
-  hold.set_pin(true);  // 99 pages
-  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
-  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("s", ids(400, 2), 2)).status.ok());  // 26 pages
+  ASSERT_NO_FATAL_FAILURE(HoldMostOfTier0(w0.get()));
+  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("s", Ids(400, 2), 2)).status.ok());  // 26 pages
   // 3 pages are left; the turn needs 6 more.
-  const v1::GenerateRequest turn = testing::TokensRequest("s", ids(100, 3), 4, v1::APPEND);
+  const v1::GenerateRequest turn = testing::TokensRequest("s", Ids(100, 3), 4, v1::APPEND);
   Reply r = Generate(stub.get(), turn);
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.final.worker_id(), "w1");
@@ -1048,7 +1071,7 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   EXPECT_EQ(testing::MetricSample(*metrics, "kvcache_router_migrations_total{reason=\"room\"}"), 1.0);
   // The same conversation on the worker with room all along.
   auto w1 = v1::Worker::NewStub(workers_[1]->channel());
-  ASSERT_TRUE(Generate(w1.get(), testing::TokensRequest("ref", ids(400, 2), 2)).status.ok());
+  ASSERT_TRUE(Generate(w1.get(), testing::TokensRequest("ref", Ids(400, 2), 2)).status.ok());
   v1::GenerateRequest ref_turn = turn;
   ref_turn.set_session_id("ref");
   Reply ref = Generate(w1.get(), ref_turn);
@@ -1056,11 +1079,11 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   EXPECT_EQ(r.tokens, ref.tokens);
   // A FULL_CONTEXT turn on a session there moves it too, and is served from
   // its K/V. Before, it was retried on w1 computing them all again.
-  Reply f = Generate(w0.get(), testing::TokensRequest("f", ids(400, 7), 2));  // 26 pages
+  Reply f = Generate(w0.get(), testing::TokensRequest("f", Ids(400, 7), 2));  // 26 pages
   ASSERT_TRUE(f.status.ok()) << f.status.error_message();
-  std::vector<int32_t> whole = ids(400, 7);
+  std::vector<int32_t> whole = Ids(400, 7);
   whole.insert(whole.end(), f.tokens.begin(), f.tokens.end());
-  const std::vector<int32_t> more = ids(100, 8);
+  const std::vector<int32_t> more = Ids(100, 8);
   whole.insert(whole.end(), more.begin(), more.end());
   Reply full = Generate(stub.get(), testing::TokensRequest("f", whole, 4));
   ASSERT_TRUE(full.status.ok()) << full.status.error_message();
@@ -1068,29 +1091,20 @@ TEST_F(RouterTest, AnAppendWithNoRoomOnItsWorkerMovesToOneWithRoom) {
   EXPECT_EQ(full.final.usage().cached_tokens(), 401);
   // Where no worker has room, the APPEND gets its worker's RESOURCE_EXHAUSTED
   // and its session stays.
-  v1::GenerateRequest hold1 = testing::TokensRequest("hold1", ids(1540, 4), 2);
-  hold1.set_pin(true);  // 97 pages (w1 offloads idle sessions for them): 31 are left to take
-  ASSERT_TRUE(Generate(w1.get(), hold1).status.ok());
+  // 97 pages (w1 offloads idle sessions for them): 31 are left to take.
+  ASSERT_TRUE(Generate(w1.get(), Pinned(testing::TokensRequest("hold1", Ids(1540, 4), 2))).status.ok());
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
-  ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w1's load since
-    grpc::ClientContext ctx;
-    v1::ListWorkersResponse resp;
-    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
-    return absl::c_any_of(resp.workers(), [](const v1::WorkerInfo& w) {
-      return w.worker_id() == "w1" && w.load().pages_held_device() >= 97;
-    });
+  ASSERT_TRUE(RouterSees(admin.get(), "w1", [](const v1::WorkerInfo& w) {  // w1's load since
+    return w.load().pages_held_device() >= 97;
   }));
-  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("t", ids(400, 5), 2)).status.ok());
-  Reply refused = Generate(stub.get(), testing::TokensRequest("t", ids(100, 6), 4, v1::APPEND));
+  ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("t", Ids(400, 5), 2)).status.ok());
+  Reply refused = Generate(stub.get(), testing::TokensRequest("t", Ids(100, 6), 4, v1::APPEND));
   EXPECT_EQ(refused.status.error_code(), grpc::RESOURCE_EXHAUSTED) << refused.status.error_message();
   EXPECT_THAT(refused.status.error_message(), HasSubstr("no KV cache memory"));
-  grpc::ClientContext ctx;
-  v1::SessionRequest get;
-  get.set_session_id("t");
-  v1::SessionInfo info;
-  ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
-  EXPECT_EQ(info.worker_id(), "w0");
-  EXPECT_EQ(info.tokens_cached(), 401);
+  const std::optional<v1::SessionInfo> t = SessionOf(stub.get(), "t");
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->worker_id(), "w0");
+  EXPECT_EQ(t->tokens_cached(), 401);
 }
 
 // A move for room counts the device pages a worker can take from idle
@@ -1105,9 +1119,7 @@ TEST_F(RouterTest, AMoveForRoomCountsThePagesOfIdleSessions) {
   auto stub = v1::KvCache::NewStub(router->channel());
   auto w0 = v1::Worker::NewStub(workers_[0]->channel());
   auto w1 = v1::Worker::NewStub(workers_[1]->channel());
-  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(1580, 9), 2);
-  hold.set_pin(true);  // 99 pages
-  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
+  ASSERT_NO_FATAL_FAILURE(HoldMostOfTier0(w0.get()));
   ASSERT_TRUE(Generate(w0.get(), testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2)).status.ok());
   std::vector<std::string> idle;
   for (int i = 0; i < 4; ++i) {  // 28 pages each: 16 of w1's are left
@@ -1116,25 +1128,17 @@ TEST_F(RouterTest, AMoveForRoomCountsThePagesOfIdleSessions) {
                     .status.ok());
   }
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
-  ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w1's load since
-    grpc::ClientContext ctx;
-    v1::ListWorkersResponse resp;
-    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
-    return absl::c_any_of(resp.workers(), [](const v1::WorkerInfo& w) {
-      return w.worker_id() == "w1" && w.load().pages_free_device() < 32 && w.load().pages_held_device() == 0;
-    });
+  ASSERT_TRUE(RouterSees(admin.get(), "w1", [](const v1::WorkerInfo& w) {  // w1's load since
+    return w.load().pages_free_device() < 32 && w.load().pages_held_device() == 0;
   }));
   Reply r = Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(100, 6), 4, v1::APPEND));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.final.worker_id(), "w1");
   EXPECT_EQ(r.final.usage().cached_tokens(), 401);
   for (const std::string& id : idle) {  // offloaded, not lost
-    grpc::ClientContext ctx;
-    v1::SessionRequest get;
-    get.set_session_id(id);
-    v1::SessionInfo info;
-    ASSERT_TRUE(w1->GetSession(&ctx, get, &info).ok()) << id;
-    EXPECT_EQ(info.tokens_cached(), 441) << id;
+    const std::optional<v1::SessionInfo> info = SessionOf(w1.get(), id);
+    ASSERT_TRUE(info.has_value()) << id;
+    EXPECT_EQ(info->tokens_cached(), 441) << id;
   }
 }
 
@@ -1151,25 +1155,18 @@ TEST_F(RouterTest, AMoveForRoomThatATargetRefusesTriesTheNext) {
   auto stub = v1::KvCache::NewStub(router->channel());
   auto w0 = v1::Worker::NewStub(workers_[0]->channel());
   auto w2 = v1::Worker::NewStub(workers_[2]->channel());
-  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(1580, 9), 2);
-  hold.set_pin(true);  // 99 of w0's 128 pages
-  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
-  v1::GenerateRequest s = testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2);
-  s.set_pin(true);  // 26 pages: w1's pin quota cannot take it
-  ASSERT_TRUE(Generate(w0.get(), s).status.ok());
+  ASSERT_NO_FATAL_FAILURE(HoldMostOfTier0(w0.get()));
+  // 26 pages, pinned: w1's pin quota cannot take it.
+  ASSERT_TRUE(
+      Generate(w0.get(), Pinned(testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2))).status.ok());
   // w2 holds the session and the turn (32 pages) once, w1 twice: w1 is tried
   // first.
-  v1::GenerateRequest fill = testing::TokensRequest("fill", std::vector<int32_t>(1100, 4), 2);
-  fill.set_pin(true);  // 69 pages: 59 are left
-  ASSERT_TRUE(Generate(w2.get(), fill).status.ok());
+  // 69 pages: 59 are left.
+  ASSERT_TRUE(Generate(w2.get(), Pinned(testing::TokensRequest("fill", std::vector<int32_t>(1100, 4), 2)))
+                  .status.ok());
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
-  ASSERT_TRUE(testing::WaitUntil([&] {  // the router has w2's load since
-    grpc::ClientContext ctx;
-    v1::ListWorkersResponse resp;
-    if (!admin->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return false;
-    return absl::c_any_of(resp.workers(), [](const v1::WorkerInfo& w) {
-      return w.worker_id() == "w2" && w.load().pages_free_device() < 64;
-    });
+  ASSERT_TRUE(RouterSees(admin.get(), "w2", [](const v1::WorkerInfo& w) {  // w2's load since
+    return w.load().pages_free_device() < 64;
   }));
   Reply r = Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(100, 6), 4, v1::APPEND));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
@@ -1198,12 +1195,9 @@ TEST_F(RouterTest, AnAppendOverItsWorkersTier0MovesToALargerWorker) {
   Reply over =
       Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(1600, 7), 4, v1::APPEND));
   EXPECT_EQ(over.status.error_code(), grpc::OUT_OF_RANGE) << over.status.error_message();
-  grpc::ClientContext ctx;
-  v1::SessionRequest get;
-  get.set_session_id("s");
-  v1::SessionInfo info;
-  ASSERT_TRUE(stub->GetSession(&ctx, get, &info).ok());
-  EXPECT_EQ(info.worker_id(), "w1");
+  const std::optional<v1::SessionInfo> after = SessionOf(stub.get(), "s");
+  ASSERT_TRUE(after.has_value());
+  EXPECT_EQ(after->worker_id(), "w1");
 }
 
 // Two APPENDs at once on a session whose worker has no room for them: one
@@ -1217,9 +1211,7 @@ TEST_F(RouterTest, TwoAppendsAtOnceOnASessionWithoutRoomAreNeverToldThereIsNone)
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   auto w0 = v1::Worker::NewStub(workers_[0]->channel());
-  v1::GenerateRequest hold = testing::TokensRequest("hold", std::vector<int32_t>(1580, 9), 2);
-  hold.set_pin(true);  // 99 pages
-  ASSERT_TRUE(Generate(w0.get(), hold).status.ok());
+  ASSERT_NO_FATAL_FAILURE(HoldMostOfTier0(w0.get()));
   for (int round = 0; round < 3; ++round) {
     const std::string id = "c" + std::to_string(round);
     // 26 pages: 3 are left, and each turn needs 6 more.
@@ -1281,12 +1273,7 @@ TEST_F(RouterTest, ASessionLostWithARestartedWorkerIsSaidToBeLost) {
 // watched when the drain began still ends them at once (teardowns stop
 // routers first).
 TEST_F(RouterTest, AWorkerWhoseRouterGoesDuringItsDrainWaitsForOneToReturn) {
-  // A model slow enough that a 1,500-token stream outlasts the router.
-  const std::string slow = ::testing::TempDir() + "/kvcache_router_test_slow.gguf";
-  gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
-  o.n_layer = 4;
-  o.n_ctx = 2048;
-  ASSERT_TRUE(gguf::WriteTinyLlama(o, slow).ok());
+  const std::string slow = WriteSlowModel(4);  // a 1,500-token stream outlasts the router
   StartWorkers(2, {"--model=" + slow, "--shutdown_deadline=60s"});
   auto router = StartRouter({"--model=" + slow});
   ASSERT_NE(router, nullptr);
@@ -1341,23 +1328,15 @@ TEST_F(RouterTest, AWorkerWhoseRouterGoesDuringItsDrainWaitsForOneToReturn) {
 // for the stream's end or cut, and those the deadline then left no time for
 // were lost with the worker (qa27: 7 of 30).
 TEST_F(RouterTest, ADrainMovesIdleSessionsWhileAStreamStillRuns) {
-  // A model slow enough (SmolLM2's shape, 30 layers) that a 1,500-token stream
-  // outlasts the moves by seconds.
-  const std::string slow = ::testing::TempDir() + "/kvcache_router_test_slower.gguf";
-  gguf::TinyLlamaOptions o = gguf::SmolLM2ShapedOptions();
-  o.n_ctx = 2048;
-  ASSERT_TRUE(gguf::WriteTinyLlama(o, slow).ok());
+  const std::string slow = WriteSlowModel(30);  // a 1,500-token stream outlasts the moves by seconds
   StartWorkers(2, {"--model=" + slow, "--shutdown_deadline=60s"});
   auto router = StartRouter({"--model=" + slow});
   ASSERT_NE(router, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   auto w0 = v1::Worker::NewStub(workers_[0]->channel());
   auto worker_of = [&](const std::string& id) {
-    grpc::ClientContext ctx;
-    v1::SessionRequest get;
-    get.set_session_id(id);
-    v1::SessionInfo info;
-    return stub->GetSession(&ctx, get, &info).ok() ? info.worker_id() : std::string();
+    std::optional<v1::SessionInfo> info = SessionOf(stub.get(), id);
+    return info.has_value() ? info->worker_id() : std::string();
   };
   std::vector<std::string> idle;
   for (int i = 0; i < 6; ++i) {

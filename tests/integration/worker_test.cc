@@ -52,6 +52,23 @@ v1::GenerateRequest Text(const std::string& session, const std::string& text, in
   return testing::TextRequest(session, text, max_tokens, mode);
 }
 
+// Session `id`'s export stream, chunk by chunk (max_chunk_bytes 0: the
+// worker's default); empty when the export failed.
+std::vector<v1::SessionChunk> ExportChunks(v1::Worker::Stub* stub, const std::string& id,
+                                           int64_t max_chunk_bytes = 0) {
+  grpc::ClientContext c;
+  v1::ExportSessionRequest er;
+  er.set_session_id(id);
+  er.set_max_chunk_bytes(max_chunk_bytes);
+  auto reader = stub->ExportSession(&c, er);
+  std::vector<v1::SessionChunk> chunks;
+  v1::SessionChunk chunk;
+  while (reader->Read(&chunk)) chunks.push_back(chunk);
+  const grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return st.ok() ? chunks : std::vector<v1::SessionChunk>();
+}
+
 v1::WorkerSnapshot Snapshot(v1::Worker::Stub* stub) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -420,17 +437,7 @@ TEST_F(WorkerTest, MalformedSessionIdsAndImportStreamsAreInvalidArgument) {
 
   // A real session's export, then imports of altered copies of it.
   ASSERT_TRUE(Generate(stub.get(), Text("src", std::string(100, 'm'), 4)).status.ok());
-  std::vector<v1::SessionChunk> chunks;
-  {
-    grpc::ClientContext c;
-    v1::ExportSessionRequest er;
-    er.set_session_id("src");
-    er.set_max_chunk_bytes(1 << 10);  // several chunks
-    auto reader = stub->ExportSession(&c, er);
-    v1::SessionChunk chunk;
-    while (reader->Read(&chunk)) chunks.push_back(chunk);
-    ASSERT_TRUE(reader->Finish().ok());
-  }
+  const std::vector<v1::SessionChunk> chunks = ExportChunks(stub.get(), "src", 1 << 10);  // several chunks
   ASSERT_GE(chunks.size(), 4u);
   {
     grpc::ClientContext c;
@@ -1166,16 +1173,7 @@ TEST_F(WorkerTest, AWorkerToldToStopRefusesTheCommitOfAnImportInFlight) {
   auto s = v1::Worker::NewStub(src->channel());
   auto d = v1::Worker::NewStub(dst->channel());
   ASSERT_TRUE(Generate(s.get(), Text("s", std::string(100, 'm'), 4)).status.ok());
-  std::vector<v1::SessionChunk> chunks;
-  {
-    grpc::ClientContext c;
-    v1::ExportSessionRequest er;
-    er.set_session_id("s");
-    auto reader = s->ExportSession(&c, er);
-    v1::SessionChunk chunk;
-    while (reader->Read(&chunk)) chunks.push_back(chunk);
-    ASSERT_TRUE(reader->Finish().ok());
-  }
+  const std::vector<v1::SessionChunk> chunks = ExportChunks(s.get(), "s");
   ASSERT_GE(chunks.size(), 2u);
   ASSERT_TRUE(chunks.back().has_commit());
   grpc::ClientContext c;
