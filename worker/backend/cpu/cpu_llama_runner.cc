@@ -48,6 +48,8 @@ CpuModelWeights::CpuModelWeights(const model::LlamaModel& model) {
       layer_bytes_ += w->view.rows * gguf::RowBytes(w->view.type, w->view.cols).value_or(0);
       layer_macs_ += static_cast<double>(w->view.rows) * static_cast<double>(w->view.cols);
       layers_interleaved_ = layers_interleaved_ && w->interleaved != nullptr;
+      if (std::find(layer_types_.begin(), layer_types_.end(), w->view.type) == layer_types_.end())
+        layer_types_.push_back(w->view.type);
     }
   }
   output_ = Bind(model.output());
@@ -205,8 +207,9 @@ std::vector<size_t> CpuLlamaRunner::PlanGroups(absl::Span<const model::SequenceS
   //     per call, which each group would repeat), and each group's tokens fill
   //     whole token tiles and stay within the count those kernels read straight
   //     from the weights, without preparing them per call
-  //     (CurrentMatMulTokenShape: 8 to 16 at avx512; at avx2 every group of 8
-  //     would unpack each weight group again);
+  //     (CurrentMatMulTokenShape: 8 to 16 at avx512, and 4 to 16 at avx2 for
+  //     Q4_0, Q4_1 and Q8_0; at avx2 a group of 8 would unpack every weight
+  //     group of the other types again);
   //   - the L3 holds a layer's weights for every thread: the groups are of
   //     equal cost and take the layers in order, so each layer's second read
   //     comes from the cache, not DRAM, while the threads stay within a layer
@@ -223,14 +226,27 @@ std::vector<size_t> CpuLlamaRunner::PlanGroups(absl::Span<const model::SequenceS
   // L3), the two ways alternating step by step in one process behind a
   // temporary switch, 90 steps each, two engine_bench --sections=batched runs:
   // layers 7.95 / 7.69 -> 6.72 / 6.49 ms (median) at avx512; at avx2, 8-token
-  // groups (which the rule above excludes) 15.23 / 15.32 -> 15.50 / 15.62 ms.
+  // groups that unpacked every weight group again 15.23 / 15.32 -> 15.50 /
+  // 15.62 ms. Since avx2 reads Q4_1 straight up to 16 tokens, its groups cost
+  // nothing twice and run; Zen 4, whole Forwards of 16 decodes alternating in
+  // one process (a throwaway test, 60 steps each, three runs), groups over rows:
+  // paired median 0.995 / 1.020 / 0.969 at avx2 (no gain, no loss), 0.894 /
+  // 0.885 / 0.875 at avx512.
   const bool always = options_.groups == CpuRunnerOptions::Groups::kAlways;
   const int threads = NumThreads();
   if (options_.groups == CpuRunnerOptions::Groups::kNever || threads < 2) return {};
   if (!always && batch.size() < static_cast<size_t>(threads)) return {};
   const int n_groups = static_cast<int>(std::min<size_t>(threads, batch.size()));
   if (n_groups < 2) return {};
-  const MatMulTokenShape shape = CurrentMatMulTokenShape();
+  // The shape every layer matrix allows (their types may differ: Q4_K_M files mix
+  // Q4_K with Q6_K).
+  MatMulTokenShape shape;
+  for (size_t i = 0; i < weights_.layer_types().size(); ++i) {
+    const MatMulTokenShape of = CurrentMatMulTokenShape(weights_.layer_types()[i]);
+    shape = i == 0 ? of
+                   : MatMulTokenShape{std::min(shape.tile_tokens, of.tile_tokens),
+                                      std::min(shape.max_straight_tokens, of.max_straight_tokens)};
+  }
   const int64_t bytes_per_layer =
       weights_.layer_bytes() / std::max<int64_t>(1, static_cast<int64_t>(weights_.layers().size()));
   if (!always && (shape.tile_tokens == 0 || !weights_.layers_interleaved() ||

@@ -61,6 +61,8 @@ class CpuModelWeights {
   double layer_macs() const { return layer_macs_; }
   // Whether every layer matrix has an interleaved copy (an integer-dot type).
   bool layers_interleaved() const { return layers_interleaved_; }
+  // The distinct types of the layer matrices.
+  const std::vector<gguf::GgmlType>& layer_types() const { return layer_types_; }
   // Bytes of the interleaved copies.
   int64_t interleaved_bytes() const { return interleaved_bytes_; }
 
@@ -74,6 +76,7 @@ class CpuModelWeights {
   int64_t layer_bytes_ = 0;
   double layer_macs_ = 0;
   bool layers_interleaved_ = true;
+  std::vector<gguf::GgmlType> layer_types_;
 };
 
 struct CpuRunnerOptions {

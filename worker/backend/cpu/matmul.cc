@@ -564,12 +564,13 @@ bool IsIntegerDotType(GgmlType type) {
   }
 }
 
-MatMulTokenShape CurrentMatMulTokenShape() {
+MatMulTokenShape CurrentMatMulTokenShape(GgmlType type) {
+  if (!IsIntegerDotType(type)) return {};
   switch (GetCpuKernelLevel()) {
     case CpuKernelLevel::kAvx512:
-      return {avx512::kTileTokens, avx512::kUnpackMinTokens - 1};
+      return {avx512::kTileTokens, avx512::UnpackMinTokens(type) - 1};
     case CpuKernelLevel::kAvx2:
-      return {avx2::kTileTokens, avx2::kUnpackMinTokens - 1};
+      return {avx2::kTileTokens, avx2::UnpackMinTokens(type) - 1};
     default:
       return {};
   }

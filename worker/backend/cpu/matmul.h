@@ -114,19 +114,20 @@ absl::Status MatMulSameInput(absl::Span<const MatMulOutput> outs, const float* x
 // Q5_0, Q8_0, Q4_K, Q5_K, Q6_K. Other decodable types take the f32 route.
 bool IsIntegerDotType(gguf::GgmlType type);
 
-// How the current level's integer kernels take a call's tokens: in tiles of up
-// to `tile_tokens`, each tile reading every interleaved weight group straight
-// from memory while the call has at most `max_straight_tokens` tokens (above
-// that the call first unpacks each group once and its tiles share that). Threads
+// How the current level's integer kernels take a call's tokens against weights of
+// `type`: in tiles of up to `tile_tokens`, each tile reading every interleaved
+// weight group straight from memory while the call has at most
+// `max_straight_tokens` tokens (above that the call first unpacks each group once
+// and its tiles share that; at avx2 that count depends on the type). Threads
 // that each multiply a share of a batch's tokens by every weight (the CPU
 // runner's decode groups) then prepare no weight twice while each share stays
 // within max_straight_tokens, and fill whole tiles from tile_tokens on. Both 0
-// at the scalar level, which has no such kernels.
+// at the scalar level, which has no such kernels, and for types without them.
 struct MatMulTokenShape {
   int tile_tokens = 0;
   int max_straight_tokens = 0;
 };
-MatMulTokenShape CurrentMatMulTokenShape();
+MatMulTokenShape CurrentMatMulTokenShape(gguf::GgmlType type);
 
 // Token count from which kAuto uses the sgemm path. Default: never at kAvx512
 // and kAvx2 (the integer kernels keep replies independent of prefill chunking;

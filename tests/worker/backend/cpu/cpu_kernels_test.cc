@@ -445,6 +445,26 @@ TEST(MatMulTypesTest, IntegerDotTypesAreTheDeployedQuants) {
   }
 }
 
+// What the runner's decode groups plan with: every vector level reads up to 16
+// tokens straight from Q4_0, Q4_1 and Q8_0 groups, and avx2 unpacks the other
+// types from 8 tokens on; no integer kernels, no shape.
+TEST_P(CpuKernelsTest, MatMulTokenShapeByType) {
+  for (GgmlType t : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ8_0, GgmlType::kQ4_K,
+                     GgmlType::kQ5_K, GgmlType::kQ6_K, GgmlType::kF32, GgmlType::kF16}) {
+    SCOPED_TRACE(gguf::TypeName(t));
+    const MatMulTokenShape shape = CurrentMatMulTokenShape(t);
+    if (GetParam() == CpuKernelLevel::kScalar || !IsIntegerDotType(t)) {
+      EXPECT_EQ(shape.tile_tokens, 0);
+      EXPECT_EQ(shape.max_straight_tokens, 0);
+      continue;
+    }
+    const bool avx2 = GetParam() == CpuKernelLevel::kAvx2;
+    EXPECT_EQ(shape.tile_tokens, avx2 ? 4 : 8);
+    const bool cheap_steps = t == GgmlType::kQ4_0 || t == GgmlType::kQ4_1 || t == GgmlType::kQ8_0;
+    EXPECT_EQ(shape.max_straight_tokens, avx2 && !cheap_steps ? 7 : 16);
+  }
+}
+
 TEST_P(CpuKernelsTest, MatMulSingleThreadEqualsMultiThread) {
   std::mt19937 rng(7);
   const TestWeights w = MakeWeights(rng, GgmlType::kQ4_1, 100, 576);
