@@ -968,13 +968,37 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   EXPECT_THAT(self_st.error_message(), HasSubstr("the session stays here"));
   EXPECT_TRUE(Generate(s.get(), Text("reference", " and still", 2, v1::APPEND)).status.ok());
 
-  // A pinned session whose pin the target's quota cannot take stays here, pinned.
+  // A pinned session whose pin the target's quota cannot take stays here, pinned,
+  // and the target never announces it: it refuses before the commit (it used to
+  // commit, then drop it, and its watchers saw the session placed, then dropped).
   auto small = StartWorker({"--worker_id=small", "--tenant_max_pinned_pages=1"});
   ASSERT_NE(small, nullptr);
+  auto small_stub = v1::Worker::NewStub(small->channel());
+  grpc::ClientContext small_wctx;
+  small_wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto small_watch = small_stub->Watch(&small_wctx, v1::WatchRequest());
+  v1::WatchEvent small_ev;
+  ASSERT_TRUE(small_watch->Read(&small_ev));
+  ASSERT_TRUE(small_ev.has_snapshot());
   ASSERT_TRUE(pin("reference").ok());
   const grpc::Status quota_st = migrate("reference", small->grpc_address(), &unused);
   EXPECT_EQ(quota_st.error_code(), grpc::RESOURCE_EXHAUSTED) << quota_st.error_message();
   EXPECT_THAT(quota_st.error_message(), HasSubstr("the session stays here"));
+  EXPECT_THAT(quota_st.error_message(), HasSubstr("would pin"));
+  // Events come in order: everything before the probe's placement is what the
+  // refused import announced.
+  ASSERT_TRUE(Generate(small_stub.get(), Text("probe", "after the refusal", 1)).status.ok());
+  bool probe_placed = false;
+  while (!probe_placed && small_watch->Read(&small_ev)) {
+    if (!small_ev.has_event()) continue;
+    EXPECT_NE(small_ev.event().session_id(), "reference")
+        << v1::CacheEvent::Kind_Name(small_ev.event().kind());
+    probe_placed =
+        small_ev.event().kind() == v1::CacheEvent::SESSION_PLACED && small_ev.event().session_id() == "probe";
+  }
+  EXPECT_TRUE(probe_placed);
+  small_wctx.TryCancel();
+  small_watch->Finish();
   {
     grpc::ClientContext c;
     v1::SessionRequest gr;
@@ -988,7 +1012,8 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
     v1::ListSessionsResponse listed;
     ASSERT_TRUE(
         v1::Worker::NewStub(small->channel())->ListSessions(&c, v1::ListSessionsRequest(), &listed).ok());
-    EXPECT_EQ(listed.sessions_size(), 0);
+    ASSERT_EQ(listed.sessions_size(), 1);  // the probe's
+    EXPECT_EQ(listed.sessions(0).session_id(), "probe");
   }
 }
 

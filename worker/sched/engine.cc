@@ -1354,6 +1354,13 @@ absl::StatusOr<std::unique_ptr<kv::SessionImporter>> Engine::BeginImport() {
   return kv::SessionImporter::Create(kv_);
 }
 
+absl::Status Engine::CheckImportPin(const kv::SessionImporter& importer, const ImportedState& state) const {
+  if (!state.pinned || state.unpin_over_quota) return absl::OkStatus();
+  const std::string& key = importer.session_id();
+  absl::MutexLock lock(&mu_);
+  return CheckPinQuota(kv::SplitSessionKey(key).tenant, key, importer.staged_pages());
+}
+
 absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& importer,
                                                      std::vector<int32_t> context,
                                                      const ImportedState& state) {

@@ -302,6 +302,12 @@ class Engine {
   // failure the imported pages are released and no session remains. Dropping an
   // importer that never committed leaves no trace either.
   absl::StatusOr<std::unique_ptr<kv::SessionImporter>> BeginImport();
+  // Before the commit chunk: RESOURCE_EXHAUSTED when `state` asks for a pin
+  // that the importer's staged pages would take past the tenant's quota (and
+  // does not allow the import unpinned), so that such an import is refused
+  // before the session appears here at all (FinishImport checks again: another
+  // session may pin meanwhile).
+  absl::Status CheckImportPin(const kv::SessionImporter& importer, const ImportedState& state) const;
   // REQUIRES: importer.committed(). Returns the session's name.
   absl::StatusOr<kv::SessionName> FinishImport(const kv::SessionImporter& importer,
                                                std::vector<int32_t> context, const ImportedState& state = {});
