@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <thread>
 
@@ -39,7 +40,9 @@
 namespace kvcache {
 namespace {
 
+using ::testing::Contains;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using Turn = testing::Reply;
 
@@ -50,6 +53,31 @@ Turn Generate(v1::Worker::Stub* stub, const v1::GenerateRequest& req, int deadli
 v1::GenerateRequest Text(const std::string& session, const std::string& text, int max_tokens,
                          v1::Mode mode = v1::FULL_CONTEXT) {
   return testing::TextRequest(session, text, max_tokens, mode);
+}
+
+// The session ids that events on `w` name while `act` runs: a Watch opened
+// before it, read until a session "probe" placed after it (events come in
+// order, so what came before the probe is what `act` announced).
+std::vector<std::string> SessionsAnnouncedBy(v1::Worker::Stub* w, const std::function<void()>& act) {
+  grpc::ClientContext wctx;
+  wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto watch = w->Watch(&wctx, v1::WatchRequest());
+  v1::WatchEvent ev;
+  std::vector<std::string> ids;
+  if (!watch->Read(&ev) || !ev.has_snapshot()) {
+    ADD_FAILURE() << "no Watch snapshot";
+    return ids;
+  }
+  act();
+  EXPECT_TRUE(Generate(w, Text("probe", "after", 1)).status.ok());
+  while (watch->Read(&ev)) {
+    if (!ev.has_event()) continue;
+    if (ev.event().kind() == v1::CacheEvent::SESSION_PLACED && ev.event().session_id() == "probe") break;
+    ids.push_back(ev.event().session_id());
+  }
+  wctx.TryCancel();
+  watch->Finish();
+  return ids;
 }
 
 // Session `id`'s export stream, chunk by chunk (max_chunk_bytes 0: the
@@ -974,31 +1002,14 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
   auto small = StartWorker({"--worker_id=small", "--tenant_max_pinned_pages=1"});
   ASSERT_NE(small, nullptr);
   auto small_stub = v1::Worker::NewStub(small->channel());
-  grpc::ClientContext small_wctx;
-  small_wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto small_watch = small_stub->Watch(&small_wctx, v1::WatchRequest());
-  v1::WatchEvent small_ev;
-  ASSERT_TRUE(small_watch->Read(&small_ev));
-  ASSERT_TRUE(small_ev.has_snapshot());
   ASSERT_TRUE(pin("reference").ok());
-  const grpc::Status quota_st = migrate("reference", small->grpc_address(), &unused);
+  grpc::Status quota_st;
+  const std::vector<std::string> announced = SessionsAnnouncedBy(
+      small_stub.get(), [&] { quota_st = migrate("reference", small->grpc_address(), &unused); });
   EXPECT_EQ(quota_st.error_code(), grpc::RESOURCE_EXHAUSTED) << quota_st.error_message();
   EXPECT_THAT(quota_st.error_message(), HasSubstr("the session stays here"));
   EXPECT_THAT(quota_st.error_message(), HasSubstr("would pin"));
-  // Events come in order: everything before the probe's placement is what the
-  // refused import announced.
-  ASSERT_TRUE(Generate(small_stub.get(), Text("probe", "after the refusal", 1)).status.ok());
-  bool probe_placed = false;
-  while (!probe_placed && small_watch->Read(&small_ev)) {
-    if (!small_ev.has_event()) continue;
-    EXPECT_NE(small_ev.event().session_id(), "reference")
-        << v1::CacheEvent::Kind_Name(small_ev.event().kind());
-    probe_placed =
-        small_ev.event().kind() == v1::CacheEvent::SESSION_PLACED && small_ev.event().session_id() == "probe";
-  }
-  EXPECT_TRUE(probe_placed);
-  small_wctx.TryCancel();
-  small_watch->Finish();
+  EXPECT_THAT(announced, Not(Contains("reference")));
   {
     grpc::ClientContext c;
     v1::SessionRequest gr;
@@ -1015,6 +1026,75 @@ TEST_F(WorkerTest, MigrationMovesPagesAndContinuesIdentically) {
     ASSERT_EQ(listed.sessions_size(), 1);  // the probe's
     EXPECT_EQ(listed.sessions(0).session_id(), "probe");
   }
+}
+
+// A pinned session whose pages the target's tier 0 cannot hold now (another
+// import's staged pages hold it; a running request would too) is refused before
+// the import commits: the source keeps it pinned, and the target never announces
+// it. It used to commit, fail the pin's restore, then drop it: its watchers saw
+// the session placed, offloaded and dropped (qa31, with a running request).
+// (A tier 0 that pinned sessions hold for good was refused at the commit already.)
+TEST_F(WorkerTest, APinnedImportThatTier0CannotHoldNowIsRefusedBeforeItsCommit) {
+  auto src = StartWorker({"--worker_id=src"});
+  // 12 pages of the tiny model (16 tokens each), as OffloadUnderPressureKeepsOutputIdentical.
+  auto dst =
+      StartWorker({"--worker_id=dst", "--tier0_bytes=" + std::to_string(12 * 16 * 2 * 2 * 2 * 16 * 2)});
+  ASSERT_NE(src, nullptr);
+  ASSERT_NE(dst, nullptr);
+  auto s = v1::Worker::NewStub(src->channel());
+  auto d = v1::Worker::NewStub(dst->channel());
+  // Another session's import, held before its commit, stages most of tier 0.
+  ASSERT_TRUE(Generate(s.get(), Text("filler", std::string(140, 'f'), 4)).status.ok());
+  const std::vector<v1::SessionChunk> chunks = ExportChunks(s.get(), "filler");
+  ASSERT_GE(chunks.size(), 2u);
+  ASSERT_TRUE(chunks.back().has_commit());
+  grpc::ClientContext ic;
+  v1::SessionInfo unused_info;
+  auto filler = d->ImportSession(&ic, &unused_info);
+  for (size_t i = 0; i + 1 < chunks.size(); ++i) ASSERT_TRUE(filler->Write(chunks[i]));
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    auto m = testing::HttpGet(dst->metrics_port(), "/metrics");
+    return m.ok() &&
+           testing::MetricSample(*m, "kvcache_kv_pages{state=\"in_flight\",tier=\"device\"}").value_or(0) >=
+               9;
+  }));
+  ASSERT_TRUE(Generate(s.get(), Text("kept", std::string(100, 'k'), 4)).status.ok());
+  {
+    grpc::ClientContext c;
+    v1::PinSessionRequest pr;
+    pr.set_session_id("kept");
+    pr.set_pinned(true);
+    v1::SessionInfo info;
+    ASSERT_TRUE(s->PinSession(&c, pr, &info).ok());
+    ASSERT_GT(info.pages_device(), 3) << "the moving session would fit what the filler leaves";
+  }
+
+  grpc::Status st;
+  const std::vector<std::string> announced = SessionsAnnouncedBy(d.get(), [&] {
+    grpc::ClientContext c;
+    v1::MigrateSessionRequest req;
+    req.set_session_id("kept");
+    req.set_target_address(dst->grpc_address());
+    v1::MigrateSessionResponse resp;
+    st = s->MigrateSession(&c, req, &resp);
+  });
+  ic.TryCancel();
+  filler->Finish();
+  EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("tier-0 pages"));
+  EXPECT_THAT(st.error_message(), HasSubstr("the session stays here"));
+  EXPECT_THAT(announced, Not(Contains("kept")));
+  {
+    grpc::ClientContext c;
+    v1::SessionRequest gr;
+    gr.set_session_id("kept");
+    v1::SessionInfo info;
+    ASSERT_TRUE(s->GetSession(&c, gr, &info).ok());
+    EXPECT_TRUE(info.pinned());
+  }
+  const Turn next = Generate(s.get(), Text("kept", " and on", 2, v1::APPEND));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_GE(next.final.usage().cached_tokens(), 100);
 }
 
 // A chat reply cut at max_tokens has no end of turn; the next APPEND closes it

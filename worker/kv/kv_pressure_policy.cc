@@ -82,6 +82,19 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
   return absl::OkStatus();
 }
 
+int64_t KvCacheManager::Tier0PagesFreeable() const {
+  absl::MutexLock l(&mu_);
+  int64_t pages = pool_[0].num_free() + pool_[0].num_evictable();
+  for (const auto& [id, sp] : sessions_) {
+    const Session& s = *sp;
+    if (Pinned(s) || s.running) continue;  // what MakeRoom takes without preempting
+    for (size_t i = s.first_live; i < s.pages.size(); ++i) {
+      if (s.pages[i].tier == 0 && pool_[0].ref(s.pages[i].id) == 1) ++pages;
+    }
+  }
+  return pages;
+}
+
 bool KvCacheManager::FreesTier0Page(const Session& s) const {
   for (size_t i = s.first_live; i < s.pages.size(); ++i) {
     if (s.pages[i].tier == 0 && pool_[0].ref(s.pages[i].id) == 1) return true;

@@ -219,6 +219,11 @@ void SessionImporter::Abort() {
   tokens_.clear();
 }
 
+int64_t SessionImporter::staged_pages(int tier) const {
+  return std::count_if(staged_.begin(), staged_.end(),
+                       [tier](const Staged& s) { return s.page.id != kNoPage && s.page.tier == tier; });
+}
+
 absl::Status SessionImporter::Add(const KvChunk& chunk) {
   if (committed_) return absl::FailedPreconditionError(QuoteSession(session_id_) + " already imported");
   if (!failed_.ok()) {

@@ -1357,8 +1357,20 @@ absl::StatusOr<std::unique_ptr<kv::SessionImporter>> Engine::BeginImport() {
 absl::Status Engine::CheckImportPin(const kv::SessionImporter& importer, const ImportedState& state) const {
   if (!state.pinned || state.unpin_over_quota) return absl::OkStatus();
   const std::string& key = importer.session_id();
-  absl::MutexLock lock(&mu_);
-  return CheckPinQuota(kv::SplitSessionKey(key).tenant, key, importer.staged_pages());
+  {
+    absl::MutexLock lock(&mu_);
+    KVCACHE_RETURN_IF_ERROR(CheckPinQuota(kv::SplitSessionKey(key).tenant, key, importer.staged_pages()));
+  }
+  // The pin restores the pages staged in tier 1 (tier 0 had no room for them then).
+  const int64_t need = importer.staged_pages(1);
+  if (need == 0) return absl::OkStatus();
+  const int64_t freeable = kv_->Tier0PagesFreeable();
+  if (need > freeable) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "pinned session '", kv::SplitSessionKey(key).id, "' needs ", need, " more tier-0 pages here, only ",
+        freeable, " could be made free (the rest are pinned or running)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& importer,

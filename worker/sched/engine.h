@@ -303,10 +303,11 @@ class Engine {
   // importer that never committed leaves no trace either.
   absl::StatusOr<std::unique_ptr<kv::SessionImporter>> BeginImport();
   // Before the commit chunk: RESOURCE_EXHAUSTED when `state` asks for a pin
-  // that the importer's staged pages would take past the tenant's quota (and
-  // does not allow the import unpinned), so that such an import is refused
-  // before the session appears here at all (FinishImport checks again: another
-  // session may pin meanwhile).
+  // (and does not allow the import unpinned) that the importer's staged pages
+  // would take past the tenant's quota, or whose restore could not bring its
+  // tier-1 pages into tier 0 now, so that such an import is refused before the
+  // session appears here at all (FinishImport pins it, and may still fail:
+  // another session may pin or start meanwhile).
   absl::Status CheckImportPin(const kv::SessionImporter& importer, const ImportedState& state) const;
   // REQUIRES: importer.committed(). Returns the session's name.
   absl::StatusOr<kv::SessionName> FinishImport(const kv::SessionImporter& importer,
