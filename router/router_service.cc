@@ -22,6 +22,10 @@
 namespace kvcache::router {
 namespace {
 
+// Workers a move to a worker the router picks tries before it gives up (each
+// refusal leaves the session where it was).
+constexpr int kMaxMoveTargets = 3;
+
 std::string CodeName(const grpc::Status& st) {
   return absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code()));
 }
@@ -1097,10 +1101,9 @@ absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const
   // leaves the session where it was: the next one with room is tried. Before,
   // the first refusal ended the move, and the client was told there was no
   // room while another worker had it (qa28).
-  constexpr int kMaxTargets = 3;
   std::vector<WorkerId> refused;
   absl::Status last;
-  for (int i = 0; i < kMaxTargets; ++i) {
+  for (int i = 0; i < kMaxMoveTargets; ++i) {
     absl::StatusOr<WorkerId> dest = MoveTarget(*loc, grow_tokens, /*need_room=*/true, refused);
     if (!dest.ok()) return last.ok() ? dest.status() : last;
     // From `from`, whatever the directory shows: a target that refused the
@@ -1137,21 +1140,26 @@ void RouterService::MigrateAsync(const SessionKey& key, const std::string& targe
   if (!loc.has_value()) {
     return std::move(done)(absl::NotFoundError(absl::StrCat("session '", session_id, "' not found")));
   }
-  WorkerId dest;
-  if (!target.empty()) {
-    auto w = pool_->Find(target);
-    if (!w.has_value())
-      return std::move(done)(absl::NotFoundError(absl::StrCat("worker '", target, "' not found")));
-    if (!w->healthy) {
-      return std::move(done)(
-          absl::FailedPreconditionError(absl::StrCat("worker '", target, "' is not healthy")));
+  if (target.empty()) {
+    // Picking may take several moves, each waited for: on the executor.
+    auto pending = std::make_shared<Done<v1::MigrateSessionResponse>>(std::move(done));
+    const bool queued = executor_.Schedule([this, key, reason, source = loc->worker, pending] {
+      std::move (*pending)(MigrateToPicked(key, reason, source));
+    });
+    if (!queued) {
+      Done<v1::MigrateSessionResponse> refused = std::move(*pending);
+      std::move(refused)(absl::ResourceExhaustedError("the router is overloaded; retry later"));
     }
-    dest = w->address;
-  } else {
-    absl::StatusOr<WorkerId> picked = MoveTarget(*loc, 0, /*need_room=*/false);
-    if (!picked.ok()) return std::move(done)(picked.status());
-    dest = *std::move(picked);
+    return;
   }
+  auto w = pool_->Find(target);
+  if (!w.has_value())
+    return std::move(done)(absl::NotFoundError(absl::StrCat("worker '", target, "' not found")));
+  if (!w->healthy) {
+    return std::move(done)(
+        absl::FailedPreconditionError(absl::StrCat("worker '", target, "' is not healthy")));
+  }
+  const WorkerId dest = w->address;
   if (dest == loc->worker) {
     return std::move(done)(absl::FailedPreconditionError("the session already lives on that worker"));
   }
@@ -1186,6 +1194,7 @@ absl::StatusOr<v1::MigrateSessionResponse> RouterService::Migrate(const SessionK
                                                                   const std::string& target,
                                                                   const char* reason,
                                                                   const WorkerId& source) {
+  if (target.empty()) return MigrateToPicked(key, reason, source);
   absl::Notification answered;
   absl::StatusOr<v1::MigrateSessionResponse> result;
   MigrateAsync(
@@ -1197,6 +1206,34 @@ absl::StatusOr<v1::MigrateSessionResponse> RouterService::Migrate(const SessionK
       source);
   answered.WaitForNotification();
   return result;
+}
+
+absl::StatusOr<v1::MigrateSessionResponse> RouterService::MigrateToPicked(const SessionKey& key,
+                                                                          const char* reason,
+                                                                          const WorkerId& source) {
+  std::optional<SessionLocation> loc = directory_->FindSession(key);
+  if (!source.empty()) {
+    if (!loc.has_value()) loc = SessionLocation{key.session_id, source, v1::TIER_DEVICE, 0, key.tenant};
+    loc->worker = source;
+  }
+  if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
+  // A worker that refuses the session (its pin quota, it began draining, its
+  // room went) leaves it where it was, and the next is tried, as a move for
+  // room does. Before, the first refusal ended an admin move or a drain's, while
+  // another worker could take the session (qa31).
+  std::vector<WorkerId> refused;
+  absl::Status last;
+  for (int i = 0; i < kMaxMoveTargets; ++i) {
+    absl::StatusOr<WorkerId> dest = MoveTarget(*loc, 0, /*need_room=*/false, refused);
+    if (!dest.ok()) return last.ok() ? dest.status() : last;
+    absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, reason, loc->worker);
+    if (moved.ok() || absl::IsNotFound(AskSession(*loc).status())) return moved;  // moved, or gone meanwhile
+    KV_LOG_INFO("session '{}' ({}) did not move from {} to {}: {}", key.session_id, reason, loc->worker,
+                *dest, moved.status().ToString());
+    refused.push_back(*dest);
+    last = moved.status();
+  }
+  return last;
 }
 
 void RouterService::DrainWorkerAsync(const std::string& worker, int32_t deadline_ms,

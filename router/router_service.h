@@ -139,6 +139,10 @@ class RouterService final : public v1::KvCache::CallbackService {
   // (evacuation, rebalancing), never for a gRPC callback.
   absl::StatusOr<v1::MigrateSessionResponse> Migrate(const SessionKey& key, const std::string& target,
                                                      const char* reason, const WorkerId& source = "");
+  // Migrate to a worker the router picks (MoveTarget), trying the next when one
+  // refuses the session, up to kMaxMoveTargets. Blocks.
+  absl::StatusOr<v1::MigrateSessionResponse> MigrateToPicked(const SessionKey& key, const char* reason,
+                                                             const WorkerId& source = "");
 
   const Authenticator& auth() const { return *auth_; }
 

@@ -1174,6 +1174,42 @@ TEST_F(RouterTest, AMoveForRoomThatATargetRefusesTriesTheNext) {
   EXPECT_EQ(r.final.usage().cached_tokens(), 401);
 }
 
+// An admin move with no target named tries the next worker when the one the
+// router picked refuses the session (its pin quota), as a move for room does.
+// Before, the first refusal ended it, while another worker could take the
+// session (qa31: 2 of 2).
+TEST_F(RouterTest, AnAdminMoveWithNoTargetTriesTheNextWorker) {
+  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w0
+  StartWorkers(1, {"--tier0_bytes=524288", "--tenant_max_pinned_pages=8"});  // w1
+  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w2
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  auto w2 = v1::Worker::NewStub(workers_[2]->channel());
+  // 26 pages, pinned: w1's pin quota cannot take it.
+  ASSERT_TRUE(
+      Generate(w0.get(), Pinned(testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2))).status.ok());
+  // w2 holds it once, w1 twice over: w1 is picked first. 69 pages: 59 are left.
+  ASSERT_TRUE(Generate(w2.get(), Pinned(testing::TokensRequest("fill", std::vector<int32_t>(1100, 4), 2)))
+                  .status.ok());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  ASSERT_TRUE(RouterSees(admin.get(), "w2", [](const v1::WorkerInfo& w) {  // w2's load since
+    return w.load().pages_free_device() < 64;
+  }));
+  ASSERT_TRUE(testing::WaitUntil([&] { return SessionOf(stub.get(), "s").has_value(); }));
+  grpc::ClientContext ctx;
+  v1::AdminMigrateRequest req;
+  req.set_session_id("s");
+  v1::MigrateSessionResponse resp;
+  const grpc::Status st = admin->MigrateSession(&ctx, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  const std::optional<v1::SessionInfo> after = SessionOf(w2.get(), "s");
+  ASSERT_TRUE(after.has_value()) << "not on w2";
+  EXPECT_TRUE(after->pinned());
+  EXPECT_GE(after->tokens_cached(), 401);
+}
+
 // An APPEND whose context outgrew its worker's whole tier 0 (a fleet of
 // workers of different sizes) moves with its session to a worker whose tier 0
 // has room for it. Before, the client got OUT_OF_RANGE from its worker, and
