@@ -193,8 +193,9 @@ class KvCacheManager {
   // User pin: restores the session and keeps it in tier 0 until unpinned.
   absl::Status PinSession(const std::string& id);
   // Tier-0 pages a restore could have now without preempting a request: free,
-  // cached unreferenced, and the pages of idle, unpinned sessions that no other
-  // holder shares (a pinned import's pre-commit check, Engine::CheckImportPin).
+  // cached unreferenced, and the pages of idle, unpinned sessions that no pinned
+  // or running session holds too (a pinned import's pre-commit check,
+  // Engine::CheckImportPin).
   int64_t Tier0PagesFreeable() const;
   absl::Status UnpinSession(const std::string& id);
   // The request on this session finished: its pages become offload candidates

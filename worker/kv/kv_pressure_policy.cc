@@ -84,14 +84,18 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
 
 int64_t KvCacheManager::Tier0PagesFreeable() const {
   absl::MutexLock l(&mu_);
-  int64_t pages = pool_[0].num_free() + pool_[0].num_evictable();
+  // A page goes once every session holding it has (a fork's, a prefix hit's):
+  // those of idle, unpinned sessions that no pinned or running one holds too.
+  absl::flat_hash_set<PageId> held, idle;
   for (const auto& [id, sp] : sessions_) {
     const Session& s = *sp;
-    if (Pinned(s) || s.running) continue;  // what MakeRoom takes without preempting
+    const bool stays = Pinned(s) || s.running;  // what MakeRoom leaves without preempting
     for (size_t i = s.first_live; i < s.pages.size(); ++i) {
-      if (s.pages[i].tier == 0 && pool_[0].ref(s.pages[i].id) == 1) ++pages;
+      if (s.pages[i].tier == 0) (stays ? held : idle).insert(s.pages[i].id);
     }
   }
+  int64_t pages = pool_[0].num_free() + pool_[0].num_evictable();
+  for (PageId p : idle) pages += held.contains(p) ? 0 : 1;
   return pages;
 }
 

@@ -468,6 +468,7 @@ TEST(KvCacheManagerTest, PinnedAndSteppingSessionsAreNeverMoved) {
   EXPECT_EQ(m->BeginStep("x", 8).status().code(), absl::StatusCode::kResourceExhausted);
   // What routers count as not to be had (WorkerLoad.pages_held_device).
   EXPECT_EQ(m->GetStats().tier[0].held_pages, 3);
+  EXPECT_EQ(m->Tier0PagesFreeable(), 1);  // the free one
   EXPECT_EQ(m->GetSession("pinned")->tier0_pages, 2);
   EXPECT_EQ(m->GetSession("step")->tier0_pages, 1);
   EXPECT_EQ(m->GetSession("x")->tier0_pages, 0);
@@ -480,6 +481,7 @@ TEST(KvCacheManagerTest, PinnedAndSteppingSessionsAreNeverMoved) {
   ASSERT_OK(m->UnpinSession("pinned"));
   ASSERT_OK(m->MarkIdle("step"));
   EXPECT_EQ(m->GetStats().tier[0].held_pages, 0);
+  EXPECT_EQ(m->Tier0PagesFreeable(), 4);
   ASSERT_OK(AppendWithKv(*m, "x", Seq(20, 8)));  // now the idle ones move
   ASSERT_OK(VerifyKv(*m, "pinned"));
   ASSERT_OK(VerifyKv(*m, "step"));
@@ -498,9 +500,11 @@ TEST(KvCacheManagerTest, PressureMovesOutSessionsThatFreePagesFirst) {
   ASSERT_OK(m->Fork("base", "twin"));  // shares both pages
   ASSERT_OK(m->MarkIdle("twin"));
   EXPECT_EQ(m->GetStats().tier[0].held_pages, 2);  // the pinned base's, counted once
+  EXPECT_EQ(m->Tier0PagesFreeable(), 6);           // the idle twin's pages are the pinned base's too
   ASSERT_OK(m->CreateSession("lone", "t"));
   ASSERT_OK(AppendWithKv(*m, "lone", Seq(100, 8)));  // 2 pages of its own, used last
   ASSERT_OK(m->MarkIdle("lone"));
+  EXPECT_EQ(m->Tier0PagesFreeable(), 6);  // 4 free and lone's 2
   ASSERT_OK(m->CreateSession("x", "t"));
   ASSERT_OK(AppendWithKv(*m, "x", Seq(200, 24)));  // 6 pages: 4 free, 2 to make
   EXPECT_EQ(m->GetSession("twin")->tier0_pages, 2);
@@ -514,6 +518,7 @@ TEST(KvCacheManagerTest, PressureMovesOutSessionsThatFreePagesFirst) {
   ASSERT_OK(m->UnpinSession("base"));
   ASSERT_OK(m->MarkIdle("x"));
   ASSERT_OK(m->PinSession("x"));
+  EXPECT_EQ(m->Tier0PagesFreeable(), 2);  // the pages base and twin share, both idle now
   ASSERT_OK(m->CreateSession("y", "t"));
   {
     absl::Status st = AppendWithKv(*m, "y", Seq(300, 8));  // 2 pages: only base and twin can go
