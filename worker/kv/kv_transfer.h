@@ -120,9 +120,9 @@ class SessionImporter {
   absl::Status Add(const KvChunk& chunk);
   bool committed() const { return committed_; }
   const std::string& session_id() const { return session_id_; }
-  // Pages the chunks so far carried (by the commit chunk: every page of the
+  // Pages the chunks so far carried (by the commit chunk: every live page of the
   // session), all or those staged in `tier`.
-  int64_t staged_pages() const { return static_cast<int64_t>(staged_.size()); }
+  int64_t staged_pages() const { return staged_pages(0) + staged_pages(1); }
   int64_t staged_pages(int tier) const;
 
  private:

@@ -1368,7 +1368,7 @@ absl::Status Engine::CheckImportPin(const kv::SessionImporter& importer, const I
   if (need > freeable) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "pinned session '", kv::SplitSessionKey(key).id, "' needs ", need, " more tier-0 pages here, only ",
-        freeable, " could be made free (the rest are pinned or running)"));
+        freeable, " could be made free (the rest are pinned, running or being imported)"));
   }
   return absl::OkStatus();
 }

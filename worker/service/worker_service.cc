@@ -276,8 +276,9 @@ class WorkerService::ImportReactor : public grpc::ServerReadReactor<v1::SessionC
     std::vector<int32_t> context;
     auto c = FromWire(chunk_, &context);
     if (!c.ok()) return Done(c.status());
-    // A pin over this worker's quota is refused before the commit, which would
-    // announce the session placed, then dropped.
+    // A pin this worker cannot take (its quota, or a tier 0 that cannot hold the
+    // session now) is refused before the commit, which would announce the
+    // session placed, then dropped.
     if (chunk_.has_commit()) {
       if (absl::Status st = service_->engine_->CheckImportPin(*importer_, state); !st.ok()) return Done(st);
     }
