@@ -1129,14 +1129,20 @@ absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const
   return last;
 }
 
-void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
-                                 Done<v1::MigrateSessionResponse> done, const WorkerId& source) {
-  const std::string& session_id = key.session_id;
+std::optional<SessionLocation> RouterService::LocateForMove(const SessionKey& key,
+                                                            const WorkerId& source) const {
   std::optional<SessionLocation> loc = directory_->FindSession(key);
   if (!source.empty()) {
     if (!loc.has_value()) loc = SessionLocation{key.session_id, source, v1::TIER_DEVICE, 0, key.tenant};
     loc->worker = source;
   }
+  return loc;
+}
+
+void RouterService::MigrateAsync(const SessionKey& key, const std::string& target, const char* reason,
+                                 Done<v1::MigrateSessionResponse> done, const WorkerId& source) {
+  const std::string& session_id = key.session_id;
+  std::optional<SessionLocation> loc = LocateForMove(key, source);
   if (!loc.has_value()) {
     return std::move(done)(absl::NotFoundError(absl::StrCat("session '", session_id, "' not found")));
   }
@@ -1211,11 +1217,7 @@ absl::StatusOr<v1::MigrateSessionResponse> RouterService::Migrate(const SessionK
 absl::StatusOr<v1::MigrateSessionResponse> RouterService::MigrateToPicked(const SessionKey& key,
                                                                           const char* reason,
                                                                           const WorkerId& source) {
-  std::optional<SessionLocation> loc = directory_->FindSession(key);
-  if (!source.empty()) {
-    if (!loc.has_value()) loc = SessionLocation{key.session_id, source, v1::TIER_DEVICE, 0, key.tenant};
-    loc->worker = source;
-  }
+  std::optional<SessionLocation> loc = LocateForMove(key, source);
   if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
   // A worker that refuses the session (its pin quota, it began draining, its
   // room went) leaves it where it was, and the next is tried, as a move for

@@ -139,6 +139,9 @@ class RouterService final : public v1::KvCache::CallbackService {
   // (evacuation, rebalancing), never for a gRPC callback.
   absl::StatusOr<v1::MigrateSessionResponse> Migrate(const SessionKey& key, const std::string& target,
                                                      const char* reason, const WorkerId& source = "");
+  // Where a move of session `key` starts: `source` when not empty (the directory
+  // may trail its events), else the directory's worker.
+  std::optional<SessionLocation> LocateForMove(const SessionKey& key, const WorkerId& source) const;
   // Migrate to a worker the router picks (MoveTarget), trying the next when one
   // refuses the session, up to kMaxMoveTargets. Blocks.
   absl::StatusOr<v1::MigrateSessionResponse> MigrateToPicked(const SessionKey& key, const char* reason,
