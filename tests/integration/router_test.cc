@@ -146,6 +146,32 @@ class RouterTest : public ::testing::Test {
     ASSERT_TRUE(hold.status.ok()) << hold.status.error_message();
   }
 
+  // Workers w0, w1 and w2 (128 pages of 16 tokens each) and a router over them:
+  // w0 holds session "s", 401 tokens (26 pages) and pinned, beside "hold" when
+  // `hold_w0` (HoldMostOfTier0); w1's pin quota (8 pages) cannot take it; a
+  // pinned "fill" (69 pages) leaves w2 59, which hold "s" and a turn of it once
+  // where w1's free pages hold them twice over, so a move that picks by room
+  // tries w1 first.
+  std::unique_ptr<testing::ServerUnderTest> StartAFleetWhoseRoomiestTargetRefusesPins(bool hold_w0) {
+    StartWorkers(1, {"--tier0_bytes=524288"});                                 // w0
+    StartWorkers(1, {"--tier0_bytes=524288", "--tenant_max_pinned_pages=8"});  // w1
+    StartWorkers(1, {"--tier0_bytes=524288"});                                 // w2
+    auto router = StartRouter();
+    if (router == nullptr) return nullptr;
+    auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+    auto w2 = v1::Worker::NewStub(workers_[2]->channel());
+    if (hold_w0) HoldMostOfTier0(w0.get());
+    EXPECT_TRUE(
+        Generate(w0.get(), Pinned(testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2))).status.ok());
+    EXPECT_TRUE(Generate(w2.get(), Pinned(testing::TokensRequest("fill", std::vector<int32_t>(1100, 4), 2)))
+                    .status.ok());
+    auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+    EXPECT_TRUE(RouterSees(admin.get(), "w2", [](const v1::WorkerInfo& w) {  // w2's load since
+      return w.load().pages_free_device() < 64;
+    }));
+    return router;
+  }
+
   // A model of SmolLM2's shape with `layers` layers, slow enough that a long
   // stream outlasts what a test does meanwhile. The caller removes the file.
   static std::string WriteSlowModel(int layers) {
@@ -1147,27 +1173,10 @@ TEST_F(RouterTest, AMoveForRoomCountsThePagesOfIdleSessions) {
 // Before, the first refusal ended it, and the client was told there was no
 // room while another worker had it (qa28: 6 of 7 runs).
 TEST_F(RouterTest, AMoveForRoomThatATargetRefusesTriesTheNext) {
-  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w0
-  StartWorkers(1, {"--tier0_bytes=524288", "--tenant_max_pinned_pages=8"});  // w1
-  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w2
-  auto router = StartRouter();
+  auto router = StartAFleetWhoseRoomiestTargetRefusesPins(/*hold_w0=*/true);
   ASSERT_NE(router, nullptr);
+  ASSERT_FALSE(HasFailure());
   auto stub = v1::KvCache::NewStub(router->channel());
-  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
-  auto w2 = v1::Worker::NewStub(workers_[2]->channel());
-  ASSERT_NO_FATAL_FAILURE(HoldMostOfTier0(w0.get()));
-  // 26 pages, pinned: w1's pin quota cannot take it.
-  ASSERT_TRUE(
-      Generate(w0.get(), Pinned(testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2))).status.ok());
-  // w2 holds the session and the turn (32 pages) once, w1 twice: w1 is tried
-  // first.
-  // 69 pages: 59 are left.
-  ASSERT_TRUE(Generate(w2.get(), Pinned(testing::TokensRequest("fill", std::vector<int32_t>(1100, 4), 2)))
-                  .status.ok());
-  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
-  ASSERT_TRUE(RouterSees(admin.get(), "w2", [](const v1::WorkerInfo& w) {  // w2's load since
-    return w.load().pages_free_device() < 64;
-  }));
   Reply r = Generate(stub.get(), testing::TokensRequest("s", std::vector<int32_t>(100, 6), 4, v1::APPEND));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.final.worker_id(), "w2");
@@ -1179,24 +1188,12 @@ TEST_F(RouterTest, AMoveForRoomThatATargetRefusesTriesTheNext) {
 // Before, the first refusal ended it, while another worker could take the
 // session (qa31: 2 of 2).
 TEST_F(RouterTest, AnAdminMoveWithNoTargetTriesTheNextWorker) {
-  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w0
-  StartWorkers(1, {"--tier0_bytes=524288", "--tenant_max_pinned_pages=8"});  // w1
-  StartWorkers(1, {"--tier0_bytes=524288"});                                 // w2
-  auto router = StartRouter();
+  auto router = StartAFleetWhoseRoomiestTargetRefusesPins(/*hold_w0=*/false);
   ASSERT_NE(router, nullptr);
+  ASSERT_FALSE(HasFailure());
   auto stub = v1::KvCache::NewStub(router->channel());
-  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
   auto w2 = v1::Worker::NewStub(workers_[2]->channel());
-  // 26 pages, pinned: w1's pin quota cannot take it.
-  ASSERT_TRUE(
-      Generate(w0.get(), Pinned(testing::TokensRequest("s", std::vector<int32_t>(400, 5), 2))).status.ok());
-  // w2 holds it once, w1 twice over: w1 is picked first. 69 pages: 59 are left.
-  ASSERT_TRUE(Generate(w2.get(), Pinned(testing::TokensRequest("fill", std::vector<int32_t>(1100, 4), 2)))
-                  .status.ok());
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
-  ASSERT_TRUE(RouterSees(admin.get(), "w2", [](const v1::WorkerInfo& w) {  // w2's load since
-    return w.load().pages_free_device() < 64;
-  }));
   ASSERT_TRUE(testing::WaitUntil([&] { return SessionOf(stub.get(), "s").has_value(); }));
   grpc::ClientContext ctx;
   v1::AdminMigrateRequest req;

@@ -97,6 +97,56 @@ std::vector<v1::SessionChunk> ExportChunks(v1::Worker::Stub* stub, const std::st
   return st.ok() ? chunks : std::vector<v1::SessionChunk>();
 }
 
+// An import of session `id` from `from` into `to`, fed every chunk but its
+// commit: the pages stay staged there until Commit, Cancel or destruction.
+class ImportUpToCommit {
+ public:
+  ImportUpToCommit(v1::Worker::Stub* from, const std::string& id, v1::Worker::Stub* to)
+      : chunks_(ExportChunks(from, id)) {
+    ok_ = chunks_.size() >= 2 && chunks_.back().has_commit();
+    if (!ok_) return;
+    writer_ = to->ImportSession(&ctx_, &info_);
+    for (size_t i = 0; i + 1 < chunks_.size() && ok_; ++i) ok_ = writer_->Write(chunks_[i]);
+  }
+  ~ImportUpToCommit() {
+    if (writer_ != nullptr && !finished_) Cancel();
+  }
+  ImportUpToCommit(const ImportUpToCommit&) = delete;
+  ImportUpToCommit& operator=(const ImportUpToCommit&) = delete;
+
+  // Every chunk but the commit went out.
+  bool ok() const { return ok_; }
+  // Sends the commit chunk (which fails once the worker has answered) and
+  // returns the worker's status.
+  grpc::Status Commit() {
+    writer_->Write(chunks_.back());
+    writer_->WritesDone();
+    finished_ = true;
+    return writer_->Finish();
+  }
+  grpc::Status Cancel() {
+    ctx_.TryCancel();
+    finished_ = true;
+    return writer_->Finish();
+  }
+
+ private:
+  const std::vector<v1::SessionChunk> chunks_;
+  grpc::ClientContext ctx_;
+  v1::SessionInfo info_;
+  std::unique_ptr<grpc::ClientWriter<v1::SessionChunk>> writer_;
+  bool ok_ = false;
+  bool finished_ = false;
+};
+
+// Tier-0 pages that imports under way have staged on `w` (its /metrics).
+int64_t StagedDevicePages(const testing::ServerUnderTest& w) {
+  auto m = testing::HttpGet(w.metrics_port(), "/metrics");
+  if (!m.ok()) return 0;
+  return static_cast<int64_t>(
+      testing::MetricSample(*m, "kvcache_kv_pages{state=\"in_flight\",tier=\"device\"}").value_or(0));
+}
+
 v1::WorkerSnapshot Snapshot(v1::Worker::Stub* stub) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -1045,19 +1095,9 @@ TEST_F(WorkerTest, APinnedImportThatTier0CannotHoldNowIsRefusedBeforeItsCommit) 
   auto d = v1::Worker::NewStub(dst->channel());
   // Another session's import, held before its commit, stages most of tier 0.
   ASSERT_TRUE(Generate(s.get(), Text("filler", std::string(140, 'f'), 4)).status.ok());
-  const std::vector<v1::SessionChunk> chunks = ExportChunks(s.get(), "filler");
-  ASSERT_GE(chunks.size(), 2u);
-  ASSERT_TRUE(chunks.back().has_commit());
-  grpc::ClientContext ic;
-  v1::SessionInfo unused_info;
-  auto filler = d->ImportSession(&ic, &unused_info);
-  for (size_t i = 0; i + 1 < chunks.size(); ++i) ASSERT_TRUE(filler->Write(chunks[i]));
-  ASSERT_TRUE(testing::WaitUntil([&] {
-    auto m = testing::HttpGet(dst->metrics_port(), "/metrics");
-    return m.ok() &&
-           testing::MetricSample(*m, "kvcache_kv_pages{state=\"in_flight\",tier=\"device\"}").value_or(0) >=
-               9;
-  }));
+  ImportUpToCommit filler(s.get(), "filler", d.get());
+  ASSERT_TRUE(filler.ok());
+  ASSERT_TRUE(testing::WaitUntil([&] { return StagedDevicePages(*dst) >= 9; }));
   ASSERT_TRUE(Generate(s.get(), Text("kept", std::string(100, 'k'), 4)).status.ok());
   {
     grpc::ClientContext c;
@@ -1078,8 +1118,7 @@ TEST_F(WorkerTest, APinnedImportThatTier0CannotHoldNowIsRefusedBeforeItsCommit) 
     v1::MigrateSessionResponse resp;
     st = s->MigrateSession(&c, req, &resp);
   });
-  ic.TryCancel();
-  filler->Finish();
+  filler.Cancel();
   EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << st.error_message();
   EXPECT_THAT(st.error_message(), HasSubstr("tier-0 pages"));
   EXPECT_THAT(st.error_message(), HasSubstr("the session stays here"));
@@ -1278,27 +1317,16 @@ TEST_F(WorkerTest, AWorkerToldToStopRefusesTheCommitOfAnImportInFlight) {
   auto s = v1::Worker::NewStub(src->channel());
   auto d = v1::Worker::NewStub(dst->channel());
   ASSERT_TRUE(Generate(s.get(), Text("s", std::string(100, 'm'), 4)).status.ok());
-  const std::vector<v1::SessionChunk> chunks = ExportChunks(s.get(), "s");
-  ASSERT_GE(chunks.size(), 2u);
-  ASSERT_TRUE(chunks.back().has_commit());
-  grpc::ClientContext c;
-  v1::SessionInfo info;
-  auto writer = d->ImportSession(&c, &info);
-  for (size_t i = 0; i + 1 < chunks.size(); ++i) ASSERT_TRUE(writer->Write(chunks[i]));
+  ImportUpToCommit import(s.get(), "s", d.get());
+  ASSERT_TRUE(import.ok());
   // Under way there: the pages are staged.
-  ASSERT_TRUE(testing::WaitUntil([&] {
-    auto m = testing::HttpGet(dst->metrics_port(), "/metrics");
-    return m.ok() &&
-           testing::MetricSample(*m, "kvcache_kv_pages{state=\"in_flight\",tier=\"device\"}").value_or(0) > 0;
-  }));
+  ASSERT_TRUE(testing::WaitUntil([&] { return StagedDevicePages(*dst) > 0; }));
   dst->process().Signal(SIGTERM);
   ASSERT_TRUE(testing::WaitUntil([&] {
     auto ready = testing::HealthCheck(dst->channel(), "readiness");
     return ready.ok() && *ready == "NOT_SERVING";
   }));
-  writer->Write(chunks.back());  // may fail once the worker has answered
-  writer->WritesDone();
-  const grpc::Status st = writer->Finish();
+  const grpc::Status st = import.Commit();
   EXPECT_EQ(st.error_code(), grpc::UNAVAILABLE) << st.error_message();
   EXPECT_EQ(st.error_message(), kWorkerDrainingMessage);
   auto status = dst->process().Wait(absl::Seconds(20));
