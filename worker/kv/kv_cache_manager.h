@@ -349,6 +349,12 @@ class KvCacheManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether moving `s` out of tier 0 would free a page there (one it alone holds).
   bool FreesTier0Page(const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether MakeRoom leaves `s` in tier 0 unless it preempts.
+  bool StaysInTier0(const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Pinned(s) || s.running;
+  }
+  // The distinct tier-0 pages of sessions that StaysInTier0 (TierStats::held_pages).
+  absl::flat_hash_set<PageId> HeldTier0PagesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees tier-1 pages, LRU session first, until `n` are free or nothing is droppable.
   void DropTier1(int64_t n, const Session* protect) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the session's tier-0 pages to tier 1; with `allow_drop`, pages tier 1 cannot

@@ -29,20 +29,14 @@ KvStats KvCacheManager::GetStats() const {
   t1.in_flight_pages = staging_pages_[1];
   t1.session_private_pages = t1.capacity_pages - t1.free_pages - t1.in_flight_pages;
   st.sessions = static_cast<int64_t>(sessions_.size());
-  absl::flat_hash_set<PageId> held;
   for (const auto& [id, s] : sessions_) {
-    if (Pinned(*s) || s->running) {
-      for (size_t i = s->first_live; i < s->pages.size(); ++i) {
-        if (s->pages[i].tier == 0) held.insert(s->pages[i].id);
-      }
-    }
     if (s->tier1_pages > 0) ++st.offloaded_sessions;
     const int64_t live = static_cast<int64_t>(s->pages.size()) - s->first_live;
     st.allocated_token_slots += live * P();
     st.used_token_slots += static_cast<int64_t>(s->tokens.size()) - s->first_live * P();
   }
   st.waste_token_slots = st.allocated_token_slots - st.used_token_slots;
-  t0.held_pages = static_cast<int64_t>(held.size());
+  t0.held_pages = static_cast<int64_t>(HeldTier0PagesLocked().size());
   return st;
 }
 

@@ -82,21 +82,30 @@ absl::Status KvCacheManager::MakeRoom(int64_t n, const Session* protect,
   return absl::OkStatus();
 }
 
+absl::flat_hash_set<PageId> KvCacheManager::HeldTier0PagesLocked() const {
+  absl::flat_hash_set<PageId> held;
+  for (const auto& [id, s] : sessions_) {
+    if (!StaysInTier0(*s)) continue;
+    for (size_t i = s->first_live; i < s->pages.size(); ++i) {
+      if (s->pages[i].tier == 0) held.insert(s->pages[i].id);
+    }
+  }
+  return held;
+}
+
 int64_t KvCacheManager::Tier0PagesFreeable() const {
   absl::MutexLock l(&mu_);
   // A page goes once every session holding it has (a fork's, a prefix hit's):
-  // those of idle, unpinned sessions that no pinned or running one holds too.
-  absl::flat_hash_set<PageId> held, idle;
-  for (const auto& [id, sp] : sessions_) {
-    const Session& s = *sp;
-    const bool stays = Pinned(s) || s.running;  // what MakeRoom leaves without preempting
-    for (size_t i = s.first_live; i < s.pages.size(); ++i) {
-      if (s.pages[i].tier == 0) (stays ? held : idle).insert(s.pages[i].id);
+  // those of the other sessions that none of the held ones holds too.
+  const absl::flat_hash_set<PageId> held = HeldTier0PagesLocked();
+  absl::flat_hash_set<PageId> freeable;
+  for (const auto& [id, s] : sessions_) {
+    if (StaysInTier0(*s)) continue;
+    for (size_t i = s->first_live; i < s->pages.size(); ++i) {
+      if (s->pages[i].tier == 0 && !held.contains(s->pages[i].id)) freeable.insert(s->pages[i].id);
     }
   }
-  int64_t pages = pool_[0].num_free() + pool_[0].num_evictable();
-  for (PageId p : idle) pages += held.contains(p) ? 0 : 1;
-  return pages;
+  return pool_[0].num_free() + pool_[0].num_evictable() + static_cast<int64_t>(freeable.size());
 }
 
 bool KvCacheManager::FreesTier0Page(const Session& s) const {
