@@ -1101,32 +1101,13 @@ absl::StatusOr<WorkerId> RouterService::MoveForRoom(const SessionKey& key, const
   // leaves the session where it was: the next one with room is tried. Before,
   // the first refusal ended the move, and the client was told there was no
   // room while another worker had it (qa28).
-  std::vector<WorkerId> refused;
-  absl::Status last;
-  for (int i = 0; i < kMaxMoveTargets; ++i) {
-    absl::StatusOr<WorkerId> dest = MoveTarget(*loc, grow_tokens, /*need_room=*/true, refused);
-    if (!dest.ok()) return last.ok() ? dest.status() : last;
-    // From `from`, whatever the directory shows: a target that refused the
-    // session after committing it (over its pin quota) announced it placed,
-    // then dropped, and the directory may show it there meanwhile.
-    absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, "room", from);
-    if (moved.ok()) {
-      KV_LOG_INFO("session '{}' ({} tokens) had no KV memory on {} for {} more: moved it to {}",
-                  key.session_id, loc->tokens, from, grow_tokens, *dest);
-      return *dest;
-    }
-    // Another request's move (or a drain) took the session meanwhile: the
-    // migration then fails NOT_FOUND, or FAILED_PRECONDITION when the session
-    // left during the export. The caller follows it.
-    if (absl::IsNotFound(AskSession(*loc).status())) {
-      return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' left ", from, " meanwhile"));
-    }
-    KV_LOG_INFO("session '{}' had no KV memory on {}, and {} did not take it: {}", key.session_id, from,
-                *dest, moved.status().ToString());
-    refused.push_back(*dest);
-    last = moved.status();
-  }
-  return last;
+  WorkerId dest;
+  absl::StatusOr<v1::MigrateSessionResponse> moved =
+      MoveToPicked(*loc, "room", grow_tokens, /*need_room=*/true, &dest);
+  if (!moved.ok()) return moved.status();
+  KV_LOG_INFO("session '{}' ({} tokens) had no KV memory on {} for {} more: moved it to {}", key.session_id,
+              loc->tokens, from, grow_tokens, dest);
+  return dest;
 }
 
 std::optional<SessionLocation> RouterService::LocateForMove(const SessionKey& key,
@@ -1219,19 +1200,40 @@ absl::StatusOr<v1::MigrateSessionResponse> RouterService::MigrateToPicked(const 
                                                                           const WorkerId& source) {
   std::optional<SessionLocation> loc = LocateForMove(key, source);
   if (!loc.has_value()) return absl::NotFoundError(absl::StrCat("session '", key.session_id, "' not found"));
+  // Before up to three were tried (MoveToPicked), the first refusal ended an
+  // admin move or a drain's, while another worker could take the session (qa31).
+  WorkerId unused;
+  return MoveToPicked(*loc, reason, 0, /*need_room=*/false, &unused);
+}
+
+absl::StatusOr<v1::MigrateSessionResponse> RouterService::MoveToPicked(const SessionLocation& loc,
+                                                                       const char* reason,
+                                                                       int64_t grow_tokens, bool need_room,
+                                                                       WorkerId* to) {
   // A worker that refuses the session (its pin quota, it began draining, its
-  // room went) leaves it where it was, and the next is tried, as a move for
-  // room does. Before, the first refusal ended an admin move or a drain's, while
-  // another worker could take the session (qa31).
+  // room went) leaves it where it was, and the next is tried.
   std::vector<WorkerId> refused;
   absl::Status last;
   for (int i = 0; i < kMaxMoveTargets; ++i) {
-    absl::StatusOr<WorkerId> dest = MoveTarget(*loc, 0, /*need_room=*/false, refused);
+    absl::StatusOr<WorkerId> dest = MoveTarget(loc, grow_tokens, need_room, refused);
     if (!dest.ok()) return last.ok() ? dest.status() : last;
-    absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(key, *dest, reason, loc->worker);
-    if (moved.ok() || absl::IsNotFound(AskSession(*loc).status())) return moved;  // moved, or gone meanwhile
-    KV_LOG_INFO("session '{}' ({}) did not move from {} to {}: {}", key.session_id, reason, loc->worker,
-                *dest, moved.status().ToString());
+    // From loc.worker, whatever the directory shows: a target that refused the
+    // session after committing it announced it placed, then dropped, and the
+    // directory may show it there meanwhile.
+    absl::StatusOr<v1::MigrateSessionResponse> moved = Migrate(loc.key(), *dest, reason, loc.worker);
+    if (moved.ok()) {
+      *to = *dest;
+      return moved;
+    }
+    // Another request's move (or a drain) took the session meanwhile: the
+    // migration then fails NOT_FOUND, or FAILED_PRECONDITION when the session
+    // left during the export. A caller may follow it.
+    if (absl::IsNotFound(AskSession(loc).status())) {
+      return absl::NotFoundError(
+          absl::StrCat("session '", loc.session_id, "' left ", loc.worker, " meanwhile"));
+    }
+    KV_LOG_INFO("session '{}' ({}) did not move from {} to {}: {}", loc.session_id, reason, loc.worker, *dest,
+                moved.status().ToString());
     refused.push_back(*dest);
     last = moved.status();
   }

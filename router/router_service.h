@@ -146,6 +146,11 @@ class RouterService final : public v1::KvCache::CallbackService {
   // refuses the session, up to kMaxMoveTargets. Blocks.
   absl::StatusOr<v1::MigrateSessionResponse> MigrateToPicked(const SessionKey& key, const char* reason,
                                                              const WorkerId& source = "");
+  // MigrateToPicked's moves of the session at `loc`, to workers of MoveTarget(loc,
+  // grow_tokens, need_room), up to kMaxMoveTargets; `to` gets the one that took
+  // it. NOT_FOUND when the session left loc.worker meanwhile.
+  absl::StatusOr<v1::MigrateSessionResponse> MoveToPicked(const SessionLocation& loc, const char* reason,
+                                                          int64_t grow_tokens, bool need_room, WorkerId* to);
 
   const Authenticator& auth() const { return *auth_; }
 
