@@ -188,7 +188,15 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     placement_ = *placement;
 
     v1::GenerateRequest req = request_;
-    if (!emitted_.empty()) {
+    if (!emitted_.empty() && append_) {
+      // Go on the session's cut reply, from what the client already received:
+      // the session holds the turn's input and those tokens (the worker counts
+      // them against max_tokens, samples past them and matches stop strings
+      // across them).
+      req.clear_input();
+      req.clear_tokens_read();
+      req.set_continued_tokens(static_cast<int32_t>(emitted_.size()));
+    } else if (!emitted_.empty()) {
       // Continue from what the client already received.
       std::vector<int32_t> input = tokens_;
       input.insert(input.end(), emitted_.begin(), emitted_.end());
@@ -381,7 +389,11 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
                     router_->directory_->FindSession({request_.tenant(), request_.session_id()})
                             .value_or(SessionLocation())
                             .worker == placement_.worker);
-    if (no_room && session_there && !lost_midstream && attempts_ < router_->options_.max_attempts) {
+    // An APPEND cut out of room after tokens goes on where its session moves
+    // (its worker kept the tokens sent; Attempt continues the reply there).
+    // Before, the client got RESOURCE_EXHAUSTED in the middle of its reply.
+    if (no_room && session_there && (!lost_midstream || append_) &&
+        attempts_ < router_->options_.max_attempts) {
       const WorkerId from = placement_.worker;
       if (router_->executor_.Schedule([this, from] { MoveSessionForRoom(from); })) return;
       return Finish(st);
@@ -389,11 +401,21 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     if (st.error_code() == grpc::UNAVAILABLE && !drain_refusal && !drain_cut)
       router_->pool_->MarkSuspect(placement_.worker);
     if (append_ && drain_cut) {
-      return Finish(
+      // The drain moves the session with the tokens sent: follow it and go on
+      // the reply there. Before, the client got UNAVAILABLE and had to send
+      // an APPEND of its own.
+      last_ =
           grpc::Status(grpc::UNAVAILABLE,
                        absl::StrCat("worker ", placement_.worker, " is draining and cut this stream after ",
                                     emitted_.size(), " tokens; session '", request_.session_id(),
-                                    "' keeps them and moves to another worker: continue it with APPEND")));
+                                    "' keeps them and moves to another worker: continue it with APPEND"));
+      const WorkerId from = placement_.worker;
+      const absl::Duration wait = router_->options_.drain_move_wait;
+      if (attempts_ < router_->options_.max_attempts &&
+          router_->executor_.Schedule([this, from, wait] { FollowMovedSession(from, wait); })) {
+        return;
+      }
+      return Finish(last_);
     }
     // A worker that answers after tokens came with a status of its own (out of
     // room mid-reply, say) is there, and so is the session, with the tokens

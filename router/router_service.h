@@ -10,8 +10,11 @@
 // UNAVAILABLE) tries the next-best worker; one whose worker is lost mid-stream
 // continues on another worker from the tokens the client already has (prompt +
 // streamed tokens as the new input), so the client sees one stream without
-// duplicated tokens. An APPEND request whose worker is lost fails with
-// UNAVAILABLE naming the session.
+// duplicated tokens. An APPEND cut after tokens with its session kept (out of
+// KV memory mid-reply, its worker's drain deadline) follows the session to the
+// worker it moves to and goes on the reply there (continued_tokens), so its
+// client too sees one stream. An APPEND request whose worker is lost fails
+// with UNAVAILABLE naming the session.
 //
 // Threads: none per request. Generate proxies the worker's stream through gRPC's
 // callback client API, so a live stream is two reactors and no thread; calls to

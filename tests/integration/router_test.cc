@@ -1039,9 +1039,9 @@ TEST_F(RouterTest, ADrainMovesASessionPastAWorkerWhosePinsLeaveItNoRoom) {
 }
 
 // An APPEND that runs out of tier-0 room after its first tokens (a pinned
-// session holds the rest) gets the worker's RESOURCE_EXHAUSTED through the
-// router, and its session keeps the tokens sent: the next turn continues it
-// there. Before, the router told the client the session was lost with its
+// session holds the rest), with no other worker to go on, gets the worker's
+// RESOURCE_EXHAUSTED through the router, and its session keeps the tokens
+// sent: the next turn continues it there. Before, the router told the client the session was lost with its
 // worker and to resend the whole conversation (qa25).
 TEST_F(RouterTest, AnAppendOutOfRoomMidReplyIsNotSaidToBeLost) {
   StartWorkers(1, {"--tier0_bytes=131072", "--tier1_bytes=0"});  // 32 pages of 16 tokens
@@ -1066,6 +1066,53 @@ TEST_F(RouterTest, AnAppendOutOfRoomMidReplyIsNotSaidToBeLost) {
   Reply after = Generate(stub.get(), next);
   ASSERT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_GE(after.final.usage().cached_tokens(), 40 + 2 + 4);
+}
+
+// An APPEND that runs out of tier-0 room after its first tokens, while another
+// worker has room, goes on there: the router moves the session with the tokens
+// sent and continues the reply, so the client's stream ends OK with the reply
+// the turn gives on a worker that always had room. Before, the client got
+// RESOURCE_EXHAUSTED in the middle of its reply, however empty the other
+// worker was.
+TEST_F(RouterTest, AnAppendOutOfRoomMidReplyGoesOnWhereThereIsRoom) {
+  StartWorkers(1, {"--tier0_bytes=131072", "--tier1_bytes=0"});  // 32 pages of 16 tokens
+  StartWorkers(1);
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  // Both sessions on w0, made there directly.
+  auto w0 = v1::Worker::NewStub(workers_[0]->channel());
+  ASSERT_TRUE(  // 26 pages, pinned: 6 are left
+      Generate(w0.get(), Pinned(testing::TokensRequest("hold", std::vector<int32_t>(400, 9), 2)))
+          .status.ok());
+  const std::vector<int32_t> prompt(40, 5);
+  Reply x = Generate(w0.get(), testing::TokensRequest("x", prompt, 2));
+  ASSERT_TRUE(x.status.ok()) << x.status.error_message();
+  constexpr int kReply = 100;  // about 50 tokens fit on w0
+  const v1::GenerateRequest grow = testing::TokensRequest("x", {6, 7}, kReply, v1::APPEND);
+  Reply r = Generate(stub.get(), grow);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.worker_id(), "w1");
+  EXPECT_EQ(r.tokens.size(), static_cast<size_t>(kReply));
+  EXPECT_EQ(r.final.usage().generated_tokens(), kReply);
+  EXPECT_EQ(r.final.usage().prompt_tokens(), 44);
+  auto metrics = testing::HttpGet(router->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(testing::MetricSample(*metrics, "kvcache_router_migrations_total{reason=\"room\"}"), 1.0);
+  // The same conversation on the worker with room all along.
+  std::vector<int32_t> seen = prompt;
+  seen.insert(seen.end(), x.tokens.begin(), x.tokens.end());
+  seen.insert(seen.end(), {6, 7});
+  auto w1 = v1::Worker::NewStub(workers_[1]->channel());
+  Reply ref = Generate(w1.get(), testing::TokensRequest("ref", seen, kReply));
+  ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+  EXPECT_EQ(r.tokens, ref.tokens);
+  // The session holds the whole reply, moved: the next turn reads it cached.
+  Reply next = Generate(stub.get(), testing::TokensRequest("x", {8}, 2, v1::APPEND));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.final.worker_id(), "w1");
+  EXPECT_EQ(next.final.usage().prompt_tokens(), static_cast<int>(seen.size()) + kReply + 1);
+  EXPECT_EQ(next.final.usage().cached_tokens(), static_cast<int>(seen.size()) + kReply - 1);
 }
 
 // An APPEND whose worker has no KV memory for it (a pinned session holds most
@@ -1468,12 +1515,13 @@ TEST_F(RouterTest, SigtermedWorkerHandsItsSessionsOver) {
   }
 }
 
-TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndItsSessionMovesWithWhatWasSent) {
+TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndTheRouterGoesOnItWhereItsSessionMoves) {
   // A stream that outlives --drain_deadline is cut (not left running until the
-  // process dies): its client gets UNAVAILABLE saying the session moves, every
-  // token it was sent arrives before that status, the session keeps exactly
-  // those tokens and moves, and the next APPEND continues the conversation the
-  // client saw.
+  // process dies); its session keeps exactly the tokens sent and moves, and
+  // the router follows it and goes on the reply there: the client's APPEND
+  // stream ends OK with every token once, the reply the uninterrupted turn
+  // gives, and the next APPEND continues the conversation the client saw.
+  // Before, the client got UNAVAILABLE mid-reply and had to send an APPEND.
   StartWorkers(2, {"--drain_deadline=0s", "--shutdown_deadline=20s"});
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
@@ -1486,27 +1534,25 @@ TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndItsSessionMovesWithW
   auto& proc = workers_[leaving == "w0" ? 0 : 1]->process();
 
   const std::vector<int32_t> turn = {30, 31, 32};
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = stub->Generate(&ctx, testing::TokensRequest("cut", turn, 1900, v1::APPEND));
-  v1::GenerateResponse msg;
-  ASSERT_TRUE(reader->Read(&msg) && msg.has_token());
-  std::vector<int32_t> streamed = {msg.token().id()};
+  constexpr int kReply = 1900;  // longer than the tiny model takes to see SIGTERM
+  testing::PartialStream stream(stub.get(), testing::TokensRequest("cut", turn, kReply, v1::APPEND));
+  ASSERT_TRUE(stream.ReadTokens(1));
   proc.Signal(SIGTERM);
-  while (reader->Read(&msg)) {
-    ASSERT_TRUE(msg.has_token()) << "the stream was not cut";
-    streamed.push_back(msg.token().id());
-  }
-  const grpc::Status cut = reader->Finish();
-  EXPECT_EQ(cut.error_code(), grpc::UNAVAILABLE) << cut.error_message();
-  EXPECT_THAT(cut.error_message(), HasSubstr("keeps them and moves to another worker"));
-  EXPECT_LT(streamed.size(), 1900u);
+  const Reply& got = stream.Finish();
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_NE(got.final.worker_id(), leaving) << "the stream was not cut";
+  EXPECT_EQ(got.tokens.size(), static_cast<size_t>(kReply));
+  EXPECT_EQ(got.final.usage().generated_tokens(), kReply);
+  EXPECT_EQ(got.final.usage().prompt_tokens(), static_cast<int>(seen.size() + turn.size()));
   auto status = proc.Wait(absl::Seconds(30));
   ASSERT_TRUE(status.ok()) << "worker did not exit after SIGTERM";
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
-
   seen.insert(seen.end(), turn.begin(), turn.end());
-  seen.insert(seen.end(), streamed.begin(), streamed.end());
+  Reply whole = Generate(stub.get(), testing::TokensRequest("whole", seen, kReply));
+  ASSERT_TRUE(whole.status.ok()) << whole.status.error_message();
+  EXPECT_EQ(got.tokens, whole.tokens) << "a token lost, repeated or changed across the cut";
+
+  seen.insert(seen.end(), got.tokens.begin(), got.tokens.end());
   const std::vector<int32_t> next = {40, 41};
   Reply after = Generate(stub.get(), testing::TokensRequest("cut", next, 4, v1::APPEND));
   ASSERT_TRUE(after.status.ok()) << after.status.error_message();

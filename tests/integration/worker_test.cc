@@ -296,6 +296,31 @@ TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {
   add(
       "over message limit", [](auto& r) { r.mutable_input()->set_text(std::string(9 << 20, 'a')); },
       grpc::RESOURCE_EXHAUSTED);
+  // An APPEND that goes on its session's cut reply (continued_tokens) has no
+  // input and no tokens_read of its own.
+  auto going_on = [](v1::GenerateRequest& r) {
+    r.set_mode(v1::APPEND);
+    r.set_session_id("ghost");
+    r.set_continued_tokens(2);
+  };
+  add("append going on with an input", going_on, grpc::INVALID_ARGUMENT);
+  add(
+      "append going on with tokens_read",
+      [&](auto& r) {
+        going_on(r);
+        r.clear_input();
+        r.set_tokens_read(1);
+      },
+      grpc::INVALID_ARGUMENT);
+  add(
+      "append going on an unknown session",
+      [&](auto& r) {
+        going_on(r);
+        r.clear_input();
+      },
+      grpc::NOT_FOUND);
+  add(
+      "negative continued_tokens", [](auto& r) { r.set_continued_tokens(-1); }, grpc::INVALID_ARGUMENT);
   for (const Case& c : cases) {
     Turn t = Generate(stub.get(), c.req);
     EXPECT_EQ(t.status.error_code(), c.code) << c.name << ": " << t.status.error_message();

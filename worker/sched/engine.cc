@@ -36,8 +36,9 @@ const char* FinishReasonName(FinishReason r) {
 }
 
 struct Engine::Request {
+  // `carried`: the request's own output streamed before it (GenerateRequest::continued).
   Request(uint64_t id, GenerateRequest r, GenerateObserver* obs, const tok::Tokenizer* tokenizer,
-          int max_tokens)
+          int max_tokens, absl::Span<const int32_t> carried)
       : id(id),
         req(std::move(r)),
         observer(obs),
@@ -48,9 +49,9 @@ struct Engine::Request {
         submitted(absl::Now()) {
     // A continued stream's tokens so far, as if this request had generated them.
     using R = model::StopCriteria::Reason;
-    for (size_t i = req.input.size() - static_cast<size_t>(req.continued); i < req.input.size(); ++i) {
+    for (int32_t token : carried) {
       sampler.Skip(1);
-      const R reason = stop.Add(req.input[i], detok.Add(req.input[i]).value_or(""));
+      const R reason = stop.Add(token, detok.Add(token).value_or(""));
       if (reason == R::kNone) continue;
       ended = reason == R::kStopString ? FinishReason::kStopString
               : reason == R::kLength   ? FinishReason::kLength
@@ -151,7 +152,10 @@ void Engine::EraseSessionLocked(const std::string& key) {
 
 absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserver* observer) {
   if (observer == nullptr) return absl::InvalidArgumentError("no observer");
-  if (request.input.empty()) return absl::InvalidArgumentError("input is empty (no tokens)");
+  const bool append = request.mode == RequestMode::kAppend;
+  // An APPEND that goes on its session's cut reply adds nothing of its own.
+  const bool goes_on = append && request.continued > 0;
+  if (request.input.empty() && !goes_on) return absl::InvalidArgumentError("input is empty (no tokens)");
   for (int32_t id : request.input) {
     if (!tokenizer_->IsValid(id)) {
       return absl::InvalidArgumentError(
@@ -168,13 +172,13 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
       return absl::InvalidArgumentError(absl::StrCat("stop token id ", id, " outside the vocabulary"));
     }
   }
-  if (request.mode == RequestMode::kAppend && request.session_id.empty()) {
-    return absl::InvalidArgumentError("APPEND needs a session_id");
-  }
-  if (request.continued < 0 || request.continued > static_cast<int64_t>(request.input.size()) ||
-      (request.continued > 0 && request.mode == RequestMode::kAppend)) {
+  if (append && request.session_id.empty()) return absl::InvalidArgumentError("APPEND needs a session_id");
+  if (request.continued < 0 || (!append && request.continued > static_cast<int64_t>(request.input.size())) ||
+      (goes_on && (!request.input.empty() || request.tokens_read >= 0))) {
     return absl::InvalidArgumentError(
-        absl::StrCat("continued ", request.continued, " tokens must be within a FULL_CONTEXT input"));
+        absl::StrCat("continued ", request.continued,
+                     " tokens must be within a FULL_CONTEXT input, or go on an "
+                     "APPEND session's last reply with no input nor tokens_read"));
   }
   const int max_tokens = request.max_tokens == 0 ? options_.default_max_tokens : request.max_tokens;
 
@@ -186,7 +190,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   // late (a loaded worker, or a router in between), so wait for it longer.
   const absl::Duration cancel_grace = request.tokens_read >= 0 ? kCancelledRequestWait : kCancelGrace;
   const bool busy = !key.empty() && AwaitHolderLocked(key, cancel_grace);
-  if (request.mode == RequestMode::kAppend && !sessions_.contains(key) && kv_->GetSession(key).ok()) {
+  if (append && !sessions_.contains(key) && kv_->GetSession(key).ok()) {
     // An imported session whose pages are in the cache, not yet adopted
     // (FinishImport): its cache events may reach a router, and the router this
     // request, first. The adoption is a moment away: wait for it.
@@ -207,20 +211,32 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   if (stopping_) return absl::UnavailableError("engine is stopping");
   int64_t context = static_cast<int64_t>(request.input.size());
+  std::vector<int32_t> carried;  // the request's own output so far (continued)
+  if (!append) carried.assign(request.input.end() - request.continued, request.input.end());
   if (!sid.empty()) {
     if (busy || busy_.contains(key)) {
       return absl::AbortedError(absl::StrCat("session '", sid, "' is busy with ", BusyWithLocked(key)));
     }
-    if (request.mode == RequestMode::kAppend) {
+    if (append) {
       KVCACHE_RETURN_IF_ERROR(CheckKnown(key, sid));
       const SessionState& held = sessions_.find(key)->second;
+      if (request.continued > held.last_reply) {
+        return absl::InvalidArgumentError(absl::StrCat("continued ", request.continued, " exceeds the ",
+                                                       held.last_reply,
+                                                       " tokens of the last reply of session '", sid, "'"));
+      }
+      // Going on the reply keeps what the client has of it, as tokens_read does.
+      if (goes_on) request.tokens_read = request.continued;
       if (request.tokens_read > held.last_reply) {
         return absl::InvalidArgumentError(absl::StrCat("tokens_read ", request.tokens_read, " exceeds the ",
                                                        held.last_reply,
                                                        " tokens of the last reply of session '", sid, "'"));
       }
-      context += static_cast<int64_t>(held.context.size()) - DropFor(request, held).unread +
-                 static_cast<int64_t>(request.close_turn.size());
+      const int64_t unread = DropFor(request, held).unread;
+      const auto kept_end = held.context.end() - unread;
+      carried.assign(kept_end - request.continued, kept_end);
+      context += static_cast<int64_t>(held.context.size()) - unread +
+                 (goes_on ? 0 : static_cast<int64_t>(request.close_turn.size()));
     }
   }
   if (context >= options_.max_context) {
@@ -280,7 +296,8 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
                          "' held the most of it, and its newest request made room for another tenant's")));
   }
   ++inflight_[request.tenant];
-  waiting_.push_back(std::make_unique<Request>(id, std::move(request), observer, tokenizer_, max_tokens));
+  waiting_.push_back(
+      std::make_unique<Request>(id, std::move(request), observer, tokenizer_, max_tokens, carried));
   load_.waiting = static_cast<int>(waiting_.size());
   wake_.Signal();
   return id;
@@ -387,7 +404,8 @@ bool Engine::Prepare(Request& r) {
     r.context = std::move(known);
     r.context.resize(r.context.size() - static_cast<size_t>(unread));
     r.reply_open_at_start = reply_open;
-    if (reply_open && !r.context.empty() && !IsEndOfGeneration(r.context.back())) {
+    // A request that goes on the cut reply leaves its turn open.
+    if (reply_open && q.continued == 0 && !r.context.empty() && !IsEndOfGeneration(r.context.back())) {
       r.context.insert(r.context.end(), q.close_turn.begin(), q.close_turn.end());
       r.closed_turn = static_cast<int64_t>(q.close_turn.size());
     }
@@ -508,17 +526,24 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
         SessionState& held = it->second;
         if (!revert) {
           const bool append = r.req.mode == RequestMode::kAppend;
-          // A continued stream's reply began on the worker it came from.
-          const int64_t reply = static_cast<int64_t>(r.result.output.size()) + r.req.continued;
+          const bool goes_on = append && r.req.continued > 0;
+          // A continued stream's reply began on the worker it came from (or
+          // in the cut request this one goes on).
+          const int64_t output = static_cast<int64_t>(r.result.output.size());
+          const int64_t reply = output + r.req.continued;
+          // The cut request and this one are one request: what it added, less
+          // the part of its reply this one dropped, and this one's tokens.
           const int64_t added =
-              reply + (append ? static_cast<int64_t>(r.req.input.size()) + r.closed_turn : 0);
+              goes_on ? std::max(reply, held.last_request - (held.last_reply - r.req.continued) + output)
+                      : reply + (append ? static_cast<int64_t>(r.req.input.size()) + r.closed_turn : 0);
           held.context = r.context;
           held.last_reply = std::min(reply, static_cast<int64_t>(held.context.size()));
           held.last_request = std::min(added, static_cast<int64_t>(held.context.size()));
           // What a tokens_read = 0 after it goes back to: the context as this
           // request found it once its own tokens_read had cut it (a reply cut
-          // short is open even when the whole reply had ended its turn).
-          held.reply_open_before = append && r.reply_open_at_start;
+          // short is open even when the whole reply had ended its turn); the
+          // cut request's, for one that goes on it.
+          if (!goes_on) held.reply_open_before = append && r.reply_open_at_start;
           held.reply_open = reply > 0 && !IsEndOfGeneration(held.context.back());
           held.ended_early.reset();
         } else {

@@ -121,12 +121,18 @@ struct GenerateRequest {
   // assistant turn: the conversation is then the one a FULL_CONTEXT request of
   // the same messages renders.
   std::vector<int32_t> close_turn;
-  // FULL_CONTEXT only: the input's last `continued` tokens are this request's
-  // own output, streamed by a worker that was lost or drained (a router
-  // continuing the stream here). They count against max_tokens and in the
-  // session's last reply, the sampler draws past them, and they prime the stop
-  // strings and the detokenizer: the stream goes on as the uninterrupted one
-  // would. REQUIRES: 0 <= continued <= input.size().
+  // This request's own output so far, streamed before by a request that was
+  // cut (a router continuing the stream here). FULL_CONTEXT: the input's last
+  // `continued` tokens (its first worker was lost or drained). APPEND, with an
+  // empty input: the first `continued` tokens of the session's last reply,
+  // which this request goes on (it ended out of room, or a drain cut it and
+  // the session moved); the rest of that reply, if any, is dropped as
+  // tokens_read drops it, and the session's last request is the cut one and
+  // this one together (tokens_read = 0 after them drops both). They count
+  // against max_tokens and in the session's last reply, the sampler draws
+  // past them, and they prime the stop strings and the detokenizer: the
+  // stream goes on as the uninterrupted one would. REQUIRES: 0 <= continued
+  // <= input.size() (FULL_CONTEXT); input empty and tokens_read unset (APPEND).
   int64_t continued = 0;
 };
 

@@ -42,9 +42,20 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
   out.tenant = TenantOf(request.tenant());
   const bool append = out.mode == sched::RequestMode::kAppend;
 
-  auto tokens = TokenizeInput(request.input(), append, tokenizer, chat_template);
-  if (!tokens.ok()) return tokens.status();
-  out.input = std::move(*tokens);
+  // An APPEND that goes on its session's cut reply (continued_tokens, from a
+  // router) has no input of its own.
+  const bool goes_on = append && request.continued_tokens() > 0;
+  if (goes_on) {
+    if (request.input().kind_case() != v1::Input::KIND_NOT_SET || request.has_tokens_read()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("continued_tokens ", request.continued_tokens(),
+                       " with APPEND goes on the session's last reply: set no input and no tokens_read"));
+    }
+  } else {
+    auto tokens = TokenizeInput(request.input(), append, tokenizer, chat_template);
+    if (!tokens.ok()) return tokens.status();
+    out.input = std::move(*tokens);
+  }
   if (append && request.input().has_chat() && chat_template != nullptr) {
     tok::EncodeOptions encode;
     encode.add_special = false;
@@ -87,8 +98,8 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
     if (out.mode == sched::RequestMode::kAppend) out.tokens_read = request.tokens_read();
   }
   if (request.continued_tokens() != 0) {
-    if (append || request.continued_tokens() < 0 ||
-        request.continued_tokens() > static_cast<int64_t>(out.input.size())) {
+    if (request.continued_tokens() < 0 ||
+        (!append && request.continued_tokens() > static_cast<int64_t>(out.input.size()))) {
       return absl::InvalidArgumentError(absl::StrCat("continued_tokens ", request.continued_tokens(),
                                                      " must be within the ", out.input.size(),
                                                      " input tokens of a FULL_CONTEXT request"));

@@ -1103,6 +1103,71 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
   EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// An APPEND whose reply was cut (out of room mid-reply, a drain's deadline)
+// goes on where the client's stream stopped: the router sends the session,
+// wherever it moved, an APPEND with no input and continued = the tokens its
+// client has. The stream and the session end as the uninterrupted turn's: the
+// same tokens, context and last request (tokens_read = 0 after it drops the
+// cut turn and its continuation together). Before, APPEND refused continued.
+TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
+  auto turn = [&](const std::string& session, RequestMode mode, std::vector<int32_t> input, int max_tokens) {
+    GenerateRequest r = Req(session, mode, std::move(input), max_tokens);
+    r.sampling = model::SamplingConfig{1.0f, 0, 1.0f, 42};
+    r.ignore_eos = true;
+    return r;
+  };
+  auto run = [&](const GenerateRequest& r, PieceCollector* c) {
+    ASSERT_TRUE(engine_->Submit(r, c).ok());
+    c->Wait();
+    ASSERT_TRUE(c->status.ok()) << c->status;
+  };
+  // The uninterrupted conversation: a turn, then an APPEND whose reply is 30 tokens.
+  PieceCollector first, whole;
+  run(turn("whole", RequestMode::kFullContext, Prompt(20), 4), &first);
+  run(turn("whole", RequestMode::kAppend, Prompt(5, 3), 30), &whole);
+  ASSERT_EQ(whole.tokens.size(), 30u);
+  const SessionView want = *engine_->View("whole", "t");
+
+  // Cut after `cut` tokens; the client has `has` of them (the rest never reached it).
+  for (auto [cut, has] : {std::pair{1, 1}, {12, 12}, {12, 7}, {29, 29}}) {
+    SCOPED_TRACE(absl::StrCat(cut, " cut, ", has, " read"));
+    const std::string id = absl::StrCat("cut", cut, "_", has);
+    PieceCollector one, two, rest;
+    run(turn(id, RequestMode::kFullContext, Prompt(20), 4), &one);
+    run(turn(id, RequestMode::kAppend, Prompt(5, 3), cut), &two);
+    ASSERT_EQ(two.tokens.size(), static_cast<size_t>(cut));
+    GenerateRequest on = turn(id, RequestMode::kAppend, {}, 30);
+    on.continued = has;
+    run(on, &rest);
+    EXPECT_EQ(rest.result.finish, FinishReason::kLength);
+    EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.tokens.begin() + has, whole.tokens.end()));
+    std::string text;
+    for (int i = 0; i < has; ++i) text += whole.pieces[i];
+    EXPECT_EQ(text + rest.text_, whole.text_);
+    EXPECT_EQ(*engine_->Context(id, "t"), *engine_->Context("whole", "t"));
+    const SessionView got = *engine_->View(id, "t");
+    EXPECT_EQ(got.last_reply_tokens, want.last_reply_tokens);
+    EXPECT_EQ(got.last_request_tokens, want.last_request_tokens);
+    EXPECT_EQ(got.reply_open, want.reply_open);
+    EXPECT_EQ(got.reply_open_before, want.reply_open_before);
+  }
+
+  // Refused, and the session left as it was: more than the last reply, an
+  // input of its own, tokens_read besides.
+  const std::vector<int32_t> before = *engine_->Context("cut12_7", "t");
+  GenerateRequest bad = turn("cut12_7", RequestMode::kAppend, {}, 30);
+  bad.continued = 31;
+  PieceCollector refused;
+  EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+  bad.continued = 3;
+  bad.input = Prompt(2);
+  EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+  bad.input.clear();
+  bad.tokens_read = 3;
+  EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*engine_->Context("cut12_7", "t"), before);
+}
+
 // A client whose turn ended DEADLINE_EXCEEDED sends the next one at once; the
 // engine thread has not yet seen the deadline (it is inside a step). The next
 // request waits for the late one to leave, as it would for a cancelled one,
