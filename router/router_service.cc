@@ -435,15 +435,18 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   }
 
   // After `from` had no KV memory for this request: moves the session to a
-  // worker with room for it and the request (its input and max_tokens), then
-  // follows it there; else an APPEND gets that refusal, and a FULL_CONTEXT
-  // turn is retried elsewhere as any refused one.
+  // worker with room for it and the request (its input and max_tokens; of a
+  // reply cut after tokens, which the session holds with the input, what is
+  // left of max_tokens), then follows it there; else an APPEND gets that
+  // refusal, and a FULL_CONTEXT turn is retried elsewhere as any refused one.
   void MoveSessionForRoom(const WorkerId& from) {
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
     const SessionKey key{request_.tenant(), request_.session_id()};
-    absl::StatusOr<WorkerId> moved =
-        router_->MoveForRoom(key, from, static_cast<int64_t>(tokens_.size()),
-                             std::max(0, request_.sampling().max_tokens()), append_);
+    const bool cut = append_ && !emitted_.empty();
+    const int64_t input = cut ? 0 : static_cast<int64_t>(tokens_.size());
+    const int64_t reply =
+        std::max<int64_t>(0, request_.sampling().max_tokens() - static_cast<int64_t>(emitted_.size()));
+    absl::StatusOr<WorkerId> moved = router_->MoveForRoom(key, from, input, reply, append_);
     if (!append_) {
       if (moved.ok()) {
         // Placed once the directory shows it there (with its pages).
