@@ -628,7 +628,10 @@ std::vector<WorkerId> RouterService::SessionHomes(const SessionKey& key) const {
 }
 
 bool RouterService::MustWaitForSession(const SessionKey& key) const {
-  if (ledger_.SessionWorker(key).has_value()) return false;  // Place sends it after that request
+  // Place sends it after that request, unless its worker drains (the session
+  // moves off it: before, this request then found it there, not available,
+  // and its client was told to resend the conversation, qa33).
+  if (auto busy = ledger_.SessionWorker(key); busy.has_value() && !pool_->Draining(*busy)) return false;
   auto loc = directory_->FindSession(key);
   return !loc.has_value() || pool_->Draining(loc->worker);
 }

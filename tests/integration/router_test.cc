@@ -1567,6 +1567,42 @@ TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndTheRouterGoesOnItWhe
   EXPECT_EQ(after.tokens, reference.tokens);
 }
 
+// An APPEND sent while another request on its session streams from a worker
+// that drains waits for the session to move and follows it. Before, the router
+// sent it to that worker again, found the worker not available and told the
+// client to resend the conversation with FULL_CONTEXT (qa33: 9 of 15 tries).
+TEST_F(RouterTest, AnAppendBehindAStreamOnADrainingWorkerFollowsTheSession) {
+  // A model with room for a stream that outlasts the drain's start.
+  const std::string model = ::testing::TempDir() + "/kvcache_router_test_long.gguf";
+  gguf::TinyLlamaOptions o;
+  o.n_ctx = 8192;
+  ASSERT_TRUE(gguf::WriteTinyLlama(o, model).ok());
+  StartWorkers(2, {"--model=" + model, "--max_context=8192", "--max_tokens_per_request=8000",
+                   "--drain_deadline=60s", "--shutdown_deadline=90s"});
+  auto router = StartRouter();
+  ASSERT_NE(router, nullptr);
+  auto stub = v1::KvCache::NewStub(router->channel());
+  auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  Reply first = Generate(stub.get(), Text("s", "a long story", 2));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  const std::string leaving = first.final.worker_id();
+  testing::PartialStream stream(stub.get(), Text("s", " and then?", 8000, v1::APPEND));
+  ASSERT_TRUE(stream.ReadTokens(1));
+  workers_[leaving == "w0" ? 0 : 1]->process().Signal(SIGTERM);
+  ASSERT_TRUE(
+      RouterSees(admin.get(), leaving, [](const v1::WorkerInfo& w) { return w.health() == "DRAINING"; }));
+  Reply next = Generate(stub.get(), Text("s", " and after that?", 4, v1::APPEND));
+  const Reply& streamed = stream.Finish();
+  ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
+  EXPECT_EQ(streamed.final.worker_id(), leaving) << "the stream ended before the drain began";
+  // It ran after that stream, where the session went.
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_NE(next.final.worker_id(), leaving);
+  // On the moved K/V: all but the last reply token, which it computes.
+  EXPECT_EQ(next.final.usage().cached_tokens(), streamed.final.usage().prompt_tokens() + 8000 - 1);
+  std::remove(model.c_str());
+}
+
 TEST_F(RouterTest, TokensMapToTenantsAndTenantsAreIsolated) {
   StartWorkers(1);
   const std::string tokens = ::testing::TempDir() + "/kvcache_tokens.txt";
