@@ -8,8 +8,10 @@
 #include <type_traits>
 
 #include "absl/algorithm/container.h"
+#include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/block_hash.h"
 #include "common/input_tokens.h"
@@ -87,6 +89,11 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     if (!principal.ok()) return Finish(ToGrpcStatus(principal.status()));
     request_.set_tenant(principal->tenant);
     request_.set_continued_tokens(0);  // the router's to set (Attempt)
+    // One id for every attempt: a reply cut on one worker goes on only where
+    // the session's last request is still this one.
+    thread_local absl::BitGen bits;
+    request_.set_request_id(
+        absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(bits), absl::Uniform<uint64_t>(bits)));
     append_ = request_.mode() == v1::APPEND;
     if (append_ && request_.session_id().empty()) {
       return Finish(grpc::Status(grpc::INVALID_ARGUMENT, "APPEND mode needs a session_id"));

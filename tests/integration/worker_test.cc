@@ -296,12 +296,13 @@ TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {
   add(
       "over message limit", [](auto& r) { r.mutable_input()->set_text(std::string(9 << 20, 'a')); },
       grpc::RESOURCE_EXHAUSTED);
-  // An APPEND that goes on its session's cut reply (continued_tokens) has no
-  // input and no tokens_read of its own.
+  // An APPEND that goes on its session's cut reply (continued_tokens) names
+  // the cut request and has no input and no tokens_read of its own.
   auto going_on = [](v1::GenerateRequest& r) {
     r.set_mode(v1::APPEND);
     r.set_session_id("ghost");
     r.set_continued_tokens(2);
+    r.set_request_id("cut-request");
   };
   add("append going on with an input", going_on, grpc::INVALID_ARGUMENT);
   add(
@@ -320,7 +321,18 @@ TEST_F(WorkerTest, BadInputGetsClearStatusAndLeaksNothing) {
       },
       grpc::NOT_FOUND);
   add(
+      "append going on without a request_id",
+      [&](auto& r) {
+        going_on(r);
+        r.clear_input();
+        r.clear_request_id();
+      },
+      grpc::INVALID_ARGUMENT);
+  add(
       "negative continued_tokens", [](auto& r) { r.set_continued_tokens(-1); }, grpc::INVALID_ARGUMENT);
+  add(
+      "request_id over 64 bytes", [](auto& r) { r.set_request_id(std::string(65, 'r')); },
+      grpc::INVALID_ARGUMENT);
   for (const Case& c : cases) {
     Turn t = Generate(stub.get(), c.req);
     EXPECT_EQ(t.status.error_code(), c.code) << c.name << ": " << t.status.error_message();

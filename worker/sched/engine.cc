@@ -174,11 +174,11 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
   }
   if (append && request.session_id.empty()) return absl::InvalidArgumentError("APPEND needs a session_id");
   if (request.continued < 0 || (!append && request.continued > static_cast<int64_t>(request.input.size())) ||
-      (goes_on && (!request.input.empty() || request.tokens_read >= 0))) {
+      (goes_on && (!request.input.empty() || request.tokens_read >= 0 || request.request_id.empty()))) {
     return absl::InvalidArgumentError(
         absl::StrCat("continued ", request.continued,
-                     " tokens must be within a FULL_CONTEXT input, or go on an "
-                     "APPEND session's last reply with no input nor tokens_read"));
+                     " tokens must be within a FULL_CONTEXT input, or go on an APPEND "
+                     "session's last reply, naming its request_id, with no input nor tokens_read"));
   }
   const int max_tokens = request.max_tokens == 0 ? options_.default_max_tokens : request.max_tokens;
 
@@ -220,6 +220,15 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
     if (append) {
       KVCACHE_RETURN_IF_ERROR(CheckKnown(key, sid));
       const SessionState& held = sessions_.find(key)->second;
+      // Only the cut request's reply goes on: another request on the session
+      // since (a second client's turn, say, while a drain moved it) made the
+      // conversation another one.
+      if (goes_on && held.last_request_id != request.request_id) {
+        return absl::AbortedError(absl::StrCat("session '", sid, "' changed since request '",
+                                               request.request_id,
+                                               "' was cut: its last request is another one, so that reply "
+                                               "cannot go on (it keeps the tokens sent)"));
+      }
       if (request.continued > held.last_reply) {
         return absl::InvalidArgumentError(absl::StrCat("continued ", request.continued, " exceeds the ",
                                                        held.last_reply,
@@ -546,6 +555,7 @@ void Engine::Finish(Request& r, absl::Status status, std::optional<FinishReason>
           if (!goes_on) held.reply_open_before = append && r.reply_open_at_start;
           held.reply_open = reply > 0 && !IsEndOfGeneration(held.context.back());
           held.ended_early.reset();
+          held.last_request_id = r.req.request_id;
         } else {
           held.ended_early = DropFor(r.req, held);  // it left the session as it was
         }
@@ -1370,6 +1380,7 @@ absl::StatusOr<SessionView> Engine::View(const std::string& id, const std::strin
   v.reply_open = it->second.reply_open;
   v.reply_open_before = it->second.reply_open_before;
   v.ended_early = it->second.ended_early;
+  v.last_request_id = it->second.last_request_id;
   v.exporting = it->second.exports > 0;
   v.busy = busy_.contains(key);
   return v;
@@ -1448,6 +1459,7 @@ absl::StatusOr<kv::SessionName> Engine::FinishImport(const kv::SessionImporter& 
           std::clamp<int64_t>(state.ended_early->unread, 0, static_cast<int64_t>(held.context.size())),
           state.ended_early->reply_open};
     }
+    held.last_request_id = state.last_request_id;
     AddSessionLocked(key, std::move(held));
     return absl::OkStatus();
   };

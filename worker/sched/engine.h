@@ -134,6 +134,9 @@ struct GenerateRequest {
   // stream goes on as the uninterrupted one would. REQUIRES: 0 <= continued
   // <= input.size() (FULL_CONTEXT); input empty and tokens_read unset (APPEND).
   int64_t continued = 0;
+  // The call's id (GenerateRequest.request_id): the session keeps the last
+  // request's, and an APPEND that goes on a cut reply must name it.
+  std::string request_id;
 };
 
 struct GenerateResult {
@@ -214,8 +217,9 @@ struct SessionView {
   // The last request ended before its first token: what it dropped, which the
   // next APPEND drops too unless it says otherwise (SessionChunk.Commit.ended_early_unread).
   std::optional<SessionDrop> ended_early;
-  bool exporting = false;  // an export or migration is running
-  bool busy = false;       // a request (or a session call) holds it
+  std::string last_request_id;  // the last request's GenerateRequest::request_id
+  bool exporting = false;       // an export or migration is running
+  bool busy = false;            // a request (or a session call) holds it
 };
 
 // What an exporter knew of a session beyond its pages (SessionChunk.Commit),
@@ -231,6 +235,7 @@ struct ImportedState {
   std::optional<bool> reply_open;
   std::optional<bool> reply_open_before;
   std::optional<SessionDrop> ended_early;  // SessionView's
+  std::string last_request_id;             // SessionView's
   // Over the tenant's pinned-pages quota here, import it unpinned (a drain's
   // move) instead of refusing it.
   bool unpin_over_quota = false;
@@ -468,6 +473,10 @@ class Engine {
     // the queue, or failing), which left everything above as it was: what that
     // request dropped (its Drop), which stands for the next one (see DropFor).
     std::optional<SessionDrop> ended_early = std::nullopt;
+    // GenerateRequest::request_id of the last request that changed the session
+    // (not one that ended before its first token): what an APPEND going on
+    // its cut reply must name.
+    std::string last_request_id = std::string();
   };
   void AddSessionLocked(const std::string& key, SessionState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What an APPEND request drops from the end of `held`'s context before its

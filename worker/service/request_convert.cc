@@ -40,6 +40,11 @@ absl::StatusOr<sched::GenerateRequest> ToEngineRequest(const v1::GenerateRequest
   }
   out.session_id = request.session_id();
   out.tenant = TenantOf(request.tenant());
+  if (request.request_id().size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_id is ", request.request_id().size(), " bytes; at most ", kMaxRequestIdBytes));
+  }
+  out.request_id = request.request_id();
   const bool append = out.mode == sched::RequestMode::kAppend;
 
   // An APPEND that goes on its session's cut reply (continued_tokens, from a

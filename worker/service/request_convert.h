@@ -21,6 +21,7 @@ inline constexpr char kDefaultTenant[] = "default";
 
 inline constexpr int kMaxStopStrings = 16;
 inline constexpr int kMaxStopStringBytes = 256;
+inline constexpr size_t kMaxRequestIdBytes = 64;  // GenerateRequest.request_id
 
 // The engine request for `request`: tokenised input (text with special tokens
 // recognised; chat rendered with `chat_template`, which may be null when the

@@ -31,7 +31,8 @@ class RefusedCall : public Reactor {
 
 // What a Commit chunk carries of a session beyond its pages: the exporter's
 // `pinned`, and from `view` the last reply's and request's lengths, the last request's time,
-// whether a reply was left open and what a last request that ended before its first token dropped.
+// whether a reply was left open, what a last request that ended before its first token dropped, and
+// the last request's id.
 void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
                     v1::SessionChunk::Commit* commit) {
   commit->set_pinned(pinned);
@@ -41,6 +42,7 @@ void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
   commit->set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
   commit->set_reply_open(view->reply_open);
   commit->set_reply_open_before(view->reply_open_before);
+  commit->set_last_request_id(view->last_request_id);
   if (view->ended_early.has_value()) {
     commit->set_ended_early_unread(static_cast<int32_t>(view->ended_early->unread));
     commit->set_ended_early_reply_open(view->ended_early->reply_open);
@@ -56,6 +58,7 @@ sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
   if (commit.last_used_unix_ms() > 0) state.last_used = absl::FromUnixMillis(commit.last_used_unix_ms());
   if (commit.has_reply_open()) state.reply_open = commit.reply_open();
   if (commit.has_reply_open_before()) state.reply_open_before = commit.reply_open_before();
+  state.last_request_id = commit.last_request_id();
   if (commit.has_ended_early_unread()) {
     state.ended_early = sched::SessionDrop{commit.ended_early_unread(), commit.ended_early_reply_open()};
   }

@@ -1108,7 +1108,8 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
 // wherever it moved, an APPEND with no input and continued = the tokens its
 // client has. The stream and the session end as the uninterrupted turn's: the
 // same tokens, context and last request (tokens_read = 0 after it drops the
-// cut turn and its continuation together). Before, APPEND refused continued.
+// cut turn and its continuation together). It names the cut request, and goes
+// on no other's (ABORTED). Before, APPEND refused continued.
 TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
   auto turn = [&](const std::string& session, RequestMode mode, std::vector<int32_t> input, int max_tokens) {
     GenerateRequest r = Req(session, mode, std::move(input), max_tokens);
@@ -1134,10 +1135,13 @@ TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
     const std::string id = absl::StrCat("cut", cut, "_", has);
     PieceCollector one, two, rest;
     run(turn(id, RequestMode::kFullContext, Prompt(20), 4), &one);
-    run(turn(id, RequestMode::kAppend, Prompt(5, 3), cut), &two);
+    GenerateRequest cut_turn = turn(id, RequestMode::kAppend, Prompt(5, 3), cut);
+    cut_turn.request_id = "x-" + id;
+    run(cut_turn, &two);
     ASSERT_EQ(two.tokens.size(), static_cast<size_t>(cut));
     GenerateRequest on = turn(id, RequestMode::kAppend, {}, 30);
     on.continued = has;
+    on.request_id = cut_turn.request_id;
     run(on, &rest);
     EXPECT_EQ(rest.result.finish, FinishReason::kLength);
     EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.tokens.begin() + has, whole.tokens.end()));
@@ -1153,12 +1157,19 @@ TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
   }
 
   // Refused, and the session left as it was: more than the last reply, an
-  // input of its own, tokens_read besides.
+  // input of its own, tokens_read besides, no request id; another request's.
   const std::vector<int32_t> before = *engine_->Context("cut12_7", "t");
   GenerateRequest bad = turn("cut12_7", RequestMode::kAppend, {}, 30);
   bad.continued = 31;
+  bad.request_id = "x-cut12_7";
   PieceCollector refused;
   EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+  bad.continued = 3;
+  bad.request_id = "x-cut1_1";
+  EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kAborted);
+  bad.request_id.clear();
+  EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
+  bad.request_id = "x-cut12_7";
   bad.continued = 3;
   bad.input = Prompt(2);
   EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
@@ -1166,6 +1177,20 @@ TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
   bad.tokens_read = 3;
   EXPECT_EQ(engine_->Submit(bad, &refused).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(*engine_->Context("cut12_7", "t"), before);
+
+  // A cut reply, then another request on the session (a second client's turn):
+  // the cut one cannot go on.
+  PieceCollector three, other;
+  GenerateRequest cut_turn = turn("cut12_7", RequestMode::kAppend, Prompt(5, 4), 6);
+  cut_turn.request_id = "x-again";
+  run(cut_turn, &three);
+  run(turn("cut12_7", RequestMode::kAppend, Prompt(2, 5), 6), &other);
+  const std::vector<int32_t> after_other = *engine_->Context("cut12_7", "t");
+  GenerateRequest late = turn("cut12_7", RequestMode::kAppend, {}, 30);
+  late.continued = 6;
+  late.request_id = "x-again";
+  EXPECT_EQ(engine_->Submit(late, &refused).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(*engine_->Context("cut12_7", "t"), after_other);
 }
 
 // A client whose turn ended DEADLINE_EXCEEDED sends the next one at once; the
