@@ -687,6 +687,16 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
       }
       loc = *std::move(moved);
       healthy = pool_->Healthy();
+      // Still there after the wait: a request on it there holds it (the drain
+      // moves it once that request ends, or is cut at the drain's deadline),
+      // or the move is under way. This one is ABORTED as on any busy session.
+      // Before, it was told the session was not available and to resend it
+      // with FULL_CONTEXT, which made a second copy and cut the running
+      // request short (qa34).
+      if (loc->worker == from && SessionBusyOn(session, *loc)) {
+        return absl::AbortedError(absl::StrCat("session '", session_id, "' is busy on worker ", from,
+                                               ", which is draining: it moves when its request there ends"));
+      }
     }
   } else if (!session_id.empty()) {
     loc = directory_->FindSession(session);
@@ -1310,6 +1320,14 @@ void RouterService::DrainWorkerAsync(const std::string& worker, int32_t deadline
 
 void RouterService::CloseListedStaleCopies() {
   for (auto& [key, worker] : directory_->TakeStaleCopies()) CloseStaleCopy(key, worker);
+}
+
+bool RouterService::SessionBusyOn(const SessionKey& key, const SessionLocation& loc) {
+  if (ledger_.SessionWorker(key) == loc.worker) return true;  // this router's request
+  absl::StatusOr<v1::SessionInfo> info = AskSession(loc);     // another router's, or a direct client's
+  // A running session there is also being moved (its pages copied while the
+  // request runs) once a drain got to it.
+  return info.ok() && (info->state() == v1::SESSION_RUNNING || info->state() == v1::SESSION_MIGRATING);
 }
 
 absl::StatusOr<v1::SessionInfo> RouterService::AskSession(const SessionLocation& s) {

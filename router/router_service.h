@@ -206,6 +206,10 @@ class RouterService final : public v1::KvCache::CallbackService {
   // those another router or a direct client grew, so that a move can be sized.
   // Blocks up to 2 s.
   absl::StatusOr<v1::SessionInfo> AskSession(const SessionLocation& s);
+  // Whether a request on session `key` runs on `loc.worker` (one this router
+  // sent: its ledger; another's: AskSession), or the session is migrating off
+  // it. Blocks up to 2 s.
+  bool SessionBusyOn(const SessionKey& key, const SessionLocation& loc);
   // Where a move of the session at `loc` goes when no target is named: workers
   // whose free device pages hold the session, and `grow_tokens` more, twice over
   // come first, then those that hold them once. Past those, any worker placement

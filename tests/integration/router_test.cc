@@ -1568,9 +1568,12 @@ TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndTheRouterGoesOnItWhe
 }
 
 // An APPEND sent while another request on its session streams from a worker
-// that drains waits for the session to move and follows it. Before, the router
-// sent it to that worker again, found the worker not available and told the
-// client to resend the conversation with FULL_CONTEXT (qa33: 9 of 15 tries).
+// that drains waits for the session to move and follows it; one whose wait
+// (--drain_move_wait) ends first is ABORTED, as on any busy session, also when
+// the stream came through another router. Before, the router sent it to that
+// worker again, found the worker not available and told the client to resend
+// the conversation with FULL_CONTEXT (qa33: 9 of 15 tries; qa34: 4 of 4 after
+// the wait), which cut the running stream short.
 TEST_F(RouterTest, AnAppendBehindAStreamOnADrainingWorkerFollowsTheSession) {
   // A model with room for a stream that outlasts the drain's start.
   const std::string model = ::testing::TempDir() + "/kvcache_router_test_long.gguf";
@@ -1581,16 +1584,23 @@ TEST_F(RouterTest, AnAppendBehindAStreamOnADrainingWorkerFollowsTheSession) {
                    "--drain_deadline=60s", "--shutdown_deadline=90s"});
   auto router = StartRouter();
   ASSERT_NE(router, nullptr);
+  auto impatient = StartRouter({"--drain_move_wait=200ms"});  // a replica
+  ASSERT_NE(impatient, nullptr);
   auto stub = v1::KvCache::NewStub(router->channel());
   auto admin = v1::KvCacheAdmin::NewStub(router->admin_channel());
+  auto impatient_admin = v1::KvCacheAdmin::NewStub(impatient->admin_channel());
   Reply first = Generate(stub.get(), Text("s", "a long story", 2));
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
   const std::string leaving = first.final.worker_id();
   testing::PartialStream stream(stub.get(), Text("s", " and then?", 8000, v1::APPEND));
   ASSERT_TRUE(stream.ReadTokens(1));
   workers_[leaving == "w0" ? 0 : 1]->process().Signal(SIGTERM);
-  ASSERT_TRUE(
-      RouterSees(admin.get(), leaving, [](const v1::WorkerInfo& w) { return w.health() == "DRAINING"; }));
+  auto draining = [](const v1::WorkerInfo& w) { return w.health() == "DRAINING"; };
+  ASSERT_TRUE(RouterSees(admin.get(), leaving, draining));
+  ASSERT_TRUE(RouterSees(impatient_admin.get(), leaving, draining));
+  Reply busy = Generate(v1::KvCache::NewStub(impatient->channel()).get(),
+                        Text("s", " and after that?", 4, v1::APPEND));
+  EXPECT_EQ(busy.status.error_code(), grpc::ABORTED) << busy.status.error_message();
   Reply next = Generate(stub.get(), Text("s", " and after that?", 4, v1::APPEND));
   const Reply& streamed = stream.Finish();
   ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
