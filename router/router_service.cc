@@ -1342,7 +1342,10 @@ absl::StatusOr<v1::SessionInfo> RouterService::AskSession(const SessionLocation&
   if (grpc::Status st = v1::Worker::NewStub(channel)->GetSession(&ctx, req, &info); !st.ok()) {
     return FromGrpcStatus(st);
   }
-  directory_->NoteSessionTokens(s.key(), s.worker, info.tokens_cached());
+  // Its length: K/V that memory pressure dropped counts too (the target
+  // computes it again). Before, a move after such a drop was sized on the
+  // cached tokens alone and went to a worker that could not hold it (qa34).
+  directory_->NoteSessionTokens(s.key(), s.worker, std::max(info.tokens_cached(), info.context_tokens()));
   return info;
 }
 

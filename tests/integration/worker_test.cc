@@ -763,6 +763,7 @@ TEST_F(WorkerTest, SessionCallsAndWatchEvents) {
   v1::SessionInfo info;
   ASSERT_TRUE(call(&v1::Worker::Stub::GetSession, sr, &info).ok());
   EXPECT_EQ(info.tokens_cached(), t.final.usage().prompt_tokens() + 4);  // the last sampled token has no K/V
+  EXPECT_EQ(info.context_tokens(), t.final.usage().prompt_tokens() + 5);
   EXPECT_GT(info.pages_device(), 0);
   // Another tenant sees nothing.
   v1::SessionRequest other = sr;

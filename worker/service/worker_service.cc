@@ -437,6 +437,7 @@ absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
                 : info->tier1_pages > 0 ? v1::SESSION_OFFLOADED
                                         : v1::SESSION_IDLE);
   out.set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
+  out.set_context_tokens(static_cast<int32_t>(view->context_tokens));
   return out;
 }
 
