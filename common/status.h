@@ -33,6 +33,11 @@ inline constexpr char kNoKvMemoryMessage[] = "no KV cache memory";
 // KV pages than the worker's whole tier 0 holds: a worker with a larger tier 0
 // may hold it, and a router moves an APPEND's session to one with room.
 inline constexpr char kContextOverTier0Message[] = "context over this worker's tier 0";
+// Trailing metadata of a Generate stream that a worker ended with an error
+// after tokens: the request's kvcache.v1.Usage so far, serialised, so that a
+// router that goes on the stream elsewhere reports the turn's usage (its
+// prompt was served by this part).
+inline constexpr char kUsageTrailer[] = "kvcache-usage-bin";
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -139,7 +139,13 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     }
 
     void OnDone(const grpc::Status& status) override {
-      proxy_->OnAttemptDone(this, status);  // may start the next attempt or finish the proxy
+      std::optional<v1::Usage> usage;  // of a stream the worker cut after tokens
+      const auto& trailer = ctx_.GetServerTrailingMetadata();
+      if (auto it = trailer.find(kUsageTrailer); it != trailer.end()) {
+        usage.emplace();
+        if (!usage->ParseFromArray(it->second.data(), static_cast<int>(it->second.size()))) usage.reset();
+      }
+      proxy_->OnAttemptDone(this, status, usage);  // may start the next attempt or finish the proxy
       Unref();
     }
 
@@ -290,6 +296,17 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
       usage->set_prompt_tokens(usage->prompt_tokens() - static_cast<int32_t>(continued_from_));
       usage->set_cached_tokens(std::min(usage->cached_tokens(), usage->prompt_tokens()));
       usage->set_restored_tokens(std::min(usage->restored_tokens(), usage->cached_tokens()));
+      if (opening_usage_.has_value()) {
+        // The client's prompt was served by the attempt that was cut: its
+        // figures, not the continuation's (which found the prompt, and the
+        // tokens it went on from, all cached). Before, a continued turn
+        // reported every prompt token cached (qa34).
+        usage->set_cached_tokens(std::min(opening_usage_->cached_tokens(), usage->prompt_tokens()));
+        usage->set_restored_tokens(std::min(opening_usage_->restored_tokens(), usage->cached_tokens()));
+        usage->set_time_to_first_token_us(opening_usage_->time_to_first_token_us());
+        usage->set_queue_time_us(opening_usage_->queue_time_us());
+        usage->set_recomputed_tokens(usage->recomputed_tokens() + opening_usage_->recomputed_tokens());
+      }
       f->mutable_usage()->set_generated_tokens(static_cast<int32_t>(emitted_.size()));
       if (!f->session_id().empty()) {
         router_->directory_->NoteSessionTokens({request_.tenant(), f->session_id()}, placement_.worker,
@@ -315,8 +332,10 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
     stale_copies_.clear();
   }
 
-  // The current attempt ended with `st` (`call` is null when it never started).
-  void OnAttemptDone(WorkerCall* call, const grpc::Status& st) {
+  // The current attempt ended with `st` (`call` is null when it never started);
+  // `usage`: its worker's account of it, when it cut the stream after tokens.
+  void OnAttemptDone(WorkerCall* call, const grpc::Status& st, const std::optional<v1::Usage>& usage = {}) {
+    if (usage.has_value() && continued_from_ == 0 && !emitted_.empty()) opening_usage_ = usage;
     if (call != nullptr) {
       {
         absl::MutexLock lock(&mu_);
@@ -549,6 +568,9 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   std::vector<int32_t> tokens_;   // the router's tokenisation of the input
   std::vector<int32_t> emitted_;  // tokens the client has been sent
   size_t continued_from_ = 0;     // tokens already streamed when the current attempt began
+  // The usage of the attempt that began the stream, when its worker cut it
+  // after tokens (kUsageTrailer) and another went on.
+  std::optional<v1::Usage> opening_usage_;
   std::vector<WorkerId> tried_;
   int attempts_ = 0;
   Placement placement_;  // the current attempt's

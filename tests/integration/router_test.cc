@@ -1535,6 +1535,11 @@ TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndTheRouterGoesOnItWhe
 
   const std::vector<int32_t> turn = {30, 31, 32};
   constexpr int kReply = 1900;  // longer than the tiny model takes to see SIGTERM
+  // The same conversation on a twin session, not cut: the usage to expect.
+  ASSERT_TRUE(
+      Generate(stub.get(), testing::TokensRequest("twin", {seen.begin(), seen.begin() + 20}, 2)).status.ok());
+  Reply twin = Generate(stub.get(), testing::TokensRequest("twin", turn, kReply, v1::APPEND));
+  ASSERT_TRUE(twin.status.ok()) << twin.status.error_message();
   testing::PartialStream stream(stub.get(), testing::TokensRequest("cut", turn, kReply, v1::APPEND));
   ASSERT_TRUE(stream.ReadTokens(1));
   proc.Signal(SIGTERM);
@@ -1544,6 +1549,11 @@ TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndTheRouterGoesOnItWhe
   EXPECT_EQ(got.tokens.size(), static_cast<size_t>(kReply));
   EXPECT_EQ(got.final.usage().generated_tokens(), kReply);
   EXPECT_EQ(got.final.usage().prompt_tokens(), static_cast<int>(seen.size() + turn.size()));
+  // The turn's prompt was served by the cut part: its cached tokens, not the
+  // continuation's (which found all of it cached; so it reported, before).
+  EXPECT_EQ(got.final.usage().prompt_tokens(), twin.final.usage().prompt_tokens());
+  EXPECT_EQ(got.final.usage().cached_tokens(), twin.final.usage().cached_tokens());
+  EXPECT_EQ(twin.tokens, got.tokens);
   auto status = proc.Wait(absl::Seconds(30));
   ASSERT_TRUE(status.ok()) << "worker did not exit after SIGTERM";
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);

@@ -49,6 +49,19 @@ void SetCommitState(const absl::StatusOr<sched::SessionView>& view, bool pinned,
   }
 }
 
+v1::Usage ToUsage(const sched::GenerateResult& result) {
+  v1::Usage u;
+  u.set_prompt_tokens(static_cast<int32_t>(result.prompt_tokens));
+  u.set_cached_tokens(static_cast<int32_t>(result.cached_tokens));
+  u.set_restored_tokens(static_cast<int32_t>(result.restored_tokens));
+  u.set_generated_tokens(static_cast<int32_t>(result.generated_tokens));
+  u.set_time_to_first_token_us(absl::ToInt64Microseconds(result.time_to_first_token));
+  u.set_total_time_us(absl::ToInt64Microseconds(result.total_time));
+  u.set_queue_time_us(absl::ToInt64Microseconds(result.queue_time));
+  u.set_recomputed_tokens(static_cast<int32_t>(result.recomputed_tokens));
+  return u;
+}
+
 sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
   sched::ImportedState state;
   state.pinned = commit.pinned();
@@ -72,8 +85,9 @@ sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
 class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>,
                                        public sched::GenerateObserver {
  public:
-  GenerateReactor(WorkerService* service, bool stream_text)
-      : service_(service), stream_text_(stream_text), started_(absl::Now()) {}
+  // `context` outlives the reactor's Finish (gRPC's rule for callback calls).
+  GenerateReactor(WorkerService* service, grpc::CallbackServerContext* context, bool stream_text)
+      : service_(service), context_(context), stream_text_(stream_text), started_(absl::Now()) {}
 
   void Start(absl::StatusOr<sched::GenerateRequest> request, absl::Time deadline) {
     Ref();  // this call's: the engine may finish the request before Submit returns
@@ -115,16 +129,12 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
       f->set_session_id(result.session_id);
       f->set_worker_id(service_->options_.worker_id);
       f->set_predicted_cached_tokens(-1);
-      auto* u = f->mutable_usage();
-      u->set_prompt_tokens(static_cast<int32_t>(result.prompt_tokens));
-      u->set_cached_tokens(static_cast<int32_t>(result.cached_tokens));
-      u->set_restored_tokens(static_cast<int32_t>(result.restored_tokens));
-      u->set_generated_tokens(static_cast<int32_t>(result.generated_tokens));
-      u->set_time_to_first_token_us(absl::ToInt64Microseconds(result.time_to_first_token));
-      u->set_total_time_us(absl::ToInt64Microseconds(result.total_time));
-      u->set_queue_time_us(absl::ToInt64Microseconds(result.queue_time));
-      u->set_recomputed_tokens(static_cast<int32_t>(result.recomputed_tokens));
+      *f->mutable_usage() = ToUsage(result);
       Push(std::move(msg));
+    } else if (result.generated_tokens > 0) {
+      // Cut after tokens: a router that goes on the stream elsewhere reports
+      // the usage of the part that served the prompt (kUsageTrailer).
+      context_->AddTrailingMetadata(kUsageTrailer, ToUsage(result).SerializeAsString());
     }
     Close(ToGrpcStatus(status));
     Unref();  // the engine's last call
@@ -159,6 +169,7 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
   }
 
   WorkerService* const service_;
+  grpc::CallbackServerContext* const context_;
   const bool stream_text_;
   const absl::Time started_;
   absl::Time deadline_ = absl::InfiniteFuture();  // the call's, set before the engine sees the request
@@ -443,7 +454,7 @@ absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(grpc::CallbackServerContext* context,
                                                                         const v1::GenerateRequest* request) {
-  auto* reactor = new GenerateReactor(this, !request->has_stream_text() || request->stream_text());
+  auto* reactor = new GenerateReactor(this, context, !request->has_stream_text() || request->stream_text());
   absl::Status auth = Authorize(*context);
   reactor->Start(auth.ok() ? ToEngineRequest(*request, *tokenizer_, chat_template_)
                            : absl::StatusOr<sched::GenerateRequest>(auth),
