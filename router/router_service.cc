@@ -53,6 +53,13 @@ bool WorkerAnswered(grpc::StatusCode code) {
          code == grpc::FAILED_PRECONDITION || code == grpc::DATA_LOSS;
 }
 
+// ABORTED's message for a request on a session that a request holds on a
+// draining worker (which moves the session once that request ends).
+std::string BusyOnDrainingWorker(const std::string& session_id, const WorkerId& worker) {
+  return absl::StrCat("session '", session_id, "' is busy on worker ", worker,
+                      ", which is draining: it moves when its request there ends");
+}
+
 }  // namespace
 
 absl::StatusOr<PlacementMode> ParsePlacementMode(const std::string& s) {
@@ -164,6 +171,26 @@ class RouterService::ProxyReactor : public StreamWriter<v1::GenerateResponse> {
   void NextAttempt() {
     if (attempts_ >= router_->options_.max_attempts) return Finish(Refused());
     if (client_gone_.load()) return Finish(grpc::Status(grpc::CANCELLED, "client cancelled"));
+    // A FULL_CONTEXT turn on a session that a request holds on a draining
+    // worker is ABORTED, as on a busy session anywhere (that worker refuses it
+    // as draining first, so the router says it). Before, it ran on another
+    // worker, made a second copy there and cut the running stream short
+    // (qa35). Also on a retry: a worker that began draining a moment ago
+    // refuses the first attempt. Asking the worker blocks: on the executor.
+    if (!append_ && emitted_.empty() && !request_.session_id().empty()) {
+      const SessionKey key{request_.tenant(), request_.session_id()};
+      if (std::optional<SessionLocation> home = router_->DrainingHome(key)) {
+        if (!router_->executor_.Schedule([this, key, home = *home] {
+              if (router_->SessionBusyOn(key, home, /*moving_counts=*/false)) {
+                return Finish(grpc::Status(grpc::ABORTED, BusyOnDrainingWorker(key.session_id, home.worker)));
+              }
+              Attempt(absl::ZeroDuration());
+            })) {
+          Finish(grpc::Status(grpc::RESOURCE_EXHAUSTED, "the router is overloaded; retry later"));
+        }
+        return;
+      }
+    }
     // An APPEND whose session the directory has not heard of yet waits a moment
     // for the worker's placement event (it may trail the reply that created the
     // session). That wait blocks, so it runs on the executor.
@@ -715,9 +742,8 @@ absl::StatusOr<Placement> RouterService::Place(const std::string& session_id, co
       // Before, it was told the session was not available and to resend it
       // with FULL_CONTEXT, which made a second copy and cut the running
       // request short (qa34).
-      if (loc->worker == from && SessionBusyOn(session, *loc)) {
-        return absl::AbortedError(absl::StrCat("session '", session_id, "' is busy on worker ", from,
-                                               ", which is draining: it moves when its request there ends"));
+      if (loc->worker == from && SessionBusyOn(session, *loc, /*moving_counts=*/true)) {
+        return absl::AbortedError(BusyOnDrainingWorker(session_id, from));
       }
     }
   } else if (!session_id.empty()) {
@@ -1344,12 +1370,20 @@ void RouterService::CloseListedStaleCopies() {
   for (auto& [key, worker] : directory_->TakeStaleCopies()) CloseStaleCopy(key, worker);
 }
 
-bool RouterService::SessionBusyOn(const SessionKey& key, const SessionLocation& loc) {
+bool RouterService::SessionBusyOn(const SessionKey& key, const SessionLocation& loc, bool moving_counts) {
   if (ledger_.SessionWorker(key) == loc.worker) return true;  // this router's request
   absl::StatusOr<v1::SessionInfo> info = AskSession(loc);     // another router's, or a direct client's
-  // A running session there is also being moved (its pages copied while the
-  // request runs) once a drain got to it.
-  return info.ok() && (info->state() == v1::SESSION_RUNNING || info->state() == v1::SESSION_MIGRATING);
+  return info.ok() &&
+         (info->state() == v1::SESSION_RUNNING || (moving_counts && info->state() == v1::SESSION_MIGRATING));
+}
+
+std::optional<SessionLocation> RouterService::DrainingHome(const SessionKey& key) const {
+  if (std::optional<WorkerId> busy = ledger_.SessionWorker(key); busy.has_value() && pool_->Draining(*busy)) {
+    return SessionLocation{key.session_id, *busy, v1::TIER_DEVICE, 0, key.tenant};
+  }
+  std::optional<SessionLocation> loc = directory_->FindSession(key);
+  if (loc.has_value() && pool_->Draining(loc->worker)) return loc;
+  return std::nullopt;
 }
 
 absl::StatusOr<v1::SessionInfo> RouterService::AskSession(const SessionLocation& s) {

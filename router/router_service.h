@@ -207,9 +207,12 @@ class RouterService final : public v1::KvCache::CallbackService {
   // Blocks up to 2 s.
   absl::StatusOr<v1::SessionInfo> AskSession(const SessionLocation& s);
   // Whether a request on session `key` runs on `loc.worker` (one this router
-  // sent: its ledger; another's: AskSession), or the session is migrating off
-  // it. Blocks up to 2 s.
-  bool SessionBusyOn(const SessionKey& key, const SessionLocation& loc);
+  // sent: its ledger; another's: AskSession), or, if `moving_counts`, the
+  // session is migrating off it. Blocks up to 2 s.
+  bool SessionBusyOn(const SessionKey& key, const SessionLocation& loc, bool moving_counts);
+  // Where session `key` is, if that worker drains: where a request of this
+  // router's on it runs, else where the directory has it.
+  std::optional<SessionLocation> DrainingHome(const SessionKey& key) const;
   // Where a move of the session at `loc` goes when no target is named: workers
   // whose free device pages hold the session, and `grow_tokens` more, twice over
   // come first, then those that hold them once. Past those, any worker placement

@@ -1583,7 +1583,9 @@ TEST_F(RouterTest, SigtermCutsAStreamPastTheDrainDeadlineAndTheRouterGoesOnItWhe
 // the stream came through another router. Before, the router sent it to that
 // worker again, found the worker not available and told the client to resend
 // the conversation with FULL_CONTEXT (qa33: 9 of 15 tries; qa34: 4 of 4 after
-// the wait), which cut the running stream short.
+// the wait), which cut the running stream short. A FULL_CONTEXT turn on the
+// session meanwhile is ABORTED too; before, it ran on the other worker, made a
+// second copy and cut the stream short (qa35).
 TEST_F(RouterTest, AnAppendBehindAStreamOnADrainingWorkerFollowsTheSession) {
   // A model with room for a stream that outlasts the drain's start.
   const std::string model = ::testing::TempDir() + "/kvcache_router_test_long.gguf";
@@ -1608,9 +1610,13 @@ TEST_F(RouterTest, AnAppendBehindAStreamOnADrainingWorkerFollowsTheSession) {
   auto draining = [](const v1::WorkerInfo& w) { return w.health() == "DRAINING"; };
   ASSERT_TRUE(RouterSees(admin.get(), leaving, draining));
   ASSERT_TRUE(RouterSees(impatient_admin.get(), leaving, draining));
-  Reply busy = Generate(v1::KvCache::NewStub(impatient->channel()).get(),
-                        Text("s", " and after that?", 4, v1::APPEND));
+  auto impatient_stub = v1::KvCache::NewStub(impatient->channel());
+  Reply busy = Generate(impatient_stub.get(), Text("s", " and after that?", 4, v1::APPEND));
   EXPECT_EQ(busy.status.error_code(), grpc::ABORTED) << busy.status.error_message();
+  for (v1::KvCache::Stub* via : {stub.get(), impatient_stub.get()}) {  // its request, another router's
+    Reply whole = Generate(via, Text("s", "a long story, told again", 4));
+    EXPECT_EQ(whole.status.error_code(), grpc::ABORTED) << whole.status.error_message();
+  }
   Reply next = Generate(stub.get(), Text("s", " and after that?", 4, v1::APPEND));
   const Reply& streamed = stream.Finish();
   ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();

@@ -443,8 +443,10 @@ absl::StatusOr<v1::SessionInfo> WorkerService::Describe(const std::string& id,
   out.set_pages_host(static_cast<int32_t>(info->tier1_pages));
   out.set_pages_shared(static_cast<int32_t>(info->shared_pages));
   out.set_pinned(info->user_pinned);
-  out.set_state(view->exporting         ? v1::SESSION_MIGRATING
-                : info->running         ? v1::SESSION_RUNNING
+  // A request running on it comes first: a drain copies a running session's
+  // pages while the request goes on, and it is busy all the same.
+  out.set_state(info->running           ? v1::SESSION_RUNNING
+                : view->exporting       ? v1::SESSION_MIGRATING
                 : info->tier1_pages > 0 ? v1::SESSION_OFFLOADED
                                         : v1::SESSION_IDLE);
   out.set_last_used_unix_ms(absl::ToUnixMillis(view->last_used));
