@@ -70,6 +70,21 @@ class StreamWriter : public grpc::ServerWriteReactor<Msg> {
     this->Finish(finish);
   }
 
+  // Close, with `before_finish` run first if the call is still open: it may add
+  // trailing metadata to the call's context, which gRPC frees once the call
+  // has finished (a client gone or a failed write finishes it early, and then
+  // `before_finish` is not run).
+  template <typename F>
+  void Close(const grpc::Status& status, F before_finish) {
+    grpc::Status finish;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!finish_sent_) before_finish();
+      if (!CloseLocked(status, /*drop_queued=*/false, &finish)) return;
+    }
+    this->Finish(finish);  // outside the lock, as in Close
+  }
+
   void OnWriteDone(bool ok) override {
     bool gone = false;
     {

@@ -85,7 +85,9 @@ sched::ImportedState CommitState(const v1::SessionChunk::Commit& commit) {
 class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>,
                                        public sched::GenerateObserver {
  public:
-  // `context` outlives the reactor's Finish (gRPC's rule for callback calls).
+  // `context` lives until the call has finished (gRPC's rule for callback
+  // calls), which a client gone can do before the engine's OnDone: it is
+  // touched only through StreamWriter::Close's open-call hook.
   GenerateReactor(WorkerService* service, grpc::CallbackServerContext* context, bool stream_text)
       : service_(service), context_(context), stream_text_(stream_text), started_(absl::Now()) {}
 
@@ -131,12 +133,15 @@ class WorkerService::GenerateReactor : public StreamWriter<v1::GenerateResponse>
       f->set_predicted_cached_tokens(-1);
       *f->mutable_usage() = ToUsage(result);
       Push(std::move(msg));
+      Close(grpc::Status::OK);
     } else if (result.generated_tokens > 0) {
       // Cut after tokens: a router that goes on the stream elsewhere reports
       // the usage of the part that served the prompt (kUsageTrailer).
-      context_->AddTrailingMetadata(kUsageTrailer, ToUsage(result).SerializeAsString());
+      const std::string usage = ToUsage(result).SerializeAsString();
+      Close(ToGrpcStatus(status), [&] { context_->AddTrailingMetadata(kUsageTrailer, usage); });
+    } else {
+      Close(ToGrpcStatus(status));
     }
-    Close(ToGrpcStatus(status));
     Unref();  // the engine's last call
   }
 
