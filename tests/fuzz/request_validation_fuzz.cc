@@ -68,6 +68,13 @@ void WriteSeeds(const std::string& dir) {
   GenerateRequest append_chat = chat;
   append_chat.set_mode(kvcache::v1::APPEND);
   write("append_chat", append_chat);
+
+  GenerateRequest going_on;  // a router going on a cut reply
+  going_on.set_mode(kvcache::v1::APPEND);
+  going_on.set_session_id("user-1");
+  going_on.set_continued_tokens(12);
+  going_on.set_request_id("0123456789abcdef0123456789abcdef");
+  write("going_on", going_on);
 }
 
 }  // namespace
@@ -99,7 +106,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Check(!out.status().message().empty(), "ToEngineRequest error without a message");
       continue;
     }
-    Check(!out->input.empty(), "accepted a request without input tokens");
+    // Only an APPEND that goes on its session's cut reply has no input, and it
+    // names that request and drops nothing itself.
+    const bool goes_on = out->mode == kvcache::sched::RequestMode::kAppend && out->continued > 0;
+    Check(!out->input.empty() || goes_on, "accepted a request without input tokens");
+    Check(!goes_on || (out->input.empty() && out->tokens_read < 0),
+          "a continuation with input or tokens_read");
+    Check(out->continued >= 0 && (goes_on || out->continued <= static_cast<int64_t>(out->input.size())),
+          "continued outside its input");
+    Check(out->request_id.size() <= kvcache::service::kMaxRequestIdBytes, "request_id length");
     Check(out->stop.size() <= static_cast<size_t>(kvcache::service::kMaxStopStrings),
           "too many stop strings");
     for (const std::string& s : out->stop) {
