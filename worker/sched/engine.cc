@@ -229,16 +229,11 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest request, GenerateObserve
                                                "' was cut: its last request is another one, so that reply "
                                                "cannot go on (it keeps the tokens sent)"));
       }
-      if (request.continued > held.last_reply) {
-        return absl::InvalidArgumentError(absl::StrCat("continued ", request.continued, " exceeds the ",
-                                                       held.last_reply,
-                                                       " tokens of the last reply of session '", sid, "'"));
-      }
       // Going on the reply keeps what the client has of it, as tokens_read does.
       if (goes_on) request.tokens_read = request.continued;
       if (request.tokens_read > held.last_reply) {
-        return absl::InvalidArgumentError(absl::StrCat("tokens_read ", request.tokens_read, " exceeds the ",
-                                                       held.last_reply,
+        return absl::InvalidArgumentError(absl::StrCat(goes_on ? "continued " : "tokens_read ",
+                                                       request.tokens_read, " exceeds the ", held.last_reply,
                                                        " tokens of the last reply of session '", sid, "'"));
       }
       const int64_t unread = DropFor(request, held).unread;

@@ -87,6 +87,23 @@ class EngineTest : public ::testing::Test {
     return r;
   }
 
+  // Req with seeded sampling at temperature 1 that ignores EOS: a stream whose
+  // tokens depend on where the sampler's sequence is.
+  GenerateRequest Seeded(const std::string& session, RequestMode mode, std::vector<int32_t> input,
+                         int max_tokens) {
+    GenerateRequest r = Req(session, mode, std::move(input), max_tokens);
+    r.sampling = model::SamplingConfig{1.0f, 0, 1.0f, 42};
+    r.ignore_eos = true;
+    return r;
+  }
+
+  // Submits `r` and waits for it to end OK.
+  void RunOk(const GenerateRequest& r, Collector* c) {
+    ASSERT_TRUE(engine_->Submit(r, c).ok());
+    c->Wait();
+    ASSERT_TRUE(c->status.ok()) << c->status;
+  }
+
   // Submits a 50-token FULL_CONTEXT request on `session` and returns once the
   // engine thread is inside the request's third step (two tokens out), held
   // there until runner_->LimitSteps(-1).
@@ -1012,19 +1029,11 @@ class PieceCollector : public Collector {
 // again, max_tokens counted afresh and the stop string was missed.
 TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
   auto seeded = [&](const std::string& session, std::vector<int32_t> input, int max_tokens) {
-    GenerateRequest r = Req(session, RequestMode::kFullContext, std::move(input), max_tokens);
-    r.sampling = model::SamplingConfig{1.0f, 0, 1.0f, 42};
-    r.ignore_eos = true;
-    return r;
-  };
-  auto run = [&](const GenerateRequest& r, PieceCollector* c) {
-    ASSERT_TRUE(engine_->Submit(r, c).ok());
-    c->Wait();
-    ASSERT_TRUE(c->status.ok()) << c->status;
+    return Seeded(session, RequestMode::kFullContext, std::move(input), max_tokens);
   };
   const std::vector<int32_t> prompt = Prompt(20);
   PieceCollector whole;
-  run(seeded("", prompt, 40), &whole);
+  RunOk(seeded("", prompt, 40), &whole);
   ASSERT_EQ(whole.tokens.size(), 40u);
 
   for (int k : {1, 17, 39, 40}) {
@@ -1034,7 +1043,7 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
     GenerateRequest r = seeded("c" + std::to_string(k), input, 40);
     r.continued = k;
     PieceCollector rest;
-    run(r, &rest);
+    RunOk(r, &rest);
     EXPECT_EQ(rest.result.finish, FinishReason::kLength);
     EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.tokens.begin() + k, whole.tokens.end()));
     std::string text;
@@ -1061,7 +1070,7 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
   GenerateRequest stop = seeded("", prompt, 40);
   stop.stop = {whole.pieces[k - 1] + whole.pieces[k]};
   PieceCollector stopped;
-  run(stop, &stopped);
+  RunOk(stop, &stopped);
   ASSERT_EQ(stopped.result.finish, FinishReason::kStopString);
   ASSERT_EQ(stopped.tokens.size(), static_cast<size_t>(k + 1));
   std::vector<int32_t> input = prompt;
@@ -1069,7 +1078,7 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
   stop.input = input;
   stop.continued = k;
   PieceCollector rest;
-  run(stop, &rest);
+  RunOk(stop, &rest);
   EXPECT_EQ(rest.result.finish, FinishReason::kStopString);
   EXPECT_EQ(rest.tokens, std::vector<int32_t>{whole.tokens[k]});
 
@@ -1080,7 +1089,7 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
   stop.input = input;
   stop.continued = k + 1;
   PieceCollector none;
-  run(stop, &none);
+  RunOk(stop, &none);
   EXPECT_EQ(none.result.finish, FinishReason::kStopString);
   EXPECT_TRUE(none.tokens.empty());
   GenerateRequest eos = seeded("", prompt, 40);
@@ -1088,7 +1097,7 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
   eos.input.push_back(tokenizer_->eos_id());
   eos.continued = 1;
   PieceCollector after_eos;
-  run(eos, &after_eos);
+  RunOk(eos, &after_eos);
   EXPECT_EQ(after_eos.result.finish, FinishReason::kStop);
   EXPECT_TRUE(after_eos.tokens.empty());
 
@@ -1111,21 +1120,10 @@ TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedOne) {
 // cut turn and its continuation together). It names the cut request, and goes
 // on no other's (ABORTED). Before, APPEND refused continued.
 TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
-  auto turn = [&](const std::string& session, RequestMode mode, std::vector<int32_t> input, int max_tokens) {
-    GenerateRequest r = Req(session, mode, std::move(input), max_tokens);
-    r.sampling = model::SamplingConfig{1.0f, 0, 1.0f, 42};
-    r.ignore_eos = true;
-    return r;
-  };
-  auto run = [&](const GenerateRequest& r, PieceCollector* c) {
-    ASSERT_TRUE(engine_->Submit(r, c).ok());
-    c->Wait();
-    ASSERT_TRUE(c->status.ok()) << c->status;
-  };
   // The uninterrupted conversation: a turn, then an APPEND whose reply is 30 tokens.
   PieceCollector first, whole;
-  run(turn("whole", RequestMode::kFullContext, Prompt(20), 4), &first);
-  run(turn("whole", RequestMode::kAppend, Prompt(5, 3), 30), &whole);
+  RunOk(Seeded("whole", RequestMode::kFullContext, Prompt(20), 4), &first);
+  RunOk(Seeded("whole", RequestMode::kAppend, Prompt(5, 3), 30), &whole);
   ASSERT_EQ(whole.tokens.size(), 30u);
   const SessionView want = *engine_->View("whole", "t");
 
@@ -1134,15 +1132,15 @@ TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
     SCOPED_TRACE(absl::StrCat(cut, " cut, ", has, " read"));
     const std::string id = absl::StrCat("cut", cut, "_", has);
     PieceCollector one, two, rest;
-    run(turn(id, RequestMode::kFullContext, Prompt(20), 4), &one);
-    GenerateRequest cut_turn = turn(id, RequestMode::kAppend, Prompt(5, 3), cut);
+    RunOk(Seeded(id, RequestMode::kFullContext, Prompt(20), 4), &one);
+    GenerateRequest cut_turn = Seeded(id, RequestMode::kAppend, Prompt(5, 3), cut);
     cut_turn.request_id = "x-" + id;
-    run(cut_turn, &two);
+    RunOk(cut_turn, &two);
     ASSERT_EQ(two.tokens.size(), static_cast<size_t>(cut));
-    GenerateRequest on = turn(id, RequestMode::kAppend, {}, 30);
+    GenerateRequest on = Seeded(id, RequestMode::kAppend, {}, 30);
     on.continued = has;
     on.request_id = cut_turn.request_id;
-    run(on, &rest);
+    RunOk(on, &rest);
     EXPECT_EQ(rest.result.finish, FinishReason::kLength);
     EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.tokens.begin() + has, whole.tokens.end()));
     std::string text;
@@ -1159,7 +1157,7 @@ TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
   // Refused, and the session left as it was: more than the last reply, an
   // input of its own, tokens_read besides, no request id; another request's.
   const std::vector<int32_t> before = *engine_->Context("cut12_7", "t");
-  GenerateRequest bad = turn("cut12_7", RequestMode::kAppend, {}, 30);
+  GenerateRequest bad = Seeded("cut12_7", RequestMode::kAppend, {}, 30);
   bad.continued = 31;
   bad.request_id = "x-cut12_7";
   PieceCollector refused;
@@ -1181,12 +1179,12 @@ TEST_F(EngineTest, AnAppendGoesOnItsSessionsCutReply) {
   // A cut reply, then another request on the session (a second client's turn):
   // the cut one cannot go on.
   PieceCollector three, other;
-  GenerateRequest cut_turn = turn("cut12_7", RequestMode::kAppend, Prompt(5, 4), 6);
+  GenerateRequest cut_turn = Seeded("cut12_7", RequestMode::kAppend, Prompt(5, 4), 6);
   cut_turn.request_id = "x-again";
-  run(cut_turn, &three);
-  run(turn("cut12_7", RequestMode::kAppend, Prompt(2, 5), 6), &other);
+  RunOk(cut_turn, &three);
+  RunOk(Seeded("cut12_7", RequestMode::kAppend, Prompt(2, 5), 6), &other);
   const std::vector<int32_t> after_other = *engine_->Context("cut12_7", "t");
-  GenerateRequest late = turn("cut12_7", RequestMode::kAppend, {}, 30);
+  GenerateRequest late = Seeded("cut12_7", RequestMode::kAppend, {}, 30);
   late.continued = 6;
   late.request_id = "x-again";
   EXPECT_EQ(engine_->Submit(late, &refused).status().code(), absl::StatusCode::kAborted);
